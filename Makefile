@@ -1,0 +1,43 @@
+# Two entry points on a fresh machine:
+#   make demo   runs the main job on embedded defaults (local models, no hub, no GPU needed)
+#   make test   runs the test suite
+# Both create (or reuse) .venv and install what they need.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Artifacts of the demo live under one home folder; override with BLOCKPILOT_HOME=...
+BLOCKPILOT_HOME ?= $(HOME)/.cache/blockpilot
+export BLOCKPILOT_HOME
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: venv demo test test-fast bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch first, pinned, so that pip takes the local CPU wheel instead of the newest CUDA build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[ray,mlflow,dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(BIN)/python -m blockpilot demo --home "$(BLOCKPILOT_HOME)"
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Local iteration: skip the slow end-to-end tests (CI runs everything).
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: venv
+	$(BIN)/python benchmarks/bench_decoding.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from blockpilot.cli import main
+
+sys.exit(main())

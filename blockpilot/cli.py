@@ -1,0 +1,181 @@
+"""The `blockpilot` command (also `python -m blockpilot`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from blockpilot.decoding.acceptance import VERIFY_RULES
+
+# ----------------------------------------------------------------------------- argument types
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def model_ref(text: str) -> str:
+    """A local model folder, or a hub id `org/name` (fetched when a hub is reachable)."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; expected a model folder")
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise argparse.ArgumentTypeError(f"model folder {text!r} does not exist")
+    return text
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def cmd_zoo_random(args: argparse.Namespace) -> int:
+    from blockpilot.zoo.random_models import write_random_zoo
+
+    _quiet_transformers()
+    paths = write_random_zoo(args.out, seed=args.seed)
+    print(f"target:  {paths['target']}\ndrafter: {paths['drafter']}")
+    return 0
+
+
+def _policy(args: argparse.Namespace, train_block_size: int | None) -> Any:
+    from blockpilot.decoding.policies import EntropyHeuristic, FixedBlockSize
+
+    if args.block_size is not None:
+        return FixedBlockSize(args.block_size)
+    if train_block_size is None:
+        return None
+    if args.policy == "entropy":
+        return EntropyHeuristic.around(train_block_size)
+    return FixedBlockSize(train_block_size)
+
+
+def format_stats(result: Any) -> str:
+    tau = "n/a" if math.isnan(result.tau) else f"{result.tau:.2f}"
+    lines = [
+        f"block size:          {result.block_size}",
+        f"new tokens:          {len(result.token_ids)} ({result.stop_reason})",
+        f"cycles:              {result.cycles}",
+        f"mean tau:            {tau}",
+        f"acceptance lengths:  {result.acceptance_lengths}",
+        f"target passes:       {result.target_forward_passes}",
+        f"prefill:             {result.prefill_time_s * 1000:.1f} ms",
+        f"decode:              {result.decode_time_s * 1000:.1f} ms ({result.decode_tokens_per_s:.1f} tokens/s)",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockpilot.decoding.speculative import GenerationConfig, generate
+    from blockpilot.models.loading import load_models
+
+    _quiet_transformers()
+    models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
+    prompt_ids = models.encode_prompt(args.prompt, chat=not args.raw)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        verify=args.verify,
+        stop_token_ids=tuple(models.stop_token_ids()),
+        seed=args.seed,
+    )
+    policy = _policy(args, models.train_block_size)
+    result = generate(models, prompt_ids, policy=policy, config=config)
+    text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        payload = {"text": text, "policy": getattr(policy, "name", "autoregressive"), **result.to_dict()}
+        print(json.dumps(payload))
+    else:
+        print(text)
+        print("---")
+        print(format_stats(result))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from blockpilot.demo import run_demo
+
+    _quiet_transformers()
+    return run_demo(args.home)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockpilot", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    zoo = commands.add_parser("zoo", help="make local models (no hub needed)")
+    zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
+    random = zoo_commands.add_parser("random", help="random-initialised tiny target, tokenizer and drafter")
+    random.add_argument("--out", type=Path, required=True, help="folder to write target/ and drafter/ into")
+    random.add_argument("--seed", type=int, default=0)
+    random.set_defaults(handler=cmd_zoo_random)
+
+    gen = commands.add_parser("generate", help="generate with the target, speculatively when a drafter is given")
+    gen.add_argument("--target", type=model_ref, required=True, help="target model folder or hub id")
+    gen.add_argument("--drafter", type=model_ref, default=None, help="DFlash drafter folder or hub id")
+    gen.add_argument("--prompt", required=True, help="user message (chat template applied unless --raw)")
+    gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    gen.add_argument("--block-size", type=positive_int, default=None, help="fixed block size b (default: policy)")
+    gen.add_argument(
+        "--policy",
+        choices=("fixed", "entropy"),
+        default="fixed",
+        help="without --block-size: 'fixed' drafts the training block size, 'entropy' adapts it",
+    )
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
+    gen.add_argument("--verify", choices=VERIFY_RULES, default="match", help="acceptance rule at temperature > 0")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    gen.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: bf16 on cuda, fp32 on cpu)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
+    gen.set_defaults(handler=cmd_generate)
+
+    demo = commands.add_parser("demo", help="the main job on embedded defaults")
+    demo.add_argument("--home", type=Path, default=None, help="artifact folder (default: $BLOCKPILOT_HOME)")
+    demo.set_defaults(handler=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as error:
+        print(f"blockpilot {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

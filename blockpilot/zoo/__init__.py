@@ -1,0 +1,1 @@
+"""The local model zoo: tokenizers, targets and drafters made here, with no hub."""

@@ -1,0 +1,118 @@
+"""Randomly initialised tiny models: a Qwen3 target, its tokenizer and a DFlash drafter.
+
+For smoke tests and first-time users: everything runs, nothing is learned (tau stays near 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a target/drafter pair."""
+
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    drafter_layers: int = 1
+    num_feature_layers: int = 2
+    block_size: int = 8
+    max_positions: int = 2048
+    init_std: float = 0.02
+
+
+def qwen3_target(
+    vocab_size: int,
+    shape: ModelShape = ModelShape(),
+    *,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> Any:
+    """A randomly initialised `Qwen3ForCausalLM` with tied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions,
+        initializer_range=shape.init_std,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).eval()
+    if eos_token_id is not None:
+        model.generation_config.eos_token_id = eos_token_id
+        model.generation_config.pad_token_id = pad_token_id
+    return model
+
+
+def drafter_for(
+    target: Any,
+    shape: ModelShape = ModelShape(),
+    *,
+    mask_token_id: int,
+    seed: int = 0,
+    target_layer_ids: list[int] | None = None,
+) -> DFlashDrafter:
+    """A randomly initialised DFlash drafter that reads `target`'s hidden states."""
+    target_config = target.config
+    num_target_layers = target_config.num_hidden_layers
+    config = DFlashConfig(
+        hidden_size=target_config.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.drafter_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        block_size=shape.block_size,
+        target_layer_ids=target_layer_ids or dflash_target_layer_ids(num_target_layers, shape.num_feature_layers),
+        num_target_layers=num_target_layers,
+        mask_token_id=mask_token_id,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_theta=float(target_config.rope_parameters["rope_theta"]),
+        max_position_embeddings=target_config.max_position_embeddings,
+    )
+    torch.manual_seed(seed)
+    return DFlashDrafter(config).init_weights(shape.init_std).eval()
+
+
+# A wider initialisation than training uses, so that random models generate varied text instead of one
+# token repeated, and their next-token distributions are peaked enough to make greedy ties unlikely.
+RANDOM_ZOO_SHAPE = ModelShape(init_std=0.2)
+
+
+def write_random_zoo(out: str | Path, *, seed: int = 0, shape: ModelShape = RANDOM_ZOO_SHAPE) -> dict[str, Path]:
+    """Write `target/` (model + tokenizer) and `drafter/` (z-lab layout) under `out`."""
+    from blockpilot.zoo.tokenizer import SPECIAL_TOKENS, train_byte_level_tokenizer
+
+    out = Path(out)
+    tokenizer = train_byte_level_tokenizer([], vocab_size=len(SPECIAL_TOKENS) + 256)
+    target = qwen3_target(
+        len(tokenizer), shape, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    drafter = drafter_for(target, shape, mask_token_id=tokenizer.mask_token_id, seed=seed + 1)
+    target_dir, drafter_dir = out / "target", out / "drafter"
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    drafter.save_pretrained(drafter_dir)
+    return {"target": target_dir, "drafter": drafter_dir}

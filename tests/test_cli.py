@@ -1,0 +1,128 @@
+"""The `blockpilot` command: zoo random, generate (text and --json), and bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from support import greedy_reference
+
+from blockpilot.cli import main
+
+
+def test_zoo_random_writes_loadable_models(tmp_path, capsys):
+    assert main(["zoo", "random", "--out", str(tmp_path / "zoo"), "--seed", "3"]) == 0
+    assert (tmp_path / "zoo" / "target" / "config.json").is_file()
+    assert (tmp_path / "zoo" / "target" / "tokenizer.json").is_file()
+    assert (tmp_path / "zoo" / "drafter" / "model.safetensors").is_file()
+    assert "drafter" in capsys.readouterr().out
+
+
+def test_generate_json_matches_the_library(random_zoo, random_models, capsys):
+    argv = [
+        "generate",
+        "--target",
+        str(random_zoo["target"]),
+        "--drafter",
+        str(random_zoo["drafter"]),
+        "--prompt",
+        "def add(a, b):",
+        "--block-size",
+        "4",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
+    assert main(argv) == 0
+    payload = json.loads(capsys.readouterr().out)
+    prompt_ids = random_models.encode_prompt("def add(a, b):")
+    expected = greedy_reference(random_models.target, prompt_ids, 24, random_models.stop_token_ids())
+    assert payload["token_ids"] == expected
+    assert payload["block_size"] == 4
+    assert sum(payload["acceptance_lengths"]) == len(payload["token_ids"]) - 1
+    assert payload["text"] == random_models.tokenizer.decode(expected, skip_special_tokens=True)
+    assert isinstance(payload["tau"], float)
+
+
+def test_generate_text_output_with_entropy_policy(random_zoo, capsys):
+    argv = [
+        "generate",
+        "--target",
+        str(random_zoo["target"]),
+        "--drafter",
+        str(random_zoo["drafter"]),
+        "--prompt",
+        "hello",
+        "--policy",
+        "entropy",
+        "--temperature",
+        "0.8",
+        "--verify",
+        "rejection",
+        "--max-new-tokens",
+        "16",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mean tau:" in out and "block size:" in out
+
+
+@pytest.mark.parametrize(
+    "flags, flag_name",
+    [
+        (["--block-size", "0"], "--block-size"),
+        (["--block-size", "two"], "--block-size"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--verify", "typical"], "--verify"),
+    ],
+)
+def test_bad_flags_exit_nonzero_naming_the_flag(random_zoo, capsys, flags, flag_name):
+    argv = ["generate", "--target", str(random_zoo["target"]), "--prompt", "hi", *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code != 0
+    assert flag_name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--target", "--drafter"])
+def test_missing_paths_exit_nonzero_naming_the_flag(random_zoo, capsys, tmp_path, flag):
+    paths = {"--target": str(random_zoo["target"]), "--drafter": str(random_zoo["drafter"])}
+    paths[flag] = str(tmp_path / "missing")
+    argv = ["generate", "--prompt", "hi", *[x for pair in paths.items() for x in pair]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert flag in err and "missing" in err
+
+
+def test_python_dash_m_entry_point(random_zoo):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "blockpilot",
+            "generate",
+            "--target",
+            str(random_zoo["target"]),
+            "--drafter",
+            str(random_zoo["drafter"]),
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert len(json.loads(completed.stdout)["token_ids"]) == 5

@@ -1,0 +1,186 @@
+"""The DFlash drafter: z-lab config and weight layout, checkpoint round trip, context caching."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockpilot.models.drafter import (
+    DFlashConfig,
+    DFlashDrafter,
+    DrafterCache,
+    dflash_target_layer_ids,
+)
+from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ZLAB_WEIGHT_NAME = re.compile(
+    r"^(fc|hidden_norm|norm)\.weight$"
+    r"|^layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)"
+    r"|mlp\.(gate_proj|up_proj|down_proj)|input_layernorm|post_attention_layernorm)\.weight$"
+)
+
+
+@pytest.fixture(scope="module")
+def target_and_drafter():
+    shape = ModelShape(drafter_layers=2, init_std=0.2)
+    target = qwen3_target(64, shape, seed=0)
+    return target, drafter_for(target, shape, mask_token_id=63, seed=1)
+
+
+def test_dflash_layer_rule():
+    assert dflash_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dflash_target_layer_ids(28, 1) == [14]
+    shallow = dflash_target_layer_ids(4, 2)
+    assert len(set(shallow)) == 2 and all(0 <= i < 4 for i in shallow)
+    with pytest.raises(ValueError, match="distinct layers"):
+        dflash_target_layer_ids(2, 3)
+
+
+def test_parses_the_published_qwen3_4b_b16_config():
+    config = DFlashConfig.from_dict(json.loads((FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json").read_text()))
+    assert config.block_size == 16
+    assert config.mask_token_id == 151669
+    assert config.target_layer_ids == [1, 9, 17, 25, 33]
+    assert config.num_target_layers == 36
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (2560, 5, 128)
+    assert config.rope_theta == 1_000_000
+    assert config.context_feature_size == 5 * 2560
+    # Unknown keys survive a round trip; the DFlash keys keep their published places.
+    out = config.to_dict()
+    assert out["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert out["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+    assert out["block_size"] == 16 and out["num_target_layers"] == 36
+    assert DFlashConfig.from_dict(out) == config
+
+
+def test_config_fields_may_sit_under_dflash_config_and_rope_parameters():
+    raw = json.loads((FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json").read_text())
+    del raw["block_size"], raw["rope_theta"]
+    raw["dflash_config"]["block_size"] = 10
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6}
+    config = DFlashConfig.from_dict(raw)
+    assert config.block_size == 10 and config.rope_theta == 5e6
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda raw: raw.pop("block_size"), "block_size"),
+        (lambda raw: raw.pop("hidden_size"), "hidden_size"),
+        (lambda raw: raw.update(hidden_act="gelu"), "hidden_act"),
+        (lambda raw: raw.update(layer_types=["sliding_attention"] * 5), "full-attention"),
+        (lambda raw: raw.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type"),
+        (lambda raw: raw["dflash_config"].update(target_layer_ids=[]), "target_layer_ids"),
+        (lambda raw: raw.update(num_key_value_heads=7), "num_key_value_heads"),
+    ],
+)
+def test_bad_configs_name_the_field(change, message):
+    raw = json.loads((FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json").read_text())
+    change(raw)
+    with pytest.raises(ValueError, match=message):
+        DFlashConfig.from_dict(raw)
+
+
+def _draft_hidden(drafter, target, context_len=9, block=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 60, (1, context_len + 1), generator=generator)
+    with torch.no_grad():
+        hidden_states = target(ids[:, :context_len], output_hidden_states=True).hidden_states
+        features = torch.cat([hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
+        kv = drafter.encode_context(features, torch.arange(context_len)[None])
+        block_ids = torch.full((1, block), drafter.mask_token_id)
+        block_ids[0, 0] = ids[0, context_len]
+        embeds = target.get_input_embeddings()(block_ids)
+        positions = torch.arange(context_len, context_len + block)[None]
+        return features, embeds, positions, drafter(embeds, positions, kv)
+
+
+def test_checkpoint_round_trip_gives_identical_logits(target_and_drafter, tmp_path):
+    target, drafter = target_and_drafter
+    drafter.save_pretrained(tmp_path / "drafter")
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "drafter")
+    assert loaded.config == drafter.config
+    before = target.lm_head(_draft_hidden(drafter, target)[-1])
+    after = target.lm_head(_draft_hidden(loaded, target)[-1])
+    assert torch.equal(before, after)
+
+
+def test_checkpoint_uses_the_zlab_layout(target_and_drafter, tmp_path):
+    _, drafter = target_and_drafter
+    directory = drafter.save_pretrained(tmp_path / "drafter")
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    names = set(load_file(directory / "model.safetensors"))
+    assert all(ZLAB_WEIGHT_NAME.match(name) for name in names), sorted(names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"]
+    assert raw["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": drafter.target_layer_ids}
+    assert raw["block_size"] == drafter.block_size and raw["num_target_layers"] == 4
+
+
+def test_loading_rejects_weights_of_another_layout(target_and_drafter, tmp_path):
+    _, drafter = target_and_drafter
+    directory = drafter.save_pretrained(tmp_path / "drafter")
+    state = load_file(directory / "model.safetensors")
+    state["model.fc.weight"] = state.pop("fc.weight")
+    save_file(state, directory / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing \['fc.weight'\].*unexpected \['model.fc.weight'\]"):
+        DFlashDrafter.from_pretrained(directory)
+
+
+def test_loading_in_bf16(target_and_drafter, tmp_path):
+    _, drafter = target_and_drafter
+    loaded = DFlashDrafter.from_pretrained(drafter.save_pretrained(tmp_path / "d"), dtype=torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
+
+
+def test_incremental_context_cache_matches_one_shot(target_and_drafter):
+    """Context keys/values appended chunk by chunk equal those computed over the whole context."""
+    target, drafter = target_and_drafter
+    features, embeds, positions, one_shot = _draft_hidden(drafter, target)
+    cache = DrafterCache()
+    for start, stop in [(0, 4), (4, 5), (5, 9)]:
+        cache.extend(drafter.encode_context(features[:, start:stop], torch.arange(start, stop)[None]), stop - start)
+    assert cache.length == 9
+    with torch.no_grad():
+        incremental = drafter(embeds, positions, cache.layers)
+    torch.testing.assert_close(incremental, one_shot, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_context_equals_a_shorter_context(target_and_drafter):
+    """A block whose mask hides the context from position 6 on sees what a 6-position context gives."""
+    target, drafter = target_and_drafter
+    features, embeds, _, _ = _draft_hidden(drafter, target)
+    positions = torch.arange(6, 11)[None]
+    with torch.no_grad():
+        short = drafter(embeds, positions, drafter.encode_context(features[:, :6], torch.arange(6)[None]))
+        mask = torch.ones(1, 1, 5, 9 + 5, dtype=torch.bool)
+        mask[..., 6:9] = False
+        full_kv = drafter.encode_context(features, torch.arange(9)[None])
+        masked = drafter(embeds, positions, full_kv, attention_mask=mask)
+    torch.testing.assert_close(masked, short, rtol=1e-5, atol=1e-5)
+
+
+def test_no_causal_mask_inside_the_block(target_and_drafter):
+    """Every block slot sees every other: changing the last slot's input changes the first slot's output."""
+    target, drafter = target_and_drafter
+    features, embeds, positions, base = _draft_hidden(drafter, target)
+    changed = embeds.clone()
+    changed[0, -1] += 1.0
+    with torch.no_grad():
+        kv = drafter.encode_context(features, torch.arange(features.shape[1])[None])
+        out = drafter(changed, positions, kv)
+    assert not torch.allclose(out[0, 0], base[0, 0])
+
+
+def test_config_validation_names_the_field():
+    config = DFlashConfig.from_dict(json.loads((FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json").read_text()))
+    with pytest.raises(ValueError, match="block_size"):
+        dataclasses.replace(config, block_size=0)

@@ -1,0 +1,195 @@
+"""Generation at T = 0: lossless against the target's greedy decoding, and honest end-of-generation stats."""
+
+from __future__ import annotations
+
+import pytest
+from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
+
+from blockpilot.decoding import EntropyHeuristic, FixedBlockSize, GenerationConfig, generate
+
+PROMPTS = ["Count from one to ten.", "def add(a, b):", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(random_models):
+    return [random_models.encode_prompt(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+def test_greedy_equals_target_greedy_for_fixed_block_sizes(random_models, prompt_ids, block_size):
+    for ids in prompt_ids:
+        expected = greedy_reference(random_models.target, ids, 40)
+        result = generate(
+            random_models, ids, policy=FixedBlockSize(block_size), config=GenerationConfig(max_new_tokens=40)
+        )
+        assert result.token_ids == expected
+        assert result.block_size == block_size
+        check_stats_invariants(result, 40)
+
+
+def test_greedy_equals_target_greedy_with_entropy_policy(random_models, prompt_ids):
+    policy = EntropyHeuristic(min_block_size=2, max_block_size=10, high_entropy=6.0)
+    chosen = set()
+    for ids in prompt_ids:
+        expected = greedy_reference(random_models.target, ids, 40)
+        result = generate(random_models, ids, policy=policy, config=GenerationConfig(max_new_tokens=40))
+        assert result.token_ids == expected
+        assert 2 <= result.block_size <= 10
+        chosen.add(result.block_size)
+        check_stats_invariants(result, 40)
+
+
+def test_autoregressive_without_drafter_equals_reference(random_models, prompt_ids):
+    from dataclasses import replace
+
+    models = replace(random_models, drafter=None, mask_token_id=None)
+    result = generate(models, prompt_ids[0], config=GenerationConfig(max_new_tokens=30))
+    assert result.token_ids == greedy_reference(random_models.target, prompt_ids[0], 30)
+    assert result.block_size == 1 and set(result.acceptance_lengths) == {1}
+    assert result.drafter_forward_passes == 0
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 8])
+def test_accepted_drafts_keep_output_exact(random_models, prompt_ids, block_size):
+    """With drafts that the target accepts (an oracle), whole blocks commit and the output stays exact."""
+    ids = prompt_ids[1]
+    expected = greedy_reference(random_models.target, ids, 50)
+    reference = ids + expected
+    wrong = [len(ids) + k for k in (3, 4, 11, 19, 20, 21, 33)]
+    oracle = OracleDrafter(random_models.target, reference, block_size, wrong_positions=wrong)
+    models = with_drafter(random_models, oracle)
+    result = generate(models, ids, policy=FixedBlockSize(block_size), config=GenerationConfig(max_new_tokens=50))
+    assert result.token_ids == expected
+    check_stats_invariants(result, 50)
+    assert max(result.acceptance_lengths) == block_size  # full blocks were accepted
+    assert min(result.acceptance_lengths) < block_size  # and the wrong drafts were rejected
+    assert result.tau > 1.5
+
+
+def _oracle_models(random_models, ids, block_size):
+    expected = greedy_reference(random_models.target, ids, 60)
+    oracle = OracleDrafter(random_models.target, ids + expected, block_size)
+    return with_drafter(random_models, oracle), expected
+
+
+@pytest.mark.parametrize("slot", ["first", "middle", "last"])
+def test_stop_token_inside_a_block(random_models, prompt_ids, slot):
+    """A stop token committed at the first, a middle or the last slot of a cycle ends the output there."""
+    ids, block_size = prompt_ids[0], 6
+    models, expected = _oracle_models(random_models, ids, block_size)
+    # With every draft accepted, cycle c commits expected[1 + c*b : 1 + (c+1)*b]. Take the first cycle
+    # whose token at the wanted slot appears nowhere earlier, so that it is where the output must stop.
+    offset = {"first": 0, "middle": 2, "last": block_size - 1}[slot]
+    index = next(i for i in range(1 + offset, len(expected), block_size) if expected.index(expected[i]) == i)
+    stop = expected[index]
+    result = generate(
+        models,
+        ids,
+        policy=FixedBlockSize(block_size),
+        config=GenerationConfig(max_new_tokens=60, stop_token_ids=(stop,)),
+    )
+    assert result.token_ids == expected[: index + 1]
+    assert result.token_ids[-1] == stop and result.stop_reason == "stop"
+    check_stats_invariants(result, 60)
+    # The target accepted the whole block, but tokens past the stop never count.
+    assert result.acceptance_lengths[-1] == offset + 1
+    assert sum(result.acceptance_lengths) == index
+
+
+def test_stop_token_at_the_prefill_ends_before_any_cycle(random_models, prompt_ids):
+    ids = prompt_ids[0]
+    first = greedy_reference(random_models.target, ids, 1)[0]
+    result = generate(random_models, ids, config=GenerationConfig(max_new_tokens=20, stop_token_ids=(first,)))
+    assert result.token_ids == [first] and result.cycles == 0 and result.stop_reason == "stop"
+    assert result.to_dict()["tau"] is None
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 9, 10, 11, 17])
+def test_max_new_tokens_inside_a_block(random_models, prompt_ids, max_new_tokens):
+    ids, block_size = prompt_ids[2], 8
+    models, expected = _oracle_models(random_models, ids, block_size)
+    result = generate(
+        models, ids, policy=FixedBlockSize(block_size), config=GenerationConfig(max_new_tokens=max_new_tokens)
+    )
+    assert result.token_ids == expected[:max_new_tokens]
+    assert result.stop_reason == "length"
+    check_stats_invariants(result, max_new_tokens)
+
+
+def test_per_cycle_hook_can_change_the_block_size(random_models, prompt_ids):
+    """A per-cycle policy (a later issue's) plugs in through `next_block_size`; output stays exact."""
+
+    class Growing(FixedBlockSize):
+        def next_block_size(self, cycle):
+            return min(cycle.block_size + 1, 12)
+
+    ids = prompt_ids[1]
+    models, expected = _oracle_models(random_models, ids, 4)
+    result = generate(models, ids, policy=Growing(2), config=GenerationConfig(max_new_tokens=40))
+    assert result.token_ids == expected[:40]
+    assert result.block_sizes[:4] == [2, 3, 4, 5]
+    check_stats_invariants(result, 40)
+
+
+def test_policy_returning_a_bad_block_size_fails_clearly(random_models, prompt_ids):
+    class Broken(FixedBlockSize):
+        def initial_block_size(self, prefill):
+            return 0
+
+    with pytest.raises(ValueError, match="returned block size 0"):
+        generate(random_models, prompt_ids[0], policy=Broken(3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"verify": "typical"}, "verify"),
+    ],
+)
+def test_bad_generation_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**kwargs)
+
+
+def test_bad_prompts(random_models):
+    with pytest.raises(ValueError, match="empty"):
+        generate(random_models, [])
+    with pytest.raises(ValueError, match="token ids must lie"):
+        generate(random_models, [10_000])
+    with pytest.raises(ValueError, match="exceeds the target's context"):
+        generate(random_models, [5] * 2040, config=GenerationConfig(max_new_tokens=16))
+
+
+def test_stats_are_returned_not_printed(random_models, prompt_ids, capsys):
+    result = generate(random_models, prompt_ids[0], config=GenerationConfig(max_new_tokens=12))
+    assert capsys.readouterr().out == ""
+    payload = result.to_dict()
+    assert {
+        "token_ids",
+        "acceptance_lengths",
+        "block_size",
+        "tau",
+        "prefill_time_s",
+        "decode_time_s",
+        "target_forward_passes",
+    } <= set(payload)
+    assert result.prefill_time_s > 0 and result.decode_time_s > 0
+    assert isinstance(result.prefill.entropy, float) and result.prefill.probs.shape == (len(random_models.tokenizer),)
+
+
+def test_seeded_sampling_is_reproducible(random_models, prompt_ids):
+    config = GenerationConfig(max_new_tokens=24, temperature=1.0, seed=123)
+    first = generate(random_models, prompt_ids[0], config=config)
+    second = generate(random_models, prompt_ids[0], config=config)
+    other = generate(random_models, prompt_ids[0], config=GenerationConfig(max_new_tokens=24, temperature=1.0, seed=7))
+    assert first.token_ids == second.token_ids
+    assert first.token_ids != other.token_ids
+
+
+def test_rejection_rule_at_temperature_zero_is_greedy(random_models, prompt_ids):
+    ids = prompt_ids[1]
+    result = generate(random_models, ids, config=GenerationConfig(max_new_tokens=30, verify="rejection"))
+    assert result.token_ids == greedy_reference(random_models.target, ids, 30)

@@ -1,0 +1,62 @@
+"""Block-size policies and the prefill state they read."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blockpilot.decoding import (
+    BlockSizePolicy,
+    CycleState,
+    EntropyHeuristic,
+    FixedBlockSize,
+    PrefillState,
+)
+
+
+def prefill_with_entropy(target_entropy_logits: torch.Tensor) -> PrefillState:
+    return PrefillState(target_entropy_logits, torch.tensor([1, 2]), 0.0, 8)
+
+
+def test_prefill_state_distribution_entropy_and_top_k():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    state = prefill_with_entropy(logits)
+    torch.testing.assert_close(state.probs, torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    assert state.entropy == pytest.approx(-(0.5 * math.log(0.5) + 0.25 * math.log(0.25) + 2 * 0.125 * math.log(0.125)))
+    ids, probs = state.top_k(2)
+    assert ids.tolist() == [0, 1] and probs.tolist() == pytest.approx([0.5, 0.25])
+    assert state.top_k(10)[0].numel() == 4
+
+
+def test_entropy_heuristic_maps_confidence_to_longer_blocks():
+    policy = EntropyHeuristic(min_block_size=4, max_block_size=12, high_entropy=2.0)
+    certain = prefill_with_entropy(torch.tensor([50.0, 0.0, 0.0, 0.0]))
+    uniform = prefill_with_entropy(torch.zeros(64))  # entropy ln 64 > 2
+    assert policy.initial_block_size(certain) == 12
+    assert policy.initial_block_size(uniform) == 4
+    sizes = [policy.initial_block_size(prefill_with_entropy(torch.tensor([s, 0.0, 0.0, 0.0]))) for s in (0, 1, 2, 4, 8)]
+    assert sizes == sorted(sizes) and all(4 <= b <= 12 for b in sizes)
+    assert EntropyHeuristic.around(8) == EntropyHeuristic(6, 10)
+    assert EntropyHeuristic.around(2).min_block_size == 1
+
+
+def test_per_request_policies_keep_the_block_size_each_cycle():
+    for policy in (FixedBlockSize(5), EntropyHeuristic(2, 6)):
+        assert isinstance(policy, BlockSizePolicy)
+        assert policy.next_block_size(CycleState(cycle=3, block_size=5, acceptance_length=2, new_tokens=9)) == 5
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: FixedBlockSize(0), "block_size"),
+        (lambda: FixedBlockSize(2.5), "block_size"),
+        (lambda: EntropyHeuristic(5, 3), "must not exceed"),
+        (lambda: EntropyHeuristic(1, 3, high_entropy=0.0), "high_entropy"),
+    ],
+)
+def test_bad_policy_settings(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

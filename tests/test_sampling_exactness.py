@@ -1,0 +1,138 @@
+"""T > 0: both acceptance rules sample exactly the target's distribution.
+
+On a 16-token vocabulary the exact joint law of the first three generated tokens is computed by
+enumerating every prefix, and thousands of seeded generations are compared with it by a chi-square test
+(cells with expected count < 5 pooled). Tolerance: the test fails when p < 1e-3. The sampled tokens 2
+and 3 come out of one draft/verify cycle with two drafts, so acceptance, rejection and the bonus token
+are all exercised. A negative control shows the test catches a classic bug (resampling from p instead
+of the residual after a rejection).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import OracleDrafter, greedy_reference
+
+import blockpilot.decoding.speculative as speculative
+from blockpilot.decoding import FixedBlockSize, GenerationConfig, generate
+from blockpilot.models.loading import SpeculativeModels
+from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
+
+VOCAB = 16
+PROMPT = [1, 2, 3, 4]
+TEMPERATURE = 0.6
+SAMPLES = 2000
+P_VALUE_FLOOR = 1e-3
+SHAPE = ModelShape(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+    init_std=0.8,
+    block_size=4,
+)
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return qwen3_target(VOCAB, SHAPE, seed=3)
+
+
+@pytest.fixture(scope="module")
+def exact_joint(small_target) -> torch.Tensor:
+    """P(x1, x2, x3) at TEMPERATURE, (V, V, V), by enumerating all prefixes."""
+    with torch.no_grad():
+
+        def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+            logits = small_target(prefixes).logits[:, -1]
+            return torch.softmax(logits / TEMPERATURE, dim=-1)
+
+        prompt = torch.tensor(PROMPT)
+        p1 = next_probs(prompt[None])[0]
+        x1 = torch.arange(VOCAB)
+        p2 = next_probs(torch.cat([prompt.expand(VOCAB, -1), x1[:, None]], dim=1))
+        pairs = torch.cartesian_prod(x1, x1)
+        p3 = next_probs(torch.cat([prompt.expand(VOCAB * VOCAB, -1), pairs], dim=1)).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    expected = probs * counts.sum()
+    keep = expected >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expected = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
+
+
+def sample_counts(models: SpeculativeModels, rule: str) -> tuple[torch.Tensor, float]:
+    """Counts of (x1, x2, x3) over SAMPLES seeds, and the share of drafts accepted."""
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    accepted = drafted = 0
+    for seed in range(SAMPLES):
+        config = GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, verify=rule, seed=seed)
+        result = generate(models, PROMPT, policy=FixedBlockSize(4), config=config)
+        x1, x2, x3 = result.token_ids[:3]
+        counts[x1, x2, x3] += 1
+        accepted += result.acceptance_lengths[0] - 1
+        drafted += result.block_sizes[0] - 1
+    return counts, accepted / drafted
+
+
+@pytest.fixture(scope="module")
+def drafters(small_target):
+    random_drafter = drafter_for(small_target, SHAPE, mask_token_id=VOCAB - 1, seed=5)
+    reference = PROMPT + greedy_reference(small_target, PROMPT, 6)
+
+    def models(drafter):
+        return SpeculativeModels(small_target, None, drafter, VOCAB - 1)
+
+    return {
+        # Unrelated to the target: most drafts are rejected.
+        "random": models(random_drafter),
+        # The target's own distributions along its greedy path: most drafts are accepted.
+        "oracle": models(OracleDrafter(small_target, reference, 4)),
+        # Close to the target but over-confident: frequent rejections whose residual differs from p.
+        "sharp": models(OracleDrafter(small_target, reference, 4, sharpness=2.0)),
+    }
+
+
+@pytest.mark.parametrize(
+    "drafter, rule",
+    [
+        ("random", "match"),
+        ("random", "rejection"),
+        ("oracle", "match"),
+        ("oracle", "rejection"),
+        ("sharp", "rejection"),
+    ],
+)
+def test_first_tokens_follow_the_target_distribution(drafters, exact_joint, rule, drafter):
+    counts, acceptance = sample_counts(drafters[drafter], rule)
+    if drafter == "random":
+        assert acceptance < 0.3, "this case is meant to reject most drafts"
+    elif drafter == "oracle":
+        assert acceptance > 0.6, "this case is meant to accept most drafts"
+    p_value = chi_square_p_value(counts, exact_joint)
+    assert p_value > P_VALUE_FLOOR, f"{rule}/{drafter}: p = {p_value:.2e}, acceptance {acceptance:.2f}"
+
+
+def test_the_check_catches_resampling_from_p_after_a_rejection(drafters, exact_joint, monkeypatch):
+    """Negative control: the textbook bug (bonus from p, not from max(0, p - q)) must fail the test."""
+    exact_accept = speculative.accept
+
+    def biased_accept(draft_tokens, draft_probs, target_logits, config, generator):
+        accepted, _ = exact_accept(draft_tokens, draft_probs, target_logits, config, generator)
+        probs = torch.softmax(target_logits.float() / config.temperature, dim=-1)
+        bonus = int(torch.multinomial(probs[accepted], 1, generator=generator))
+        return accepted, bonus
+
+    monkeypatch.setattr(speculative, "accept", biased_accept)
+    counts, _ = sample_counts(drafters["sharp"], "rejection")
+    assert chi_square_p_value(counts, exact_joint) < 1e-9
