@@ -9,7 +9,7 @@ from blockpilot.decoding.policies import (
     PerRequestPolicy,
     PrefillState,
 )
-from blockpilot.decoding.speculative import GenerationConfig, GenerationResult, generate
+from blockpilot.decoding.speculative import Generation, GenerationConfig, GenerationResult, generate
 
 __all__ = [
     "VERIFY_RULES",
@@ -17,6 +17,7 @@ __all__ = [
     "CycleState",
     "EntropyHeuristic",
     "FixedBlockSize",
+    "Generation",
     "GenerationConfig",
     "GenerationResult",
     "PerRequestPolicy",

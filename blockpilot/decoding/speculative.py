@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -71,12 +71,14 @@ class GenerationResult:
     block_size: int  # chosen after prefill; 1 without a drafter
     block_sizes: list[int]  # per cycle (the last may be cut to fit max_new_tokens)
     acceptance_lengths: list[int]  # per cycle, tokens committed (accepted drafts + bonus)
-    stop_reason: Literal["stop", "length"]
+    stop_reason: Literal["stop", "length", "cancelled"]
     prefill_time_s: float
     decode_time_s: float
     target_forward_passes: int
     drafter_forward_passes: int
     prefill: PrefillState | None = field(default=None, repr=False)
+    # (1, P + n - 1, F): the target's context features of every position it processed, when asked for.
+    context_features: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def cycles(self) -> int:
@@ -95,6 +97,7 @@ class GenerationResult:
         """JSON-ready: the fields, `tau` and `cycles`; NaN becomes None."""
         out = asdict(self)
         out.pop("prefill")
+        out.pop("context_features")
         out["cycles"] = self.cycles
         out["tau"] = None if math.isnan(self.tau) else self.tau
         return out
@@ -109,6 +112,7 @@ class DecodeState:
     pending_features: list[torch.Tensor]  # (1, n, F) each: committed, not yet in the drafter cache
     length: int  # tokens in the target cache == position of `last_token`
     last_token: int
+    feature_log: list[torch.Tensor] | None = None  # every committed position's features, when collected
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -243,6 +247,8 @@ def commit(state: DecodeState, new_tokens: list[int], features: torch.Tensor | N
     crop_cache(state.target_cache, state.length + committed)
     if features is not None:
         state.pending_features.append(features[:, :committed])
+        if state.feature_log is not None:
+            state.feature_log.append(features[:, :committed])
     state.length += committed
     state.last_token = new_tokens[-1]
 
@@ -278,68 +284,109 @@ def _prompt_tensor(
     return ids.to(models.device)[None]
 
 
-@torch.inference_mode()
+class Generation:
+    """One generation, stepped: iterating yields the tokens each step commits (the prefill's token, then each
+    cycle's), which is what streaming needs; `result` is set when the iteration ends.
+
+    Without a drafter this is autoregressive decoding. With one, `policy` picks b after prefill (default:
+    the drafter's training block size) and may revise it after every cycle. `collect_features` keeps the
+    target's context features of every processed position (what a replay sweep reuses). `cancel()`, from
+    any thread, ends the generation after the current cycle (stop_reason "cancelled").
+    """
+
+    def __init__(
+        self,
+        models: SpeculativeModels,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        *,
+        policy: BlockSizePolicy | None = None,
+        config: GenerationConfig | None = None,
+        collect_features: bool = False,
+    ) -> None:
+        self.models = models
+        self.config = config or GenerationConfig()
+        self.input_ids = _prompt_tensor(models, prompt_ids, self.config)
+        if models.drafter is None:
+            self.policy: BlockSizePolicy = FixedBlockSize(1)
+        else:
+            self.policy = policy or FixedBlockSize(models.drafter.block_size)
+        self.collect_features = collect_features
+        self.result: GenerationResult | None = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    @torch.inference_mode()
+    def __iter__(self) -> Iterator[list[int]]:
+        models, config, policy = self.models, self.config, self.policy
+        drafter, input_ids = models.drafter, self.input_ids
+        generator = make_generator(models.device, config.seed)
+        timer = _Timer(models.device)
+
+        logits, features, target_cache = prefill(models, input_ids)
+        first_token = int(sample_next(logits, config.temperature, generator).item())
+        prefill_state = PrefillState(logits, input_ids[0], config.temperature, drafter.block_size if drafter else None)
+        block_size = chosen_block_size = _checked(policy.initial_block_size(prefill_state), policy)
+        prefill_time = timer.lap()
+        yield [first_token]
+
+        state = DecodeState(
+            target_cache=target_cache,
+            drafter_cache=DrafterCache() if drafter is not None else None,
+            pending_features=[features] if features is not None else [],
+            length=input_ids.shape[1],
+            last_token=first_token,
+            feature_log=[features] if self.collect_features and features is not None else None,
+        )
+        tokens, block_sizes, acceptance_lengths = [first_token], [], []
+        stop_reason = "stop" if first_token in config.stop_token_ids else "length"
+        while stop_reason != "stop" and len(tokens) < config.max_new_tokens:
+            if self._cancelled:
+                stop_reason = "cancelled"
+                break
+            size = min(block_size, config.max_new_tokens - len(tokens))
+            new_tokens = speculative_cycle(models, state, size, config, generator)
+            tokens.extend(new_tokens)
+            block_sizes.append(size)
+            acceptance_lengths.append(len(new_tokens))
+            if new_tokens[-1] in config.stop_token_ids:
+                stop_reason = "stop"
+            if drafter is not None:
+                cycle = CycleState(len(block_sizes) - 1, block_size, len(new_tokens), len(tokens))
+                block_size = _checked(policy.next_block_size(cycle), policy)
+            yield new_tokens
+
+        self.result = GenerationResult(
+            token_ids=tokens,
+            prompt_length=input_ids.shape[1],
+            block_size=chosen_block_size,
+            block_sizes=block_sizes,
+            acceptance_lengths=acceptance_lengths,
+            stop_reason=stop_reason,
+            prefill_time_s=prefill_time,
+            decode_time_s=timer.lap(),
+            target_forward_passes=1 + len(block_sizes),
+            drafter_forward_passes=sum(size > 1 for size in block_sizes),
+            prefill=prefill_state,
+            context_features=torch.cat(state.feature_log, dim=1) if state.feature_log else None,
+        )
+
+
 def generate(
     models: SpeculativeModels,
     prompt_ids: Sequence[int] | torch.Tensor,
     *,
     policy: BlockSizePolicy | None = None,
     config: GenerationConfig | None = None,
+    collect_features: bool = False,
 ) -> GenerationResult:
-    """Generate after `prompt_ids` (batch size 1).
-
-    Without a drafter this is autoregressive decoding. With one, `policy` picks b after prefill (default:
-    the drafter's training block size) and may revise it after every cycle.
-    """
-    config = config or GenerationConfig()
-    input_ids = _prompt_tensor(models, prompt_ids, config)
-    generator = make_generator(models.device, config.seed)
-    timer = _Timer(models.device)
-
-    logits, features, target_cache = prefill(models, input_ids)
-    first_token = int(sample_next(logits, config.temperature, generator).item())
-    drafter = models.drafter
-    prefill_state = PrefillState(logits, input_ids[0], config.temperature, drafter.block_size if drafter else None)
-    if drafter is None:
-        policy = FixedBlockSize(1)
-    else:
-        policy = policy or FixedBlockSize(drafter.block_size)
-    block_size = chosen_block_size = _checked(policy.initial_block_size(prefill_state), policy)
-    prefill_time = timer.lap()
-
-    state = DecodeState(
-        target_cache=target_cache,
-        drafter_cache=DrafterCache() if drafter is not None else None,
-        pending_features=[features] if features is not None else [],
-        length=input_ids.shape[1],
-        last_token=first_token,
-    )
-    tokens, block_sizes, acceptance_lengths = [first_token], [], []
-    stopped = first_token in config.stop_token_ids
-    while not stopped and len(tokens) < config.max_new_tokens:
-        size = min(block_size, config.max_new_tokens - len(tokens))
-        new_tokens = speculative_cycle(models, state, size, config, generator)
-        tokens.extend(new_tokens)
-        block_sizes.append(size)
-        acceptance_lengths.append(len(new_tokens))
-        stopped = new_tokens[-1] in config.stop_token_ids
-        if drafter is not None:
-            cycle = CycleState(len(block_sizes) - 1, block_size, len(new_tokens), len(tokens))
-            block_size = _checked(policy.next_block_size(cycle), policy)
-
-    return GenerationResult(
-        token_ids=tokens,
-        prompt_length=input_ids.shape[1],
-        block_size=chosen_block_size,
-        block_sizes=block_sizes,
-        acceptance_lengths=acceptance_lengths,
-        stop_reason="stop" if stopped else "length",
-        prefill_time_s=prefill_time,
-        decode_time_s=timer.lap(),
-        target_forward_passes=1 + len(block_sizes),
-        drafter_forward_passes=sum(size > 1 for size in block_sizes),
-        prefill=prefill_state,
-    )
+    """Generate after `prompt_ids` (batch size 1), to the end; see `Generation`."""
+    generation = Generation(models, prompt_ids, policy=policy, config=config, collect_features=collect_features)
+    for _ in generation:
+        pass
+    assert generation.result is not None
+    return generation.result
 
 
 def _checked(block_size: int, policy: BlockSizePolicy) -> int:

@@ -26,6 +26,7 @@ class ModelShape:
     intermediate_size: int = 128
     drafter_layers: int = 1
     num_feature_layers: int = 2
+    feature_layers: tuple[int, ...] | None = None  # target layers the drafter reads; None: DFlash's rule
     block_size: int = 8
     max_positions: int = 2048
     init_std: float = 0.02
@@ -85,7 +86,11 @@ def drafter_for(
         head_dim=shape.head_dim,
         vocab_size=target.get_output_embeddings().weight.shape[0],
         block_size=shape.block_size,
-        target_layer_ids=target_layer_ids or dflash_target_layer_ids(num_target_layers, shape.num_feature_layers),
+        target_layer_ids=list(
+            target_layer_ids
+            or shape.feature_layers
+            or dflash_target_layer_ids(num_target_layers, shape.num_feature_layers)
+        ),
         num_target_layers=num_target_layers,
         mask_token_id=mask_token_id,
         rms_norm_eps=target_config.rms_norm_eps,

@@ -1,0 +1,498 @@
+"""`blockpilot zoo build`: corpus -> tokenizer -> target -> target's own responses -> drafter -> evaluation.
+
+Every stage writes its output under a work folder in `$BLOCKPILOT_HOME/zoo/<key>`, keyed by size, seed,
+recipe version and Python version (the corpus reads the running Python's stdlib); a stage whose output
+exists is not run again, so a second build is a copy and a failed one resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from blockpilot.home import blockpilot_home
+from blockpilot.zoo.corpus import Corpus, CorpusSpec, Example, python_version_tag
+from blockpilot.zoo.random_models import ModelShape
+from blockpilot.zoo.training import (
+    DrafterRecipe,
+    ProgressPrinter,
+    Schedule,
+    train_drafter_steps,
+    train_target_steps,
+)
+
+RECIPE_VERSION = 1
+
+_TASKS = {"count": 1.0, "arithmetic": 1.0, "copy": 1.0, "reverse": 0.7, "sort": 0.7, "recall": 0.8, "markov": 1.2}
+
+
+@dataclass(frozen=True)
+class ZooRecipe:
+    """Everything that determines a zoo, besides the seed."""
+
+    name: str
+    vocab_size: int
+    shape: ModelShape  # target sizes; `drafter_layers`, `num_feature_layers`, `block_size` for the drafter
+    corpus: CorpusSpec
+    lm_examples: int  # chat pairs the target trains on
+    drafter_prompts: int  # prompts whose target responses the drafter trains on
+    train_prompts: int  # prompts/train.jsonl (labeling, predictor training)
+    heldout_prompts: int  # prompts/heldout.jsonl (evaluation only)
+    target_schedule: Schedule
+    drafter_schedule: Schedule
+    anchors_per_sequence: int = 8
+    gamma: float | None = None  # loss-weight decay; None: B / 2
+    response_tokens: int = 96  # max new tokens of the target's responses (drafter data and evaluation)
+    eval_prompts: int | None = None  # held-out prompts used for zoo.json's tau table; None: all
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else self.block_size / 2
+
+    def cache_key(self, seed: int) -> str:
+        return f"{self.name}-seed{seed}-v{RECIPE_VERSION}-{python_version_tag()}"
+
+
+RECIPES: dict[str, ZooRecipe] = {
+    "tiny": ZooRecipe(
+        name="tiny",
+        vocab_size=512,
+        shape=ModelShape(
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            intermediate_size=384,
+            drafter_layers=1,
+            feature_layers=(1, 3),
+            block_size=4,
+            max_positions=1024,
+        ),
+        corpus=CorpusSpec({**_TASKS, "code": 0.3}),
+        lm_examples=6000,
+        drafter_prompts=600,
+        train_prompts=64,
+        heldout_prompts=24,
+        target_schedule=Schedule(steps=220, batch_size=32, lr=3e-3, warmup_steps=20),
+        drafter_schedule=Schedule(steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
+        response_tokens=48,
+    ),
+    "small": ZooRecipe(
+        name="small",
+        vocab_size=1024,
+        shape=ModelShape(
+            hidden_size=256,
+            num_layers=6,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            intermediate_size=768,
+            drafter_layers=2,
+            feature_layers=(1, 3, 5),
+            block_size=6,
+            max_positions=1024,
+        ),
+        corpus=CorpusSpec({**_TASKS, "code": 2.0}),
+        lm_examples=40000,
+        drafter_prompts=3000,
+        train_prompts=600,
+        heldout_prompts=120,
+        target_schedule=Schedule(steps=1200, batch_size=24, lr=2e-3, warmup_steps=60),
+        drafter_schedule=Schedule(steps=2400, batch_size=16, lr=2e-3, warmup_steps=60),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.replace(path)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def chat_ids(tokenizer: Any, prompt: str, response: str | None = None) -> list[int]:
+    """Token ids of the chat-formatted prompt (with the assistant header), plus the response and its end."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    if response is not None:
+        text += response + tokenizer.eos_token
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def greedy_responses(
+    target: Any, tokenizer: Any, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int = 64
+) -> list[list[int]]:
+    """The target's greedy responses (ending at eos when it comes), batched with left padding."""
+    device = next(target.parameters()).device
+    pad = tokenizer.pad_token_id
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        length = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, index in enumerate(chunk):
+            ids[row, length - len(prompts[index]) :] = torch.as_tensor(prompts[index])
+            mask[row, length - len(prompts[index]) :] = 1
+        generated = target.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+        )[:, length:].cpu()
+        for row, index in enumerate(chunk):
+            tokens = generated[row].tolist()
+            if tokenizer.eos_token_id in tokens:
+                tokens = tokens[: tokens.index(tokenizer.eos_token_id) + 1]
+            out[index] = tokens
+    return out
+
+
+@dataclass
+class ZooBuild:
+    """One build: the recipe, the seed, the work folder, and how training steps run."""
+
+    recipe: ZooRecipe
+    seed: int
+    work: Path
+    device: torch.device
+    log: Callable[[str], None] = print
+    losses: dict[str, list[float]] = field(default_factory=dict)
+
+    # -- corpus and prompt files
+    def corpus_stage(self) -> dict[str, list[Example]]:
+        path = self.work / "corpus.json"
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            return {split: [Example(**row) for row in rows] for split, rows in raw.items()}
+        self.log(f"[zoo] drawing the corpus (seed {self.seed})")
+        corpus = Corpus(self.recipe.corpus, self.seed)
+        parts = {"heldout": corpus.draw("heldout", self.recipe.heldout_prompts, "prompts")}
+        parts["train_prompts"] = corpus.draw("train", self.recipe.train_prompts, "prompts")
+        parts["lm"] = corpus.draw("train", self.recipe.lm_examples, "lm")
+        parts["drafter"] = corpus.draw("train", self.recipe.drafter_prompts, "drafter")
+        path.write_text(json.dumps({k: [asdict(e) for e in v] for k, v in parts.items()}))
+        for name, split in (("train", "train_prompts"), ("heldout", "heldout")):
+            rows = [{"id": e.id, "source": e.source, "prompt": e.prompt} for e in parts[split]]
+            _write_jsonl(self.work / "prompts" / f"{name}.jsonl", rows)
+        return parts
+
+    def tokenizer_stage(self, corpus: dict[str, list[Example]]) -> Any:
+        from transformers import AutoTokenizer
+
+        from blockpilot.zoo.tokenizer import train_byte_level_tokenizer
+
+        directory = self.work / "tokenizer"
+        if (directory / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(directory)
+        self.log(f"[zoo] training a {self.recipe.vocab_size}-token byte-level BPE")
+        texts = [text for e in corpus["lm"] for text in (e.prompt, e.response)]
+        tokenizer = train_byte_level_tokenizer(texts, self.recipe.vocab_size)
+        tokenizer.save_pretrained(directory)
+        return AutoTokenizer.from_pretrained(directory)
+
+    def target_stage(self, tokenizer: Any, corpus: dict[str, list[Example]], trainer: Trainer) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from blockpilot.zoo.random_models import qwen3_target
+
+        directory = self.work / "target"
+        if (directory / "model.safetensors").is_file():
+            self.losses["target"] = json.loads((directory / "losses.json").read_text())
+            return AutoModelForCausalLM.from_pretrained(directory).to(self.device).eval()
+        sequences = [chat_ids(tokenizer, e.prompt, e.response) for e in corpus["lm"]]
+        target = qwen3_target(
+            len(tokenizer),
+            self.recipe.shape,
+            seed=self.seed,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ).to(self.device)
+        tokens = sum(map(len, sequences))
+        self.log(f"[zoo] training the target: {_millions(target)} params on {len(sequences)} pairs ({tokens} tokens)")
+        self.losses["target"] = trainer.train_target(
+            target, sequences, tokenizer.pad_token_id, self.recipe.target_schedule, self.seed
+        )
+        target.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        (directory / "losses.json").write_text(json.dumps(self.losses["target"]))
+        return target.eval()
+
+    def responses_stage(self, target: Any, tokenizer: Any, corpus: dict[str, list[Example]]) -> list[dict[str, Any]]:
+        path = self.work / "drafter_data.jsonl"
+        if path.is_file():
+            return _read_jsonl(path)
+        prompts = [chat_ids(tokenizer, e.prompt) for e in corpus["drafter"]]
+        self.log(f"[zoo] generating the target's own responses to {len(prompts)} prompts")
+        started = time.perf_counter()
+        responses = greedy_responses(target, tokenizer, prompts, self.recipe.response_tokens)
+        rows = [
+            {"source": e.source, "prompt_ids": p, "response_ids": r}
+            for e, p, r in zip(corpus["drafter"], prompts, responses, strict=True)
+            if r
+        ]
+        self.log(f"[zoo] responses done in {time.perf_counter() - started:.0f}s")
+        _write_jsonl(path, rows)
+        return rows
+
+    def drafter_stage(self, target: Any, tokenizer: Any, data: list[dict[str, Any]], trainer: Trainer) -> Any:
+        from blockpilot.models.drafter import DFlashDrafter
+        from blockpilot.zoo.random_models import drafter_for
+
+        directory = self.work / "drafter"
+        if (directory / "model.safetensors").is_file():
+            self.losses["drafter"] = json.loads((directory / "losses.json").read_text())
+            return DFlashDrafter.from_pretrained(directory, device=self.device)
+        drafter = drafter_for(target, self.recipe.shape, mask_token_id=tokenizer.mask_token_id, seed=self.seed + 1)
+        drafter = drafter.to(self.device)
+        self.log(
+            f"[zoo] training the drafter: {_millions(drafter)} params, B={self.recipe.block_size}, "
+            f"{len(data)} responses"
+        )
+        recipe = DrafterRecipe(self.recipe.block_size, self.recipe.anchors_per_sequence, self.recipe.loss_gamma)
+        self.losses["drafter"] = trainer.train_drafter(
+            drafter, target, data, recipe, self.recipe.drafter_schedule, self.seed
+        )
+        drafter.save_pretrained(directory)
+        (directory / "losses.json").write_text(json.dumps(self.losses["drafter"]))
+        return drafter.eval()
+
+
+def _millions(model: torch.nn.Module) -> str:
+    return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M"
+
+
+# ----------------------------------------------------------------------------- trainers
+
+
+class Trainer(Protocol):
+    """Runs the library's training steps somewhere: in this process, or on Ray Train workers."""
+
+    def train_target(
+        self, target: Any, sequences: list[list[int]], pad_id: int, schedule: Schedule, seed: int
+    ) -> list[float]: ...
+
+    def train_drafter(
+        self,
+        drafter: Any,
+        target: Any,
+        rows: list[dict[str, Any]],
+        recipe: DrafterRecipe,
+        schedule: Schedule,
+        seed: int,
+    ) -> list[float]: ...
+
+
+class LocalTrainer:
+    """In this process, with a progress line; what a machine without Ray uses."""
+
+    def train_target(self, target, sequences, pad_id, schedule, seed):
+        return train_target_steps(target, sequences, pad_id, schedule, seed, ProgressPrinter("target", schedule.steps))
+
+    def train_drafter(self, drafter, target, rows, recipe, schedule, seed):
+        report = ProgressPrinter("drafter", schedule.steps)
+        return train_drafter_steps(drafter, target, rows, recipe, schedule, seed, report)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def ends_in_loop(tokens: Sequence[int], max_period: int = 12, min_repeats: int = 3) -> bool:
+    """Whether the output ends in >= `min_repeats` repetitions of one unit of <= `max_period` tokens."""
+    tokens = list(tokens)
+    for period in range(1, max_period + 1):
+        span = period * min_repeats
+        if len(tokens) >= span:
+            tail = tokens[-span:]
+            if all(tail[i] == tail[i % period] for i in range(span)):
+                return True
+    return False
+
+
+def evaluate_zoo(
+    models: Any, heldout: list[dict[str, Any]], recipe: ZooRecipe, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """T = 0 on held-out prompts: tau for b = 1..2B, B* over B-2..B+2, oracle gain, loop share, per source.
+
+    A replay sweep (`blockpilot.sweep`): at T = 0 it gives exactly the tau of live runs, for the cost of one.
+    """
+    from blockpilot.sweep import SweepConfig, replay_sweep
+
+    block = recipe.block_size
+    sizes = list(range(1, 2 * block + 1))
+    window = [b for b in range(block - 2, block + 3) if b >= 1]
+    config = SweepConfig(
+        candidates=tuple(sizes), max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids())
+    )
+    prompts = heldout[: recipe.eval_prompts] if recipe.eval_prompts else heldout
+    log(f"[zoo] evaluating tau for b = 1..{2 * block} on {len(prompts)} held-out prompts")
+    per_prompt = []
+    for row in prompts:
+        sweep = replay_sweep(models, models.encode_prompt(row["prompt"]), config)
+        taus = {b: (t if sweep.cycles[i] else 1.0) for i, (b, t) in enumerate(zip(sizes, sweep.tau, strict=True))}
+        per_prompt.append(
+            {"id": row["id"], "source": row["source"], "tau": taus, "loops": ends_in_loop(sweep.token_ids)}
+        )
+    return summarize_tau(per_prompt, sizes, window, block)
+
+
+def summarize_tau(per_prompt: list[dict[str, Any]], sizes: list[int], window: list[int], block: int) -> dict[str, Any]:
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values) if values else float("nan")
+
+    def best(taus):  # argmax over the window, ties to the smaller b
+        return max(window, key=lambda b: (taus[b], -b))
+
+    tau_table = {b: mean(p["tau"][b] for p in per_prompt) for b in sizes}
+    histogram = Counter(best(p["tau"]) for p in per_prompt)
+    oracle = mean(max(p["tau"][b] for b in window) for p in per_prompt)
+    sources = sorted({p["source"] for p in per_prompt})
+    by_source = {
+        s: {
+            "prompts": sum(p["source"] == s for p in per_prompt),
+            "tau_at_B": mean(p["tau"][block] for p in per_prompt if p["source"] == s),
+            "loop_share": mean(float(p["loops"]) for p in per_prompt if p["source"] == s),
+        }
+        for s in sources
+    }
+    return {
+        "prompts": len(per_prompt),
+        "tau_by_block_size": {str(b): round(v, 4) for b, v in tau_table.items()},
+        "tau_at_B": round(tau_table[block], 4),
+        "candidates": window,
+        "best_block_size_histogram": {str(b): histogram.get(b, 0) for b in window},
+        "largest_best_share": max(histogram.values()) / len(per_prompt),
+        "oracle_tau": round(oracle, 4),
+        "oracle_over_fixed_B": round(oracle / tau_table[block], 4),
+        "loop_share": mean(float(p["loops"]) for p in per_prompt),
+        "by_source": by_source,
+    }
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def zoo_cache_dir(recipe: ZooRecipe, seed: int) -> Path:
+    return blockpilot_home() / "zoo" / recipe.cache_key(seed)
+
+
+def build_zoo(
+    size: str,
+    out: str | Path | None = None,
+    *,
+    seed: int = 0,
+    device: str | None = None,
+    trainer: Trainer | None = None,
+    recipe: ZooRecipe | None = None,
+    track: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Build (or reuse) the zoo of `size`; copy it to `out` when given. Returns the folder holding it."""
+    if recipe is None:
+        if size not in RECIPES:
+            raise ValueError(f"unknown zoo size {size!r}; expected one of {sorted(RECIPES)}")
+        recipe = RECIPES[size]
+    work = zoo_cache_dir(recipe, seed)
+    if not (work / "zoo.json").is_file():
+        info = _build_into(work, recipe, seed, device, trainer or LocalTrainer(), log)
+        _track_build(info, work, track)
+    else:
+        log(f"[zoo] reusing {work}")
+    if out is None:
+        return work
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("target", "drafter", "prompts"):
+        shutil.copytree(work / name, out / name, dirs_exist_ok=True)
+    shutil.copy2(work / "zoo.json", out / "zoo.json")
+    return out
+
+
+def _build_into(work: Path, recipe: ZooRecipe, seed: int, device: str | None, trainer: Trainer, log) -> dict[str, Any]:
+    from blockpilot.models.loading import SpeculativeModels, resolve_device_dtype
+
+    torch_device, _ = resolve_device_dtype(device or "cpu", None)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    build = ZooBuild(recipe, seed, work, torch_device, log)
+    corpus = build.corpus_stage()
+    tokenizer = build.tokenizer_stage(corpus)
+    target = build.target_stage(tokenizer, corpus, trainer)
+    data = build.responses_stage(target, tokenizer, corpus)
+    drafter = build.drafter_stage(target, tokenizer, data, trainer)
+    models = SpeculativeModels(target, tokenizer, drafter, tokenizer.mask_token_id)
+    evaluation = evaluate_zoo(models, _read_jsonl(work / "prompts" / "heldout.jsonl"), recipe, log)
+    info = {
+        "size": recipe.name,
+        "seed": seed,
+        "recipe_version": RECIPE_VERSION,
+        "python": python_version_tag(),
+        "block_size": recipe.block_size,
+        "parameters": {
+            "target": sum(p.numel() for p in target.parameters()),
+            "drafter": sum(p.numel() for p in drafter.parameters()),
+        },
+        "final_loss": {k: v[-1] for k, v in build.losses.items()},
+        "losses": build.losses,
+        "evaluation": evaluation,
+        "build_seconds": round(time.perf_counter() - started, 1),
+        "recipe": _recipe_dict(recipe),
+    }
+    (work / "zoo.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"[zoo] built in {info['build_seconds']:.0f}s: tau at B={recipe.block_size} is {evaluation['tau_at_B']:.2f}")
+    return info
+
+
+def _track_build(info: dict[str, Any], work: Path, enabled: bool) -> None:
+    """Losses, the tau table and zoo.json to MLflow (experiment `blockpilot-zoo`)."""
+    from blockpilot.tracking import start_run
+
+    run_name = f"{info['size']}-seed{info['seed']}"
+    with start_run("blockpilot-zoo", run_name, enabled=enabled, tags={"stage": "zoo"}) as tracker:
+        tracker.log_params({"seed": info["seed"], "recipe_version": info["recipe_version"], **info["recipe"]})
+        for kind, history in info["losses"].items():
+            every = info["recipe"][f"{kind}_schedule"]["log_every"]
+            for index, loss in enumerate(history):
+                tracker.log_metrics({f"{kind}_loss": loss}, step=(index + 1) * every)
+        evaluation = info["evaluation"]
+        tracker.log_metrics({f"tau_b{b}": tau for b, tau in evaluation["tau_by_block_size"].items()})
+        keys = ("tau_at_B", "oracle_tau", "oracle_over_fixed_B", "largest_best_share", "loop_share")
+        tracker.log_metrics({key: evaluation[key] for key in keys})
+        tracker.log_metrics({"build_seconds": info["build_seconds"]})
+        tracker.log_artifact(work / "zoo.json")
+
+
+def _recipe_dict(recipe: ZooRecipe) -> dict[str, Any]:
+    out = asdict(recipe)
+    out["corpus"] = {"mix": recipe.corpus.mix, "vocab_words": recipe.corpus.vocab_words}
+    return out
+
+
+def with_overrides(recipe: ZooRecipe, **changes: Any) -> ZooRecipe:
+    return replace(recipe, **changes)

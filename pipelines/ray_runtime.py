@@ -1,0 +1,41 @@
+"""Connecting to Ray: an existing cluster when there is one, else an embedded local one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from blockpilot.home import blockpilot_home
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to `address` (or `$RAY_ADDRESS`), else start an embedded Ray for this process.
+
+    An embedded Ray gets at least 4 logical CPUs even on a 2-core machine: actor pools and Train workers
+    take fractional or whole CPUs, and with only 2 logical CPUs a pool can take every one and hang the
+    job. Its auth token (Ray 2.60 turns token authentication on for new local clusters) lives under the
+    project's home folder rather than `~/.ray`.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    home = blockpilot_home()
+    os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(home / "ray" / "auth_token"))
+    ray.init(
+        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        include_dashboard=False,
+        configure_logging=True,
+        logging_level="WARNING",
+    )
+
+
+def ray_storage(kind: str) -> Path:
+    """Where Ray Train keeps runs and checkpoints of `kind`, under the home folder."""
+    path = blockpilot_home() / "ray_results" / kind
+    path.mkdir(parents=True, exist_ok=True)
+    return path

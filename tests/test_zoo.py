@@ -1,0 +1,243 @@
+"""The local model zoo: corpus, tokenizer, the drafter's training recipe, and the tiny zoo built here."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from blockpilot.models.drafter import DFlashDrafter
+from blockpilot.zoo.build import RECIPES, build_zoo, ends_in_loop, zoo_cache_dir
+from blockpilot.zoo.corpus import Corpus, CorpusSpec, split_files, stdlib_sources
+from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
+from blockpilot.zoo.tokenizer import train_byte_level_tokenizer
+from blockpilot.zoo.training import (
+    DrafterObjective,
+    block_attention_mask,
+    drafter_hidden,
+    loss_weights,
+    sample_drafter_batch,
+)
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "Count from 1 to 10.", "1 2 3 4 5 6 7 8 9 10"] * 50
+
+
+def test_tokenizer_round_trip_and_chat_template(tmp_path):
+    tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["def add(a, b):\n    return a + b", "  leading spaces", "ünïcödé ✓ 日本", "tabs\tand\nnewlines\n"]:
+        ids = loaded(text, add_special_tokens=False)["input_ids"]
+        assert loaded.decode(ids) == text
+    assert 260 < len(loaded) <= 300  # merges stop early when the corpus runs out of frequent pairs
+    chat = loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = loaded.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert loaded.decode(ids) == chat
+    assert (loaded.eos_token, loaded.pad_token, loaded.mask_token) == ("<|im_end|>", "<|endoftext|>", "<|MASK|>")
+    assert loaded.convert_tokens_to_ids("<|MASK|>") == loaded.mask_token_id
+    # Special tokens are atomic: the mask token text encodes to its one id.
+    assert loaded("<|MASK|>", add_special_tokens=False)["input_ids"] == [loaded.mask_token_id]
+
+
+def test_corpus_is_deterministic_from_the_seed():
+    spec = CorpusSpec({"code": 1.0, "count": 1.0, "copy": 1.0, "markov": 1.0})
+
+    def draw(seed):
+        corpus = Corpus(spec, seed)
+        return corpus.draw("heldout", 30, "prompts"), corpus.draw("train", 60, "prompts")
+
+    first, again, other = draw(1), draw(1), draw(2)
+    assert first == again
+    assert first != other
+
+
+def test_heldout_prompts_never_appear_in_train():
+    corpus = Corpus(CorpusSpec({"count": 1.0, "sort": 1.0, "arithmetic": 1.0}), seed=0)
+    heldout = corpus.draw("heldout", 200, "prompts")
+    train = corpus.draw("train", 2000, "lm")
+    assert not {e.prompt for e in heldout} & {e.prompt for e in train}
+    assert len({e.id for e in train}) == len(train)
+    with pytest.raises(RuntimeError, match="held-out split first"):
+        Corpus(CorpusSpec({"count": 1.0}), seed=0).draw("train", 5, "lm")
+
+
+def test_code_is_split_by_file():
+    files = stdlib_sources()
+    train, heldout = split_files(files, seed=0)
+    assert not set(train) & set(heldout)
+    assert len(train) + len(heldout) == len(files)
+    assert split_files(files, seed=0) == (train, heldout)
+
+
+def test_unknown_family_is_rejected():
+    with pytest.raises(ValueError, match="unknown task families"):
+        CorpusSpec({"poetry": 1.0})
+
+
+def test_loss_weights():
+    weights = loss_weights(16, gamma=7)
+    assert weights.shape == (15,)
+    assert weights[0] == 1.0
+    torch.testing.assert_close(weights, torch.exp(-torch.arange(15.0) / 7))
+    assert torch.all(weights[1:] < weights[:-1])
+    torch.testing.assert_close(loss_weights(8, gamma=4)[3], torch.tensor(float(torch.exp(torch.tensor(-3 / 4)))))
+
+
+def test_training_mask_hides_the_anchor_and_everything_after():
+    mask = block_attention_mask(torch.tensor([3, 5]), context_length=8, block_size=4)
+    assert mask.shape == (2, 1, 4, 8 + 4)
+    # Block anchored at 3 sees context 0, 1, 2 only: not its own anchor's feature, nothing later.
+    assert mask[0, 0, :, :8].tolist() == [[True] * 3 + [False] * 5] * 4
+    assert mask[1, 0, :, :8].tolist() == [[True] * 5 + [False] * 3] * 4
+    # Inside the block every slot sees every slot (no causal mask).
+    assert mask[:, :, :, 8:].all()
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    shape = ModelShape(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        block_size=4,
+        init_std=0.2,
+    )
+    target = qwen3_target(40, shape, seed=0)
+    return target, drafter_for(target, shape, mask_token_id=39, seed=1)
+
+
+def _batch(target, drafter, rows, seed=0):
+    rng = random.Random(seed)
+    ids = [torch.randint(0, 38, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 15)]
+    with torch.no_grad():
+        feats = [
+            torch.cat(
+                [
+                    h[0]
+                    for h in (
+                        target(i[None], output_hidden_states=True).hidden_states[k + 1]
+                        for k in drafter.target_layer_ids
+                    )
+                ],
+                -1,
+            )
+            for i in ids
+        ]
+    return sample_drafter_batch(ids, feats, [4, 5], rows, 3, drafter.block_size, drafter.mask_token_id, rng)
+
+
+def test_blocks_are_blind_to_each_other(small_pair):
+    """A block's hidden states are the same alone or batched with blocks of its own and other sequences."""
+    target, drafter = small_pair
+    batch = _batch(target, drafter, [0, 1])
+    with torch.no_grad():
+        together = drafter_hidden(drafter, target.get_input_embeddings(), batch)
+        for index in range(batch.block_ids.shape[0]):
+            alone = type(batch)(
+                features=batch.features[batch.sequence_index[index]][None],
+                block_ids=batch.block_ids[index : index + 1],
+                block_positions=batch.block_positions[index : index + 1],
+                labels=batch.labels[index : index + 1],
+                sequence_index=torch.tensor([0]),
+                anchors=batch.anchors[index : index + 1],
+            )
+            single = drafter_hidden(drafter, target.get_input_embeddings(), alone)
+            torch.testing.assert_close(single[0], together[index], rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_never_sees_its_own_anchor_feature(small_pair):
+    """Changing the context feature at the anchor (or later) leaves the block's drafts unchanged."""
+    target, drafter = small_pair
+    batch = _batch(target, drafter, [1])
+    anchor, owner = int(batch.anchors[0]), int(batch.sequence_index[0])
+    with torch.no_grad():
+        before = drafter_hidden(drafter, target.get_input_embeddings(), batch)[0]
+        batch.features[owner, anchor:] += 5.0
+        after = drafter_hidden(drafter, target.get_input_embeddings(), batch)[0]
+        torch.testing.assert_close(before, after)
+        batch.features[owner, anchor - 1] += 5.0
+        assert not torch.allclose(before, drafter_hidden(drafter, target.get_input_embeddings(), batch)[0])
+
+
+def test_labels_are_the_tokens_after_the_anchor(small_pair):
+    target, drafter = small_pair
+    batch = _batch(target, drafter, [0, 1])
+    ids = [torch.randint(0, 38, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 15)]
+    starts = [4, 5]
+    for row in range(batch.block_ids.shape[0]):
+        seq, anchor = ids[int(batch.sequence_index[row])], int(batch.anchors[row])
+        assert anchor >= starts[int(batch.sequence_index[row])]
+        assert batch.block_ids[row, 0] == seq[anchor] and (batch.block_ids[row, 1:] == drafter.mask_token_id).all()
+        expected = seq[anchor + 1 : anchor + 4].tolist()
+        assert batch.labels[row, : len(expected)].tolist() == expected
+        assert (batch.labels[row, len(expected) :] == -100).all()
+    loss = DrafterObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), 2.0)(batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_ends_in_loop():
+    assert ends_in_loop([1, 2, 3, 7, 7, 7])
+    assert ends_in_loop([5, 1, 2, 1, 2, 1, 2])
+    assert not ends_in_loop([1, 2, 3, 4, 5, 6, 7, 8])
+    assert not ends_in_loop([1, 1])
+
+
+# ----------------------------------------------------------------------------- the tiny zoo built here
+
+
+def test_tiny_zoo_learned_something(tiny_zoo):
+    info = json.loads((tiny_zoo / "zoo.json").read_text())
+    assert info["size"] == "tiny" and info["block_size"] == 4
+    evaluation = info["evaluation"]
+    assert evaluation["tau_at_B"] > 1.3
+    assert set(evaluation["tau_by_block_size"]) == {str(b) for b in range(1, 9)}
+    assert sum(evaluation["best_block_size_histogram"].values()) == evaluation["prompts"]
+    assert info["final_loss"]["target"] < info["losses"]["target"][0]
+    assert info["final_loss"]["drafter"] < info["losses"]["drafter"][0]
+    heldout = [json.loads(line) for line in (tiny_zoo / "prompts" / "heldout.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (tiny_zoo / "prompts" / "train.jsonl").read_text().splitlines()]
+    assert set(heldout[0]) == {"id", "source", "prompt"}
+    assert not {r["prompt"] for r in heldout} & {r["prompt"] for r in train}
+    assert len({r["id"] for r in heldout + train}) == len(heldout) + len(train)
+
+
+def test_tiny_zoo_reloads_bit_identical(tiny_zoo):
+    target_a = AutoModelForCausalLM.from_pretrained(tiny_zoo / "target")
+    target_b = AutoModelForCausalLM.from_pretrained(tiny_zoo / "target")
+    ids = torch.arange(5, 25)[None]
+    with torch.no_grad():
+        assert torch.equal(target_a(ids).logits, target_b(ids).logits)
+    drafter_a = DFlashDrafter.from_pretrained(tiny_zoo / "drafter")
+    drafter_b = DFlashDrafter.from_pretrained(tiny_zoo / "drafter")
+    assert all(
+        torch.equal(a, b) for a, b in zip(drafter_a.state_dict().values(), drafter_b.state_dict().values(), strict=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_zoo / "target")
+    assert tokenizer.mask_token_id == drafter_a.mask_token_id
+
+
+def test_a_second_build_reuses_the_cache(tiny_zoo, tmp_path):
+    class NoTraining:
+        def train_target(self, *args):
+            raise AssertionError("the cached zoo should have been reused")
+
+        train_drafter = train_target
+
+    out = build_zoo("tiny", tmp_path / "copy", trainer=NoTraining(), track=False, log=lambda _: None)
+    assert (out / "drafter" / "model.safetensors").read_bytes() == (
+        tiny_zoo / "drafter" / "model.safetensors"
+    ).read_bytes()
+    assert zoo_cache_dir(RECIPES["tiny"], 0).is_dir()
+
+
+def test_unknown_size():
+    with pytest.raises(ValueError, match="unknown zoo size 'huge'"):
+        build_zoo("huge")
