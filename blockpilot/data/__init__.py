@@ -1,0 +1,1 @@
+"""Data: prompt sources and the label schema."""

@@ -1,0 +1,139 @@
+"""The label schema (one Parquet row per (prompt, turn, temperature)), and reading labels back.
+
+Columns (lists follow `candidates`):
+
+    prompt_id, source, prompt, turn           which prompt (`prompt_id` is stable and unique)
+    prompt_tokens, temperature, seed          the generation it was measured on
+    train_block_size, candidates, tau         B, the swept b, mean acceptance length per b
+    new_tokens, cycles                        per b: output length and draft/verify cycles
+    best_block_size                           B* = argmax tau, ties to the smaller b
+    topk_ids, topk_probs, entropy             the prefill distribution (T = 1), top k + entropy in nats
+    vocab_size                                its width (the target head's rows)
+    probs_fp16                                the whole distribution, fp16, when asked for (else null)
+    target_id, drafter_id, sweep_mode, max_new_tokens
+    error                                     null, or why this prompt has no label (the row is kept)
+
+Keeping the whole tau vector lets a label objective (max tau, or tau(b)/cost(b)) change without relabeling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+logger = logging.getLogger(__name__)
+
+KEY_COLUMNS = ("prompt_id", "temperature")
+
+LABEL_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("source", pa.string()),
+        pa.field("prompt", pa.string()),
+        pa.field("turn", pa.int32()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("seed", pa.int64()),
+        pa.field("train_block_size", pa.int32()),
+        pa.field("candidates", pa.list_(pa.int32())),
+        pa.field("tau", pa.list_(pa.float32())),
+        pa.field("new_tokens", pa.list_(pa.int32())),
+        pa.field("cycles", pa.list_(pa.int32())),
+        pa.field("best_block_size", pa.int32()),
+        pa.field("topk_ids", pa.list_(pa.int32())),
+        pa.field("topk_probs", pa.list_(pa.float32())),
+        pa.field("entropy", pa.float32()),
+        pa.field("vocab_size", pa.int32()),
+        pa.field("probs_fp16", pa.list_(pa.float16())),
+        pa.field("target_id", pa.string()),
+        pa.field("drafter_id", pa.string()),
+        pa.field("sweep_mode", pa.string()),
+        pa.field("max_new_tokens", pa.int32()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Label rows (dicts with the schema's keys; missing keys are null) as a table of LABEL_SCHEMA."""
+    columns = {name: [row.get(name) for row in rows] for name in LABEL_SCHEMA.names}
+    if columns["probs_fp16"] and any(v is not None for v in columns["probs_fp16"]):
+        import numpy as np
+
+        columns["probs_fp16"] = [None if v is None else np.asarray(v, dtype=np.float16) for v in columns["probs_fp16"]]
+    return pa.Table.from_pydict(columns, schema=LABEL_SCHEMA)
+
+
+def label_key(prompt_id: str, temperature: float) -> tuple[str, float]:
+    """The identity of a label row; temperature rounded as stored (float32)."""
+    return prompt_id, round(float(temperature), 4)
+
+
+def parquet_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.rglob("*.parquet") if not p.name.startswith("."))
+
+
+def read_label_files(
+    path: str | Path, columns: Iterable[str] | None = None, quarantine: bool = False
+) -> tuple[pa.Table, list[Path]]:
+    """Every readable label file under `path`, concatenated, and the files that could not be read.
+
+    A job killed mid-write can leave a truncated file: it is skipped (and renamed `*.corrupt` when
+    `quarantine`), so that its prompts count as unlabeled and are labeled again.
+    """
+    import pyarrow.parquet as pq
+
+    tables, broken = [], []
+    for file in parquet_files(path):
+        try:
+            table = pq.read_table(file, columns=list(columns) if columns else None)
+        except (pa.ArrowInvalid, OSError) as error:
+            logger.warning("skipping unreadable label file %s: %s", file, error)
+            broken.append(file)
+            if quarantine:
+                file.rename(file.with_name(file.name + ".corrupt"))
+            continue
+        tables.append(table)
+    if not tables:
+        schema = LABEL_SCHEMA if columns is None else pa.schema([LABEL_SCHEMA.field(c) for c in columns])
+        return schema.empty_table(), broken
+    return pa.concat_tables(tables, promote_options="default"), broken
+
+
+def labeled_keys(path: str | Path, quarantine: bool = True) -> set[tuple[str, float]]:
+    """(prompt_id, temperature) of every row already written under `path`."""
+    table, _ = read_label_files(path, columns=KEY_COLUMNS, quarantine=quarantine)
+    return {
+        label_key(p, t) for p, t in zip(table["prompt_id"].to_pylist(), table["temperature"].to_pylist(), strict=True)
+    }
+
+
+def deduplicate(table: pa.Table) -> pa.Table:
+    """One row per (prompt_id, temperature): the first written wins."""
+    seen: set[tuple[str, float]] = set()
+    keep = []
+    for index, (prompt_id, temperature) in enumerate(
+        zip(table["prompt_id"].to_pylist(), table["temperature"].to_pylist(), strict=True)
+    ):
+        key = label_key(prompt_id, temperature)
+        if key not in seen:
+            seen.add(key)
+            keep.append(index)
+    return table if len(keep) == table.num_rows else table.take(keep)
+
+
+def read_labels(path: str | Path) -> pa.Table:
+    """All labels under `path` (a file or a folder of Parquet files), one row per key."""
+    if not parquet_files(path):
+        raise FileNotFoundError(f"no label Parquet files at {str(path)!r}")
+    table, _ = read_label_files(path)
+    return deduplicate(table)

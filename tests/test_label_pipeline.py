@@ -1,0 +1,214 @@
+"""Labeling on Ray Data (embedded Ray, tiny zoo): rows, reruns, a stopped job, bad prompts, MLflow, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from blockpilot.data.labels import LABEL_SCHEMA, parquet_files, read_labels
+from blockpilot.labeling import LabelSettings
+from pipelines.label import LabelJob, run_label_job
+
+pytestmark = pytest.mark.slow
+
+
+def make_job(zoo: Path, out: Path, **overrides) -> LabelJob:
+    settings = overrides.pop("settings", LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=24, top_k=8))
+    defaults = dict(
+        prompts=f"zoo:{zoo}",
+        target=str(zoo / "target"),
+        drafter=str(zoo / "drafter"),
+        out=out,
+        settings=settings,
+        actors=2,
+        num_cpus_per_actor=0.5,
+        batch_size=2,
+        limit=8,
+        track=False,
+    )
+    return LabelJob(**{**defaults, **overrides})
+
+
+def keys(table) -> list[tuple[str, float]]:
+    return list(zip(table["prompt_id"].to_pylist(), table["temperature"].to_pylist(), strict=True))
+
+
+def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path):
+    out = tmp_path / "labels"
+    summary = run_label_job(make_job(tiny_zoo, out))
+    assert (summary.rows, summary.new_rows, summary.errors) == (16, 16, 0)
+    table = read_labels(out)
+    assert table.num_rows == 16 and len(set(keys(table))) == 16
+    assert pq.read_schema(parquet_files(out)[0]) == LABEL_SCHEMA
+    assert set(table["temperature"].to_pylist()) == {0.0, 1.0}
+    assert sum(summary.best_block_size_histogram.values()) == 16
+    files = parquet_files(out)
+
+    again = run_label_job(make_job(tiny_zoo, out))
+    assert (again.rows, again.new_rows) == (16, 0)
+    assert parquet_files(out) == files  # nothing written twice
+
+    more = run_label_job(make_job(tiny_zoo, out, limit=10))
+    assert (more.rows, more.new_rows) == (20, 4)
+    assert len(set(keys(read_labels(out)))) == 20
+
+
+def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path):
+    """Kill a labeling driver once it has written some files; the rerun fills in the rest, no duplicates."""
+    out = tmp_path / "labels"
+    address = local_ray.get_runtime_context().gcs_address
+    command = [
+        sys.executable,
+        "-m",
+        "pipelines.label",
+        "--prompts",
+        f"zoo:{tiny_zoo}",
+        "--target",
+        str(tiny_zoo / "target"),
+        "--drafter",
+        str(tiny_zoo / "drafter"),
+        "--out",
+        str(out),
+        "--limit",
+        "24",
+        "--temperatures",
+        "0",
+        "--max-new-tokens",
+        "24",
+        "--batch-size",
+        "1",
+        "--actors",
+        "1",
+        "--num-cpus-per-actor",
+        "0.5",
+        "--no-track",
+    ]
+    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(Path(__file__).parents[1])}
+    driver = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 180
+    while len(parquet_files(out)) < 3 and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    first = read_labels(out).num_rows if parquet_files(out) else 0
+    assert 0 < first < 24, f"the driver should have been stopped midway, it labeled {first}"
+
+    summary = run_label_job(make_job(tiny_zoo, out, limit=24, settings=LabelSettings(max_new_tokens=24, top_k=8)))
+    assert summary.new_rows == 24 - first
+    table = read_labels(out)
+    assert table.num_rows == 24 and len(set(keys(table))) == 24
+
+
+def test_bad_prompts_are_rows_with_errors_and_the_job_goes_on(local_ray, tiny_zoo, tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(
+        "\n".join(
+            [
+                json.dumps({"id": "good", "prompt": "Count from 1 to 6."}),
+                json.dumps({"id": "empty", "prompt": ""}),
+                json.dumps({"id": "long", "prompt": "word " * 1500}),
+                "{broken json",
+            ]
+        )
+        + "\n"
+    )
+    summary = run_label_job(
+        make_job(tiny_zoo, tmp_path / "labels", prompts=f"jsonl:{prompts}", settings=LabelSettings(max_new_tokens=24))
+    )
+    assert (summary.rows, summary.errors) == (4, 3)
+    errors = {row["prompt_id"]: row["error"] for row in read_labels(tmp_path / "labels").to_pylist()}
+    assert errors["bad:good"] is None
+    assert "empty prompt" in errors["bad:empty"]
+    assert "exceeds the target's context" in errors["bad:long"]
+    assert "line 4" in errors["bad:line4"]
+
+
+def test_unknown_source_stops_before_the_job_starts(tiny_zoo, tmp_path):
+    with pytest.raises(ValueError, match="unknown prompt source 'gsm9k'"):
+        run_label_job(make_job(tiny_zoo, tmp_path / "labels", prompts="gsm9k"))
+    assert not (tmp_path / "labels").exists()
+
+
+def test_summary_goes_to_mlflow(local_ray, tiny_zoo, tmp_path, monkeypatch):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run_label_job(make_job(tiny_zoo, tmp_path / "labels", limit=3, track=True))
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["blockpilot-labels"], output_format="list")
+    assert len(runs) == 1
+    metrics = runs[0].data.metrics
+    assert metrics["rows"] == 6 and metrics["errors"] == 0 and "mean_tau_b4" in metrics and metrics["prompts_per_s"] > 0
+    assert runs[0].data.params["settings.mode"] == "replay"
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
+    assert {"best_block_size_histogram.png", "tau_vs_block_size.png"} <= artifacts
+
+
+def test_label_command(local_ray, tiny_zoo, tmp_path, capsys):
+    from blockpilot.cli import main
+
+    argv = [
+        "label",
+        "--prompts",
+        f"zoo:{tiny_zoo}:heldout",
+        "--target",
+        str(tiny_zoo / "target"),
+        "--drafter",
+        str(tiny_zoo / "drafter"),
+        "--out",
+        str(tmp_path / "labels"),
+        "--limit",
+        "3",
+        "--candidates",
+        "1,2,4,8",
+        "--temperatures",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--no-track",
+    ]
+    assert main(argv) == 0
+    assert "rows: 3" in capsys.readouterr().out
+    table = read_labels(tmp_path / "labels")
+    assert table["candidates"].to_pylist() == [[1, 2, 4, 8]] * 3
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--candidates", "0,4"], "--candidates"),
+        (["--candidates", "4,4"], "--candidates"),
+        (["--temperatures", "-1"], "--temperatures"),
+        (["--mode", "fast"], "--mode"),
+        (["--limit", "0"], "--limit"),
+    ],
+)
+def test_label_command_rejects_bad_flags(tiny_zoo, tmp_path, capsys, flags, message):
+    from blockpilot.cli import main
+
+    argv = [
+        "label",
+        "--prompts",
+        "gsm8k",
+        "--target",
+        str(tiny_zoo / "target"),
+        "--drafter",
+        str(tiny_zoo / "drafter"),
+        "--out",
+        str(tmp_path),
+        *flags,
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,185 @@
+"""The sweep and the labeler on the trained tiny zoo: replay against live, label rows, bad prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pyarrow as pa
+import pytest
+
+from blockpilot.data.labels import LABEL_SCHEMA, deduplicate, read_label_files, read_labels, rows_to_table
+from blockpilot.data.sources import PromptRecord
+from blockpilot.labeling import Labeler, LabelSettings, summarize, task_keys, task_seed
+from blockpilot.sweep import SweepConfig, best_block_size, default_candidates, replay_sweep, sweep_prompt
+
+
+@pytest.fixture(scope="module")
+def heldout(tiny_zoo, tiny_models):
+    rows = [json.loads(line) for line in (tiny_zoo / "prompts" / "heldout.jsonl").read_text().splitlines()]
+    return [tiny_models.encode_prompt(row["prompt"]) for row in rows]
+
+
+@pytest.mark.parametrize("candidates", [(2, 3, 4, 5, 6), (1, 2, 4, 8, 14, 15, 16, 17, 18)])
+def test_replay_equals_live_at_temperature_zero(tiny_models, heldout, candidates):
+    """fp32 on the CPU: identical tau vectors and acceptance lengths, prompt by prompt."""
+    stop = tuple(tiny_models.stop_token_ids())
+    for ids in heldout[:12]:
+        config = dict(candidates=candidates, max_new_tokens=48, stop_token_ids=stop)
+        live = sweep_prompt(tiny_models, ids, SweepConfig(mode="live", **config))
+        replay = sweep_prompt(tiny_models, ids, SweepConfig(mode="replay", **config))
+        assert replay.acceptance_lengths == live.acceptance_lengths
+        assert replay.tau == live.tau
+        assert replay.best_block_size == live.best_block_size
+
+
+def test_replay_agrees_with_live_in_distribution_at_temperature_one(tiny_models, heldout):
+    """T = 1, `match`: per candidate, the mean tau over 6 prompts x 20 seeds of the two modes agree within
+    4 standard errors of their difference (each mode's runs are independent samples of one law)."""
+    stop = tuple(tiny_models.stop_token_ids())
+    candidates = (3, 4, 5)
+    samples = {"live": {b: [] for b in candidates}, "replay": {b: [] for b in candidates}}
+    for ids in heldout[:6]:
+        for seed in range(20):
+            for mode in ("live", "replay"):
+                config = SweepConfig(
+                    candidates,
+                    temperature=1.0,
+                    max_new_tokens=32,
+                    stop_token_ids=stop,
+                    seed=seed + (0 if mode == "live" else 10_000),
+                    mode=mode,
+                )
+                sweep = sweep_prompt(tiny_models, ids, config)
+                for b, tau in zip(candidates, sweep.tau, strict=True):
+                    if not math.isnan(tau):
+                        samples[mode][b].append(tau)
+    for b in candidates:
+        live, replay = samples["live"][b], samples["replay"][b]
+        standard_error = math.sqrt(statistics.variance(live) / len(live) + statistics.variance(replay) / len(replay))
+        gap = abs(statistics.fmean(live) - statistics.fmean(replay))
+        assert gap < 4 * standard_error, (
+            f"b={b}: live {statistics.fmean(live):.3f} vs replay {statistics.fmean(replay):.3f}"
+        )
+
+
+def test_replay_rejects_the_rejection_rule_at_temperature():
+    with pytest.raises(ValueError, match="sweep 'rejection' with mode='live'"):
+        SweepConfig((2, 3), temperature=1.0, verify="rejection", mode="replay")
+    SweepConfig((2, 3), temperature=0.0, verify="rejection", mode="replay")  # T = 0: every rule is greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"candidates": ()}, "empty"),
+        ({"candidates": (0, 2)}, ">= 1"),
+        ({"candidates": (2, 2)}, "distinct"),
+        ({"candidates": (2,), "mode": "fast"}, "mode"),
+    ],
+)
+def test_bad_sweep_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SweepConfig(**kwargs)
+
+
+def test_best_block_size_ties_go_to_the_smaller_b():
+    assert best_block_size([4, 5, 6], [2.0, 2.5, 2.5]) == 5
+    assert best_block_size([4, 5, 6], [float("nan"), 1.0, 0.5]) == 5
+    assert default_candidates(8) == (6, 7, 8, 9, 10)
+    assert default_candidates(2) == (1, 2, 3, 4)
+
+
+def test_the_stop_token_and_the_budget_bound_what_counts(tiny_models, heldout):
+    """Every candidate's walk covers exactly the tokens of the output, however b cuts it into cycles."""
+    stop = tuple(tiny_models.stop_token_ids())
+    for budget in (1, 2, 7, 48):
+        sweep = replay_sweep(
+            tiny_models, heldout[0], SweepConfig((1, 3, 4, 9), max_new_tokens=budget, stop_token_ids=stop)
+        )
+        for lengths, b in zip(sweep.acceptance_lengths, sweep.candidates, strict=True):
+            assert sum(lengths) == len(sweep.token_ids) - 1
+            assert all(1 <= t <= b for t in lengths)
+
+
+# ----------------------------------------------------------------------------- label rows
+
+
+@pytest.fixture(scope="module")
+def labeler(tiny_models):
+    return Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=8, dense=True))
+
+
+def test_label_rows_follow_the_schema(labeler, tiny_zoo):
+    record = PromptRecord("zoo:1", "count", ("Count from 3 to 14.",))
+    rows = labeler.label(record, 0.0)
+    assert len(rows) == 1
+    row = rows[0]
+    table = rows_to_table(rows)
+    assert table.schema == LABEL_SCHEMA
+    assert row["error"] is None
+    assert row["candidates"] == [2, 3, 4, 5, 6] and row["train_block_size"] == 4
+    assert len(row["tau"]) == 5 and all(1.0 <= t <= b for t, b in zip(row["tau"], row["candidates"], strict=True))
+    assert row["best_block_size"] == best_block_size(row["candidates"], row["tau"])
+    assert len(row["topk_ids"]) == 8 and row["topk_probs"] == sorted(row["topk_probs"], reverse=True)
+    assert 0 < sum(row["topk_probs"]) <= 1.0001 and row["entropy"] > 0
+    assert len(row["probs_fp16"]) == len(labeler.models.tokenizer)
+    assert row["seed"] == task_seed(0, "zoo:1", 0.0)
+    assert row["target_id"].endswith("target") and row["sweep_mode"] == "replay"
+    # The same task gives the same row: seeded per (prompt, temperature).
+    assert labeler.label(record, 1.0) == labeler.label(record, 1.0)
+
+
+def test_multi_turn_records_continue_the_conversation(labeler):
+    record = PromptRecord("mt:7", "mt-bench", ("Count from 1 to 5.", "Now count back."))
+    rows = labeler.label(record, 0.0)
+    assert [r["prompt_id"] for r in rows] == ["mt:7#t0", "mt:7#t1"]
+    assert [r["turn"] for r in rows] == [0, 1]
+    assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"]  # the answer to turn 0 is in turn 1's context
+    assert [key for key, _ in task_keys(record, 0.0)] == ["mt:7#t0", "mt:7#t1"]
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (PromptRecord("e:1", "x", ("   ",)), "empty prompt"),
+        (PromptRecord("e:2", "x", ("word " * 1500,)), "exceeds the target's context"),
+        (PromptRecord("e:3", "x", (), "line 3 is not valid UTF-8"), "not valid UTF-8"),
+    ],
+)
+def test_bad_prompts_give_rows_with_errors(labeler, record, message):
+    rows = labeler.label(record, 0.0)
+    assert len(rows) == 1 and message in rows[0]["error"]
+    assert rows[0]["tau"] is None and rows[0]["prompt_id"] == record.id
+    assert rows_to_table(rows).schema == LABEL_SCHEMA
+
+
+def test_a_failed_turn_marks_the_later_turns(labeler):
+    rows = labeler.label(PromptRecord("m:1", "x", ("", "second")), 0.0)
+    assert "empty prompt" in rows[0]["error"] and "earlier turn failed" in rows[1]["error"]
+
+
+def test_summary_counts_rows_errors_and_histogram(labeler):
+    rows = labeler.label(PromptRecord("s:1", "count", ("Count from 1 to 9.",)), 0.0)
+    rows += labeler.label(PromptRecord("s:2", "x", ("",)), 0.0)
+    summary = summarize(rows, new_rows=2, seconds=1.0)
+    assert (summary.rows, summary.errors) == (2, 1)
+    assert sum(summary.best_block_size_histogram.values()) == 1
+    assert set(summary.mean_tau) == {2, 3, 4, 5, 6}
+    assert "1 with errors" in summary.format()
+
+
+def test_reading_labels_skips_broken_files_and_duplicates(labeler, tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = labeler.label(PromptRecord("r:1", "count", ("Count from 1 to 4.",)), 0.0)
+    pq.write_table(rows_to_table(rows), tmp_path / "a.parquet")
+    pq.write_table(rows_to_table(rows), tmp_path / "b.parquet")  # the same key again
+    (tmp_path / "c.parquet").write_bytes(b"PAR1 truncated")
+    table, broken = read_label_files(tmp_path)
+    assert table.num_rows == 2 and [p.name for p in broken] == ["c.parquet"]
+    assert read_labels(tmp_path).num_rows == 1
+    assert deduplicate(pa.concat_tables([table, table])).num_rows == 1
+    with pytest.raises(FileNotFoundError, match="no label Parquet files"):
+        read_labels(tmp_path / "nothing")
