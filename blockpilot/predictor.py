@@ -1,0 +1,229 @@
+"""The block-size predictor: from the prefill distribution to one of the candidate block sizes.
+
+Two kinds compute the same function class:
+
+* `dense` (the paper's): the full softmax over the vocabulary at the last prompt position -> Linear(V, H)
+  -> ReLU -> dropout -> Linear(H, C) logits over the C candidates.
+* `sparse`: the first layer applied to the stored top-k probabilities only, as an embedding bag weighted
+  by the probabilities (sum_i p_i W[id_i] equals W^T p restricted to the top k), so compute and storage
+  scale with k, not V; the entropy of the distribution is an extra input.
+
+Both also read the sampling temperature (labels at T = 0 and T = 1 may prefer different b for the same
+prompt). A predictor is saved as a folder, `config.json` + `model.safetensors`, loaded without pickle.
+It plugs into decoding as `LearnedPolicy`, a per-request block-size policy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockpilot.decoding.policies import PerRequestPolicy, PrefillState
+
+PredictorKind = Literal["dense", "sparse"]
+PREDICTOR_KINDS: tuple[str, ...] = ("dense", "sparse")
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MODEL_URI_PREFIX = "models:/"
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    kind: PredictorKind
+    candidates: tuple[int, ...]
+    vocab_size: int
+    top_k: int = 32
+    hidden_size: int = 2048
+    dropout: float = 0.2
+    train_block_size: int | None = None
+    target_id: str = ""
+    drafter_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. training metrics, label source
+
+    def __post_init__(self) -> None:
+        if self.kind not in PREDICTOR_KINDS:
+            raise ValueError(f"predictor kind must be one of {PREDICTOR_KINDS}, got {self.kind!r}")
+        candidates = tuple(int(b) for b in self.candidates)
+        if not candidates or len(set(candidates)) != len(candidates) or min(candidates) < 1:
+            raise ValueError(f"candidates must be distinct block sizes >= 1, got {list(self.candidates)}")
+        object.__setattr__(self, "candidates", candidates)
+        for name in ("vocab_size", "top_k", "hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["candidates"] = list(self.candidates)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> PredictorConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"predictor config: unknown fields {sorted(unknown)}")
+        return cls(**{**raw, "candidates": tuple(raw["candidates"])})
+
+
+@dataclass
+class PredictorInputs:
+    """A batch of predictor inputs; `probs` is only needed by the dense kind."""
+
+    topk_ids: torch.Tensor  # (N, k) int64
+    topk_probs: torch.Tensor  # (N, k) float
+    entropy: torch.Tensor  # (N,)
+    temperature: torch.Tensor  # (N,)
+    probs: torch.Tensor | None = None  # (N, V) float
+
+    def to(self, device: torch.device | str) -> PredictorInputs:
+        return PredictorInputs(
+            self.topk_ids.to(device),
+            self.topk_probs.to(device),
+            self.entropy.to(device),
+            self.temperature.to(device),
+            None if self.probs is None else self.probs.to(device),
+        )
+
+    @classmethod
+    def from_prefill(cls, prefill: PrefillState, temperature: float, top_k: int, dense: bool) -> PredictorInputs:
+        ids, probs = prefill.top_k(top_k)
+        return cls(
+            topk_ids=ids[None].long(),
+            topk_probs=probs[None].float(),
+            entropy=torch.tensor([prefill.entropy]),
+            temperature=torch.tensor([float(temperature)]),
+            probs=prefill.probs[None].float() if dense else None,
+        )
+
+
+class BlockSizePredictor(nn.Module):
+    """Logits over the candidate block sizes; see the module docstring for the two kinds."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        if config.kind == "dense":
+            self.first = nn.Linear(config.vocab_size, hidden)
+        else:
+            self.first = nn.EmbeddingBag(config.vocab_size, hidden, mode="sum")
+            self.first_bias = nn.Parameter(torch.zeros(hidden))
+        # [entropy, temperature] enter the first layer's pre-activation.
+        self.side = nn.Linear(2, hidden, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+        self.out = nn.Linear(hidden, len(config.candidates))
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        return self.config.candidates
+
+    def forward(self, inputs: PredictorInputs) -> torch.Tensor:
+        """(N, C) logits."""
+        if self.config.kind == "dense":
+            probs = inputs.probs if inputs.probs is not None else self.dense_from_topk(inputs)
+            h = self.first(probs.to(self.first.weight.dtype))
+        else:
+            h = self.first(inputs.topk_ids, per_sample_weights=inputs.topk_probs.to(self.first.weight.dtype))
+            h = h + self.first_bias
+        side = torch.stack([inputs.entropy, inputs.temperature], dim=-1).to(h.dtype)
+        h = F.relu(h + self.side(side))
+        return self.out(self.dropout(h))
+
+    def dense_from_topk(self, inputs: PredictorInputs) -> torch.Tensor:
+        """The top-k probabilities scattered into a V-wide vector (what dense gets from top-k-only labels)."""
+        dense = torch.zeros(inputs.topk_ids.shape[0], self.config.vocab_size, device=inputs.topk_ids.device)
+        return dense.scatter_(1, inputs.topk_ids, inputs.topk_probs.float())
+
+    @torch.no_grad()
+    def predict(self, inputs: PredictorInputs) -> list[int]:
+        """The chosen block size per row."""
+        self.eval()
+        index = self(inputs.to(next(self.parameters()).device)).argmax(dim=-1)
+        return [self.config.candidates[i] for i in index.tolist()]
+
+    # ---------------------------------------------------------------- folder format
+
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(
+                f"{str(directory)!r} is not a predictor folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})"
+            )
+        model = cls(PredictorConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text())))
+        model.load_state_dict(load_file(directory / WEIGHTS_NAME))
+        return model.to(device).eval()
+
+
+def resolve_predictor_dir(path_or_uri: str | Path) -> Path:
+    """A predictor folder, or an MLflow model URI (`models:/blockpilot-predictor/3`) downloaded to one.
+
+    The registered model is a pyfunc whose artifacts hold the predictor folder; only that folder is read
+    (safetensors + JSON), nothing is unpickled.
+    """
+    text = str(path_or_uri)
+    if text.startswith(MODEL_URI_PREFIX) or text.startswith("runs:/"):
+        from blockpilot.tracking import download_model_folder
+
+        return download_model_folder(text, "predictor")
+    directory = Path(text).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"predictor {text!r} is neither a folder nor an MLflow model URI (models:/NAME/VERSION)"
+        )
+    return directory
+
+
+def load_predictor(path_or_uri: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
+    return BlockSizePredictor.load(resolve_predictor_dir(path_or_uri), device=device)
+
+
+class LearnedPolicy(PerRequestPolicy):
+    """The predictor as a per-request block-size policy."""
+
+    name = "learned"
+
+    def __init__(self, predictor: BlockSizePredictor) -> None:
+        self.predictor = predictor
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        config = self.predictor.config
+        inputs = PredictorInputs.from_prefill(prefill, prefill.temperature, config.top_k, dense=config.kind == "dense")
+        return self.predictor.predict(inputs)[0]
+
+    def check_fits(self, vocab_size: int, train_block_size: int | None) -> None:
+        """Fail early when the predictor was made for another target or drafter."""
+        config = self.predictor.config
+        if config.vocab_size != vocab_size:
+            raise ValueError(
+                f"predictor vocabulary mismatch: predictor vocab_size={config.vocab_size}, target has {vocab_size}"
+            )
+        if (
+            config.train_block_size is not None
+            and train_block_size is not None
+            and config.train_block_size != train_block_size
+        ):
+            raise ValueError(
+                f"the predictor was trained for a drafter with B={config.train_block_size}; this drafter has "
+                f"B={train_block_size}"
+            )

@@ -1,0 +1,288 @@
+"""The block-size predictor: kinds, folder format, policy, metrics, label checks, objectives, MLflow model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from blockpilot.data.labels import rows_to_table
+from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.predictor import (
+    BlockSizePredictor,
+    LearnedPolicy,
+    PredictorConfig,
+    PredictorInputs,
+    load_predictor,
+)
+from blockpilot.predictor_training import (
+    LabelArrays,
+    PredictorTrainConfig,
+    evaluate_choices,
+    evaluate_predictor,
+    fit_epochs,
+    is_validation,
+    label_arrays,
+    local_batches,
+    make_optimizer,
+    predictor_loss,
+    split_by_prompt,
+    training_columns,
+    valid_rows,
+)
+
+
+def random_inputs(n: int, vocab: int, k: int, seed: int = 0) -> PredictorInputs:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=generator) * 3
+    probs = torch.softmax(logits, dim=-1)
+    top_probs, top_ids = probs.topk(k, dim=-1)
+    entropy = -(probs * probs.log()).sum(-1)
+    return PredictorInputs(top_ids, top_probs, entropy, torch.rand(n, generator=generator), probs)
+
+
+def test_sparse_and_dense_compute_the_same_function():
+    """With every token in the top k, the embedding bag equals the dense first layer sharing its weights."""
+    vocab = 24
+    dense = BlockSizePredictor(PredictorConfig("dense", (3, 4, 5), vocab, top_k=vocab, hidden_size=16, dropout=0.0))
+    sparse = BlockSizePredictor(PredictorConfig("sparse", (3, 4, 5), vocab, top_k=vocab, hidden_size=16, dropout=0.0))
+    with torch.no_grad():
+        sparse.first.weight.copy_(dense.first.weight.T)
+        sparse.first_bias.copy_(dense.first.bias)
+        sparse.side.weight.copy_(dense.side.weight)
+        sparse.out.load_state_dict(dense.out.state_dict())
+    inputs = random_inputs(6, vocab, k=vocab)
+    torch.testing.assert_close(sparse.eval()(inputs), dense.eval()(inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_falls_back_to_the_top_k_when_labels_have_no_full_distribution():
+    model = BlockSizePredictor(PredictorConfig("dense", (3, 4), 30, top_k=5, hidden_size=8))
+    inputs = random_inputs(4, 30, k=5)
+    dense_from_topk = model.dense_from_topk(inputs)
+    assert dense_from_topk.shape == (4, 30)
+    torch.testing.assert_close(dense_from_topk.sum(-1), inputs.topk_probs.sum(-1))
+    no_probs = PredictorInputs(inputs.topk_ids, inputs.topk_probs, inputs.entropy, inputs.temperature)
+    assert model.eval()(no_probs).shape == (4, 2)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_folder_round_trip_without_pickle(tmp_path, kind):
+    model = BlockSizePredictor(PredictorConfig(kind, (2, 3, 4, 5, 6), 40, top_k=8, hidden_size=16, train_block_size=4))
+    folder = model.save(tmp_path / kind)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((folder / "config.json").read_text())["kind"] == kind
+    loaded = load_predictor(folder)
+    inputs = random_inputs(5, 40, k=8)
+    assert torch.equal(loaded(inputs), model.eval()(inputs))
+    assert loaded.predict(inputs) == model.predict(inputs)
+    assert set(loaded.predict(inputs)) <= {2, 3, 4, 5, 6}
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"kind": "tree"}, "kind"),
+        ({"candidates": (4, 4)}, "distinct"),
+        ({"candidates": ()}, "distinct"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"hidden_size": 0}, "hidden_size"),
+    ],
+)
+def test_bad_predictor_configs(changes, message):
+    settings = {"kind": "sparse", "candidates": (3, 4), "vocab_size": 10, **changes}
+    with pytest.raises(ValueError, match=message):
+        PredictorConfig(**settings)
+
+
+def test_missing_predictor_folder_and_unknown_uri(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a folder nor an MLflow model URI"):
+        load_predictor(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a predictor folder"):
+        load_predictor(tmp_path / "empty")
+
+
+def test_learned_policy_plugs_into_generate(tiny_models):
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    model = BlockSizePredictor(
+        PredictorConfig("sparse", (2, 3, 4, 5, 6), vocab, top_k=8, hidden_size=16, train_block_size=4)
+    )
+    policy = LearnedPolicy(model)
+    policy.check_fits(vocab, 4)
+    ids = tiny_models.encode_prompt("Count from 1 to 9.")
+    result = generate(tiny_models, ids, policy=policy, config=GenerationConfig(max_new_tokens=20))
+    assert result.block_size in (2, 3, 4, 5, 6)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        policy.check_fits(vocab + 1, 4)
+    with pytest.raises(ValueError, match="B=4; this drafter has B=8"):
+        policy.check_fits(vocab, 8)
+
+
+# ----------------------------------------------------------------------------- metrics and label checks
+
+
+def hand_made_arrays() -> LabelArrays:
+    tau = np.array([[2.0, 3.0, 2.5], [3.0, 2.0, 2.0], [2.0, 2.0, 4.0], [1.0, 3.0, 2.0]], dtype=np.float32)
+    return LabelArrays(
+        prompt_ids=["a", "b", "c", "d"],
+        sources=["x", "x", "y", "y"],
+        temperature=np.array([0, 0, 1, 1], dtype=np.float32),
+        topk_ids=np.zeros((4, 2), dtype=np.int64),
+        topk_probs=np.zeros((4, 2), dtype=np.float32),
+        entropy=np.zeros(4, dtype=np.float32),
+        tau=tau,
+        best_index=tau.argmax(1),
+        candidates=(4, 5, 6),
+        train_block_size=5,
+    )
+
+
+def test_metrics_of_choices():
+    arrays = hand_made_arrays()
+    metrics = evaluate_choices(np.array([1, 0, 2, 1]), arrays)  # the oracle's choices
+    assert metrics["accuracy"] == 1.0
+    assert metrics["tau_pred"] == metrics["tau_oracle"] == pytest.approx(3.25)
+    assert metrics["tau_B"] == pytest.approx(2.5)  # b = 5 for everyone
+    assert metrics["tau_best_fixed"] == pytest.approx(2.625) and metrics["best_fixed_b"] == 6
+    assert metrics["gap_captured"] == pytest.approx(1.0)
+    assert metrics["source/x/tau_pred"] == pytest.approx(3.0)
+    assert metrics["T1/tau_oracle"] == pytest.approx(3.5)
+    fixed = evaluate_choices(np.array([1, 1, 1, 1]), arrays)
+    assert fixed["gap_captured"] == pytest.approx(0.0) and fixed["accuracy"] == 0.5
+
+
+def label_rows(n: int = 40, candidates=(2, 3, 4)) -> list[dict]:
+    """Synthetic labels in which B* is a function of the top-1 token: learnable."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n):
+        top = int(rng.integers(0, 3))
+        tau = [2.0, 2.0, 2.0]
+        tau[top] = 3.0
+        rows.append(
+            {
+                "prompt_id": f"p{i}",
+                "source": "syn",
+                "prompt": "",
+                "turn": 0,
+                "temperature": float(i % 2),
+                "train_block_size": 3,
+                "candidates": list(candidates),
+                "tau": tau,
+                "best_block_size": candidates[top],
+                "topk_ids": [top, 5, 6, 7],
+                "topk_probs": [0.7, 0.1, 0.1, 0.1],
+                "entropy": 1.0,
+                "vocab_size": 10,
+                "error": None,
+            }
+        )
+    return rows
+
+
+def test_label_checks_name_what_is_wrong():
+    table = rows_to_table(label_rows())
+    with pytest.raises(ValueError, match=r"missing columns \['tau'\]"):
+        valid_rows(table.drop_columns(["tau"]))
+    mixed = label_rows()
+    mixed[0]["candidates"] = [2, 3, 5]
+    with pytest.raises(ValueError, match="mismatched candidates"):
+        valid_rows(rows_to_table(mixed))
+    broken = [{**row, "error": "empty prompt", "tau": None} for row in label_rows(3)]
+    with pytest.raises(ValueError, match="zero valid rows among 3"):
+        valid_rows(rows_to_table(broken))
+    some_errors = label_rows(5) + [{**label_rows(1)[0], "prompt_id": "bad", "error": "boom", "tau": None}]
+    assert valid_rows(rows_to_table(some_errors)).num_rows == 5
+
+
+def test_split_by_prompt_is_deterministic_and_keeps_conversations_together():
+    rows = label_rows(60) + [{**label_rows(1)[0], "prompt_id": f"mt:1#t{k}"} for k in range(2)]
+    table = rows_to_table(rows)
+    train, val = split_by_prompt(table, 0.25, seed=3)
+    again_train, again_val = split_by_prompt(table, 0.25, seed=3)
+    assert train.equals(again_train) and val.equals(again_val)
+    assert not set(train["prompt_id"].to_pylist()) & set(val["prompt_id"].to_pylist())
+    assert is_validation("mt:1#t0", 0.25, 3) == is_validation("mt:1#t1", 0.25, 3)
+    with pytest.raises(ValueError, match="validation share"):
+        split_by_prompt(table, 1.0, 0)
+
+
+def test_objectives():
+    logits = torch.tensor([[4.0, 0.0], [0.0, 4.0]])
+    tau = torch.tensor([[3.0, 1.0], [1.0, 2.0]])
+    best = torch.tensor([0, 1])
+    assert predictor_loss(logits, tau, best, "ce") < predictor_loss(-logits, tau, best, "ce")
+    assert predictor_loss(logits, tau, best, "expected-tau") < predictor_loss(-logits, tau, best, "expected-tau")
+    with pytest.raises(ValueError, match="objective"):
+        predictor_loss(logits, tau, best, "hinge")
+
+
+@pytest.mark.parametrize("objective", ["ce", "expected-tau"])
+def test_training_learns_a_learnable_rule(objective):
+    arrays = label_arrays(rows_to_table(label_rows(80)))
+    model = BlockSizePredictor(PredictorConfig("sparse", arrays.candidates, 10, top_k=4, hidden_size=32, dropout=0.0))
+    config = PredictorTrainConfig(epochs=40, batch_size=16, lr=1e-2, objective=objective)
+    losses = []
+    fit_epochs(
+        model,
+        make_optimizer(model, config),
+        range(config.epochs),
+        local_batches(arrays, 16, 0),
+        config,
+        lambda epoch, loss: losses.append(loss),
+    )
+    assert losses[-1] < losses[0]
+    metrics = evaluate_predictor(model, arrays)
+    assert metrics["accuracy"] == 1.0 and metrics["gap_captured"] == pytest.approx(1.0)
+
+
+def test_training_columns_from_a_numpy_batch():
+    table = rows_to_table(label_rows(5))
+    batch = {name: np.asarray(table[name].to_pylist(), dtype=object) for name in table.column_names}
+    columns = training_columns(batch)
+    assert columns["topk_ids"].shape == (5, 4) and columns["tau"].shape == (5, 3)
+    assert columns["best_index"].tolist() == [r["candidates"].index(r["best_block_size"]) for r in label_rows(5)]
+
+
+# ----------------------------------------------------------------------------- as an MLflow model
+
+
+def test_registered_model_round_trip(tmp_path, monkeypatch):
+    import mlflow
+
+    from blockpilot.tracking import log_predictor_model, start_run
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    model = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8))
+    folder = model.save(tmp_path / "predictor")
+    with start_run("blockpilot-predictor", "test") as tracker:
+        first = log_predictor_model(tracker, folder)
+    with start_run("blockpilot-predictor", "test") as tracker:
+        second = log_predictor_model(tracker, folder)
+    assert (first, second) == ("1", "2")
+    loaded = load_predictor("models:/blockpilot-predictor/2")
+    inputs = random_inputs(3, 10, k=4)
+    assert loaded.predict(inputs) == model.predict(inputs)
+    # MLflow's own loader runs the models-from-code script: the pyfunc predicts block sizes.
+    pyfunc = mlflow.pyfunc.load_model("models:/blockpilot-predictor/1")
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {
+            "topk_ids": inputs.topk_ids.tolist(),
+            "topk_probs": inputs.topk_probs.tolist(),
+            "entropy": inputs.entropy.tolist(),
+            "temperature": inputs.temperature.tolist(),
+        }
+    )
+    assert list(pyfunc.predict(frame)) == model.predict(inputs)
+    with pytest.raises(FileNotFoundError, match="could not fetch"):
+        load_predictor("models:/blockpilot-predictor/99")
+
+
+def test_pyarrow_table_is_what_the_trainer_reads():
+    table = rows_to_table(label_rows(4))
+    assert isinstance(table, pa.Table) and table.num_rows == 4

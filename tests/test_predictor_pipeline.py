@@ -1,0 +1,164 @@
+"""Predictor training on Ray Train with MLflow: a tracked run, a killed worker, resuming by name, bad input."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.train_predictor import TrainJob, run_train_job
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def job(label_dirs: dict, tmp_path: Path, **overrides) -> TrainJob:
+    defaults = dict(
+        labels=label_dirs["train"],
+        eval=label_dirs["heldout"],
+        kind="sparse",
+        hidden_size=64,
+        epochs=3,
+        batch_size=32,
+        lr=3e-3,
+        storage=tmp_path / "ray",
+        out=tmp_path / "predictor",
+        name="tiny",
+    )
+    return TrainJob(**{**defaults, **overrides})
+
+
+def test_a_tracked_run_checkpoints_logs_and_registers(local_ray, tiny_labels, tmp_path, mlflow_store, capsys):
+    import mlflow
+
+    outcome = run_train_job(job(tiny_labels, tmp_path))
+    assert (outcome.first_epoch, outcome.last_epoch, outcome.model_version) == (0, 2, "1")
+    assert (outcome.predictor_dir / "model.safetensors").is_file()
+    assert {"tau_pred", "tau_B", "tau_best_fixed", "tau_oracle", "gap_captured", "accuracy"} <= set(outcome.val_metrics)
+    assert "T0/tau_pred" in outcome.eval_metrics and "T1/gap_captured" in outcome.eval_metrics
+    checkpoints = list((tmp_path / "ray" / "tiny").glob("checkpoint_*"))
+    assert checkpoints, "a checkpoint each epoch (the last two kept)"
+
+    mlflow.set_tracking_uri(mlflow_store)
+    client = mlflow.MlflowClient()
+    history = client.get_metric_history(outcome.run_id, "val/tau_pred")
+    assert sorted(m.step for m in history) == [0, 1, 2]
+    run = client.get_run(outcome.run_id)
+    assert run.data.params["kind"] == "sparse" and "eval/tau_pred" in run.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(outcome.run_id)}
+    assert {"confusion_matrix.png", "tau_by_policy.png", "predictor"} <= artifacts
+    assert client.get_model_version("blockpilot-predictor", "1").run_id == outcome.run_id
+
+    from blockpilot.cli import main
+
+    zoo = Path(pq.read_table(tiny_labels["train"]).column("target_id")[0].as_py()).parent
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(zoo / "target"),
+                "--drafter",
+                str(zoo / "drafter"),
+                "--prompt",
+                "Count from 1 to 9.",
+                "--predictor",
+                "models:/blockpilot-predictor/1",
+                "--max-new-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["policy"] == "learned" and payload["block_size"] in (2, 3, 4, 5, 6)
+
+
+def test_running_again_with_the_same_name_resumes(local_ray, tiny_labels, tmp_path):
+    first = run_train_job(job(tiny_labels, tmp_path, epochs=2, track=False))
+    assert (first.first_epoch, first.last_epoch) == (0, 1)
+    again = run_train_job(job(tiny_labels, tmp_path, epochs=3, track=False))
+    assert (again.first_epoch, again.last_epoch) == (2, 2), "the second run starts after the first run's last epoch"
+
+
+def _train_workers() -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+def _committed_checkpoint(snapshot: Path) -> bool:
+    try:
+        return json.loads(snapshot.read_text()).get("latest_checkpoint_result") is not None
+    except (OSError, json.JSONDecodeError):  # not written yet, or being written
+        return False
+
+
+def test_a_killed_worker_resumes_from_the_last_checkpoint(local_ray, tiny_labels, tmp_path):
+    outcome, failures = [], []
+
+    def train() -> None:
+        try:
+            outcome.append(run_train_job(job(tiny_labels, tmp_path, epochs=12, name="killed", track=False)))
+        except BaseException as error:
+            failures.append(error)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    snapshot = tmp_path / "ray" / "killed" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and thread.is_alive():
+        # Kill once Ray Train has committed a checkpoint (its snapshot names one) and the worker still runs.
+        if _committed_checkpoint(snapshot) and _train_workers():
+            break
+        time.sleep(0.1)
+    victims = _train_workers()
+    assert victims, "a running Ray Train worker to kill"
+    for process in victims:
+        process.kill()
+    thread.join(timeout=600)
+    assert not failures, failures
+    result = outcome[0]
+    assert result.first_epoch > 0, "the restarted worker resumed from a checkpoint instead of epoch 0"
+    assert result.last_epoch == 11
+    assert (result.predictor_dir / "config.json").is_file()
+
+
+def test_bad_labels_stop_before_training(tiny_labels, tmp_path):
+    table = pq.read_table(tiny_labels["train"])
+    pq.write_table(table.drop_columns(["tau"]), tmp_path / "no_tau.parquet")
+    with pytest.raises(ValueError, match=r"missing columns \['tau'\]"):
+        run_train_job(job(tiny_labels, tmp_path, labels=tmp_path / "no_tau.parquet"))
+
+    import pyarrow as pa
+
+    errors = table.set_column(
+        table.schema.get_field_index("error"), "error", pa.array(["empty prompt"] * table.num_rows)
+    )
+    pq.write_table(errors, tmp_path / "all_errors.parquet")
+    with pytest.raises(ValueError, match="zero valid rows"):
+        run_train_job(job(tiny_labels, tmp_path, labels=tmp_path / "all_errors.parquet"))
+
+    other = table.set_column(
+        table.schema.get_field_index("candidates"),
+        "candidates",
+        pa.array([[1, 2, 3, 4, 5]] * table.num_rows, pa.list_(pa.int32())),
+    )
+    pq.write_table(other, tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match="mismatched candidates"):
+        run_train_job(job(tiny_labels, tmp_path, val=tmp_path / "other.parquet"))
