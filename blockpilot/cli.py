@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from blockpilot.decoding.acceptance import VERIFY_RULES
+# blockpilot.decoding.VERIFY_RULES, repeated so that `--help` does not import torch (a test keeps them equal).
+VERIFY_RULES = ("match", "rejection")
 
 # ----------------------------------------------------------------------------- argument types
 
@@ -66,6 +67,20 @@ def cmd_zoo_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_zoo_build(args: argparse.Namespace) -> int:
+    from blockpilot.zoo.build import build_zoo
+
+    _quiet_transformers()
+    trainer = None
+    if args.trainer == "ray":
+        from pipelines.build_zoo import RayTrainer
+
+        trainer = RayTrainer(num_workers=args.workers, use_gpu=args.use_gpu)
+    out = build_zoo(args.size, args.out, seed=args.seed, device=args.device, trainer=trainer, track=not args.no_track)
+    print(f"zoo: {out}")
+    return 0
+
+
 def _policy(args: argparse.Namespace, train_block_size: int | None) -> Any:
     from blockpilot.decoding.policies import EntropyHeuristic, FixedBlockSize
 
@@ -73,6 +88,10 @@ def _policy(args: argparse.Namespace, train_block_size: int | None) -> Any:
         return FixedBlockSize(args.block_size)
     if train_block_size is None:
         return None
+    if args.predictor is not None:
+        from blockpilot.predictor import LearnedPolicy, load_predictor
+
+        return LearnedPolicy(load_predictor(args.predictor))
     if args.policy == "entropy":
         return EntropyHeuristic.around(train_block_size)
     return FixedBlockSize(train_block_size)
@@ -108,6 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     policy = _policy(args, models.train_block_size)
+    if hasattr(policy, "check_fits"):
+        policy.check_fits(models.target.get_output_embeddings().weight.shape[0], models.train_block_size)
     result = generate(models, prompt_ids, policy=policy, config=config)
     text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
@@ -117,6 +138,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(text)
         print("---")
         print(format_stats(result))
+    return 0
+
+
+def cmd_label(args: argparse.Namespace) -> int:
+    from pipelines.label import job_from_args, run_label_job
+
+    _quiet_transformers()
+    run_label_job(job_from_args(args))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipelines.train_predictor import job_from_args, run_train_job
+
+    _quiet_transformers()
+    run_train_job(job_from_args(args))
     return 0
 
 
@@ -140,6 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
     random.add_argument("--out", type=Path, required=True, help="folder to write target/ and drafter/ into")
     random.add_argument("--seed", type=int, default=0)
     random.set_defaults(handler=cmd_zoo_random)
+    build = zoo_commands.add_parser("build", help="train a target and its DFlash drafter from local text")
+    build.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    build.add_argument("--out", type=Path, default=None, help="copy the zoo here (it is cached under the home folder)")
+    build.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument(
+        "--trainer",
+        choices=("local", "ray"),
+        default="local",
+        help="run the training steps in this process, or on Ray Train workers",
+    )
+    build.add_argument("--workers", type=positive_int, default=1, help="Ray Train workers (with --trainer ray)")
+    build.add_argument("--use-gpu", action="store_true", help="Ray Train workers take a GPU each")
+    build.add_argument("--no-track", action="store_true", help="do not log the build to MLflow")
+    build.set_defaults(handler=cmd_zoo_build)
 
     gen = commands.add_parser("generate", help="generate with the target, speculatively when a drafter is given")
     gen.add_argument("--target", type=model_ref, required=True, help="target model folder or hub id")
@@ -153,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="fixed",
         help="without --block-size: 'fixed' drafts the training block size, 'entropy' adapts it",
     )
+    gen.add_argument(
+        "--predictor",
+        default=None,
+        help="a trained predictor picks b per request: a predictor folder or models:/blockpilot-predictor/N",
+    )
     gen.add_argument("--temperature", type=non_negative_float, default=0.0)
     gen.add_argument("--max-new-tokens", type=positive_int, default=128)
     gen.add_argument("--verify", choices=VERIFY_RULES, default="match", help="acceptance rule at temperature > 0")
@@ -161,6 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: bf16 on cuda, fp32 on cpu)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
     gen.set_defaults(handler=cmd_generate)
+
+    label = commands.add_parser("label", help="the block-size sweep of every prompt, on Ray Data, to Parquet")
+    from pipelines.label import add_label_arguments
+
+    add_label_arguments(label)
+    label.set_defaults(handler=cmd_label)
+
+    train = commands.add_parser("train", help="fit the block-size predictor on labels, on Ray Train, tracked in MLflow")
+    from pipelines.train_predictor import add_train_arguments
+
+    add_train_arguments(train)
+    train.set_defaults(handler=cmd_train)
 
     demo = commands.add_parser("demo", help="the main job on embedded defaults")
     demo.add_argument("--home", type=Path, default=None, help="artifact folder (default: $BLOCKPILOT_HOME)")

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray 2.60 turns token authentication on for a new local cluster and writes the token under ~/.ray;
+# tests run without it and write nothing to the home directory.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -15,8 +21,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(autouse=True, scope="session")
 def isolated_home(tmp_path_factory: pytest.TempPathFactory):
-    """Every artifact of the session under one temporary BLOCKPILOT_HOME; nothing in the real home."""
-    home = tmp_path_factory.mktemp("blockpilot-home")
+    """Every artifact of the session under one temporary BLOCKPILOT_HOME; nothing in the real home.
+
+    `BLOCKPILOT_TEST_HOME=/some/folder` keeps that home between local runs (the tiny zoo is then built once).
+    """
+    kept = os.environ.get("BLOCKPILOT_TEST_HOME")
+    home = Path(kept) if kept else tmp_path_factory.mktemp("blockpilot-home")
     previous = os.environ.get("BLOCKPILOT_HOME")
     os.environ["BLOCKPILOT_HOME"] = str(home)
     yield home
@@ -39,3 +49,59 @@ def random_models(random_zoo):
     from blockpilot.models import load_models
 
     return load_models(random_zoo["target"], random_zoo["drafter"], device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo(isolated_home) -> Path:
+    """The trained tiny zoo (target, drafter, prompts, zoo.json), built once per session (about a minute)."""
+    from blockpilot.zoo.build import build_zoo
+
+    return build_zoo("tiny", track=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_zoo):
+    from blockpilot.models import load_models
+
+    return load_models(tiny_zoo / "target", tiny_zoo / "drafter", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local_ray(isolated_home):
+    """An embedded Ray with 4 logical CPUs (2 real cores: fractional actors must not take them all)."""
+    import ray
+    from ray.data import DataContext
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    context = DataContext.get_current()
+    context.execution_no_progress_timeout_s = 120  # a hung pool fails the test instead of the CI run
+    context.enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
+    """Labels of the tiny zoo's train and held-out prompts at T = 0 and 1 (in-process, no Ray)."""
+    import pyarrow.parquet as pq
+
+    from blockpilot.data.labels import rows_to_table
+    from blockpilot.data.sources import load_prompt_source
+    from blockpilot.labeling import Labeler, LabelSettings
+
+    labeler = Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16))
+    folder = tmp_path_factory.mktemp("tiny-labels")
+    out = {}
+    for split in ("train", "heldout"):
+        rows = [
+            row
+            for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}")
+            for t in (0.0, 1.0)
+            for row in labeler.label(record, t)
+        ]
+        (folder / split).mkdir()
+        pq.write_table(rows_to_table(rows), folder / split / "labels.parquet")
+        out[split] = folder / split
+    return out

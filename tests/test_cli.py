@@ -126,3 +126,10 @@ def test_python_dash_m_entry_point(random_zoo):
     )
     assert completed.returncode == 0, completed.stderr
     assert len(json.loads(completed.stdout)["token_ids"]) == 5
+
+
+def test_cli_verify_choices_match_the_library():
+    from blockpilot.cli import VERIFY_RULES as cli_rules
+    from blockpilot.decoding import VERIFY_RULES
+
+    assert cli_rules == VERIFY_RULES

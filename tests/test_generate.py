@@ -193,3 +193,42 @@ def test_rejection_rule_at_temperature_zero_is_greedy(random_models, prompt_ids)
     ids = prompt_ids[1]
     result = generate(random_models, ids, config=GenerationConfig(max_new_tokens=30, verify="rejection"))
     assert result.token_ids == greedy_reference(random_models.target, ids, 30)
+
+
+# ----------------------------------------------------------------------------- the trained tiny zoo
+
+
+@pytest.fixture(scope="module")
+def zoo_prompts(tiny_zoo, tiny_models):
+    import json
+
+    rows = [json.loads(line) for line in (tiny_zoo / "prompts" / "heldout.jsonl").read_text().splitlines()]
+    return [tiny_models.encode_prompt(row["prompt"]) for row in rows[:6]]
+
+
+@pytest.mark.parametrize("policy", [1, 2, 4, 8, 16, "entropy"])
+def test_trained_drafter_keeps_greedy_exact(tiny_models, zoo_prompts, policy):
+    """With a trained DFlash drafter (real acceptances, real drafter cache), T = 0 output stays exact."""
+    policy = EntropyHeuristic.around(tiny_models.train_block_size) if policy == "entropy" else FixedBlockSize(policy)
+    stop = tuple(tiny_models.stop_token_ids())
+    accepted_any = False
+    for ids in zoo_prompts:
+        expected = greedy_reference(tiny_models.target, ids, 48, stop)
+        result = generate(
+            tiny_models, ids, policy=policy, config=GenerationConfig(max_new_tokens=48, stop_token_ids=stop)
+        )
+        assert result.token_ids == expected
+        check_stats_invariants(result, 48)
+        accepted_any |= any(tau > 1 for tau in result.acceptance_lengths)
+    if policy.name == "entropy" or policy.block_size > 1:
+        assert accepted_any, "a trained drafter should get some drafts accepted"
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_trained_drafter_sampling_stats(tiny_models, zoo_prompts, rule):
+    stop = tuple(tiny_models.stop_token_ids())
+    for seed, ids in enumerate(zoo_prompts):
+        config = GenerationConfig(max_new_tokens=40, temperature=0.8, verify=rule, seed=seed, stop_token_ids=stop)
+        result = generate(tiny_models, ids, policy=FixedBlockSize(4), config=config)
+        check_stats_invariants(result, 40)
+        assert all(t not in stop for t in result.token_ids[:-1])
