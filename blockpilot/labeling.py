@@ -32,6 +32,7 @@ class LabelSettings:
     top_k: int = 32
     dense: bool = False  # also store the whole prefill distribution (fp16)
     seed: int = 0
+    samples: int = 1  # generations pooled per row at T > 0 (a row's tau is then a mean over them)
 
     def __post_init__(self) -> None:
         if not self.temperatures:
@@ -43,6 +44,8 @@ class LabelSettings:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.mode not in ("replay", "live"):
             raise ValueError(f"mode must be 'replay' or 'live', got {self.mode!r}")
 
@@ -133,6 +136,7 @@ class Labeler:
             "turn": turn,
             "temperature": float(temperature),
             "seed": task_seed(self.settings.seed, prompt_id, temperature),
+            "samples": self.settings.samples if temperature > 0 else 1,
             "train_block_size": self.models.train_block_size,
             "candidates": list(self.candidates),
             "target_id": self.models.target_id,
@@ -151,6 +155,7 @@ class Labeler:
             stop_token_ids=tuple(self.models.stop_token_ids()),
             seed=base["seed"],
             mode=self.settings.mode,
+            samples=base["samples"],
         )
         sweep = sweep_prompt(self.models, prompt_ids, config)
         if not any(sweep.cycles):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -50,6 +50,7 @@ class SweepConfig:
     seed: int = 0
     mode: SweepMode = "replay"
     verify: VerifyRule = "match"
+    samples: int = 1  # at T > 0: generations pooled per candidate (seeds seed, seed + 1, ...); T = 0 runs one
 
     def __post_init__(self) -> None:
         candidates = tuple(self.candidates)
@@ -68,6 +69,8 @@ class SweepConfig:
             raise ValueError(
                 "replay sweeps the 'match' rule only at temperature > 0; sweep 'rejection' with mode='live'"
             )
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
         self.generation_config()  # validates temperature, max_new_tokens
 
     def generation_config(self) -> GenerationConfig:
@@ -235,7 +238,25 @@ def _batched_drafts(models, embed, head, context_kv, sequence, prompt_length, cu
 
 
 def sweep_prompt(models: SpeculativeModels, prompt_ids: Sequence[int], config: SweepConfig) -> PromptSweep:
-    """tau for every candidate on one prompt, in the configured mode."""
-    if config.mode == "live":
-        return live_sweep(models, prompt_ids, config)
-    return replay_sweep(models, prompt_ids, config)
+    """tau for every candidate on one prompt, in the configured mode; at T > 0, pooled over `samples` runs."""
+    sweep = live_sweep if config.mode == "live" else replay_sweep
+    samples = config.samples if config.temperature > 0 else 1
+    return pool([sweep(models, prompt_ids, replace(config, seed=config.seed + i)) for i in range(samples)])
+
+
+def pool(sweeps: Sequence[PromptSweep]) -> PromptSweep:
+    """Several sweeps of one prompt as one: every cycle of every run counts, so tau is the pooled mean
+    acceptance length; the first run's output and prefill stand for the prompt."""
+    if len(sweeps) == 1:
+        return sweeps[0]
+    first = sweeps[0]
+    lengths = [[t for s in sweeps for t in s.acceptance_lengths[i]] for i in range(len(first.candidates))]
+    return PromptSweep(
+        candidates=first.candidates,
+        tau=[_mean(walk) for walk in lengths],
+        acceptance_lengths=lengths,
+        new_tokens=[sum(s.new_tokens[i] for s in sweeps) for i in range(len(first.candidates))],
+        cycles=[len(walk) for walk in lengths],
+        token_ids=first.token_ids,
+        prefill=first.prefill,
+    )

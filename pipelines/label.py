@@ -208,6 +208,12 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=positive_int, default=32, help="prefill distribution entries stored")
     parser.add_argument("--dense", action="store_true", help="also store the whole prefill distribution (fp16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--samples",
+        type=positive_int,
+        default=1,
+        help="at T > 0, generations pooled per row (tau becomes a mean over them)",
+    )
     parser.add_argument("--actors", type=positive_int, default=1)
     parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
     parser.add_argument("--num-cpus-per-actor", type=float, default=1.0)
@@ -247,6 +253,7 @@ def job_from_args(args: argparse.Namespace) -> LabelJob:
         top_k=args.top_k,
         dense=args.dense,
         seed=args.seed,
+        samples=args.samples,
     )
     return LabelJob(
         prompts=args.prompts,

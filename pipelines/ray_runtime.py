@@ -24,8 +24,8 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
         return
-    home = blockpilot_home()
-    os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(home / "ray" / "auth_token"))
+    if "RAY_AUTH_TOKEN_PATH" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(embedded_auth_token())
     ray.init(
         num_cpus=num_cpus or max(4, os.cpu_count() or 1),
         include_dashboard=False,
@@ -38,4 +38,17 @@ def ray_storage(kind: str) -> Path:
     """Where Ray Train keeps runs and checkpoints of `kind`, under the home folder."""
     path = blockpilot_home() / "ray_results" / kind
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def embedded_auth_token() -> Path:
+    """The token file of embedded clusters, created on first use (Ray reads but never creates a token at a
+    custom RAY_AUTH_TOKEN_PATH)."""
+    import secrets
+
+    path = blockpilot_home() / "ray" / "auth_token"
+    if not path.is_file() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
     return path

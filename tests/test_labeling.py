@@ -183,3 +183,22 @@ def test_reading_labels_skips_broken_files_and_duplicates(labeler, tmp_path):
     assert deduplicate(pa.concat_tables([table, table])).num_rows == 1
     with pytest.raises(FileNotFoundError, match="no label Parquet files"):
         read_labels(tmp_path / "nothing")
+
+
+def test_samples_pool_runs_at_temperature(tiny_models, heldout):
+    stop = tuple(tiny_models.stop_token_ids())
+    base = dict(candidates=(2, 4, 6), temperature=1.0, max_new_tokens=24, stop_token_ids=stop)
+    single = [sweep_prompt(tiny_models, heldout[1], SweepConfig(seed=seed, **base)) for seed in (7, 8)]
+    pooled = sweep_prompt(tiny_models, heldout[1], SweepConfig(seed=7, samples=2, **base))
+    for i in range(3):
+        lengths = single[0].acceptance_lengths[i] + single[1].acceptance_lengths[i]
+        assert pooled.acceptance_lengths[i] == lengths
+        assert pooled.tau[i] == pytest.approx(sum(lengths) / len(lengths))
+        assert pooled.cycles[i] == len(lengths)
+    greedy = dict(base, temperature=0.0)
+    assert (
+        sweep_prompt(tiny_models, heldout[1], SweepConfig(samples=3, **greedy)).cycles
+        == sweep_prompt(tiny_models, heldout[1], SweepConfig(**greedy)).cycles
+    )
+    with pytest.raises(ValueError, match="samples"):
+        SweepConfig((2, 3), samples=0)

@@ -3,7 +3,8 @@
 Columns (lists follow `candidates`):
 
     prompt_id, source, prompt, turn           which prompt (`prompt_id` is stable and unique)
-    prompt_tokens, temperature, seed          the generation it was measured on
+    prompt_tokens, temperature, seed          the generation it was measured on (seeds seed, seed+1, ...
+    samples                                   when `samples` > 1 runs are pooled at T > 0)
     train_block_size, candidates, tau         B, the swept b, mean acceptance length per b
     new_tokens, cycles                        per b: output length and draft/verify cycles
     best_block_size                           B* = argmax tau, ties to the smaller b
@@ -38,6 +39,7 @@ LABEL_SCHEMA = pa.schema(
         pa.field("prompt_tokens", pa.int32()),
         pa.field("temperature", pa.float32(), nullable=False),
         pa.field("seed", pa.int64()),
+        pa.field("samples", pa.int32()),
         pa.field("train_block_size", pa.int32()),
         pa.field("candidates", pa.list_(pa.int32())),
         pa.field("tau", pa.list_(pa.float32())),

@@ -121,12 +121,18 @@ def run_training(
 
 
 def padded_batches(
-    sequences: Sequence[Sequence[int]], batch_size: int, pad_id: int, seed: int, device: torch.device | str = "cpu"
+    sequences: Sequence[Sequence[int]],
+    batch_size: int,
+    pad_id: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+    loss_from: Sequence[int] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (input_ids, labels) batches, right-padded; similar lengths are batched together.
 
     Right padding needs no attention mask under a causal model (a real token never sees a later pad), and
-    the mask-free attention path is markedly faster on the CPU; pads are ignored by the loss.
+    the mask-free attention path is markedly faster on the CPU; pads are ignored by the loss, and so are
+    the tokens before `loss_from[i]` (the prompt, when only responses are learned).
     """
     rng = random.Random(seed)
     order = list(range(len(sequences)))
@@ -147,7 +153,7 @@ def padded_batches(
             for row, index in enumerate(batch):
                 seq = sequences[index]
                 ids[row, : len(seq)] = torch.as_tensor(seq)
-                mask[row, : len(seq)] = 1
+                mask[row, loss_from[index] if loss_from is not None else 0 : len(seq)] = 1
             labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
             yield ids.to(device), labels.to(device)
 
@@ -311,11 +317,13 @@ def train_target_steps(
     seed: int,
     report: Reporter,
     wrap: Callable[[nn.Module], nn.Module] = _identity,
+    loss_from: Sequence[int] | None = None,
 ) -> list[float]:
-    """Next-token training of `target` on `sequences` (token ids of chat-formatted pairs)."""
+    """Next-token training of `target` on `sequences` (token ids of chat-formatted pairs); with `loss_from`,
+    only the tokens from there on (the responses) are learned."""
     model = wrap(target)
     device = next(target.parameters()).device
-    batches = padded_batches(sequences, schedule.batch_size, pad_id, seed, device)
+    batches = padded_batches(sequences, schedule.batch_size, pad_id, seed, device, loss_from)
     return run_training(model, batches, target_loss, schedule, report)
 
 
