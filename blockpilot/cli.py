@@ -157,11 +157,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from blockpilot.demo import run_demo
+def cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    from blockpilot.serving import ServeLimits
+    from pipelines.serve import ModelLoader, serve_locally
 
     _quiet_transformers()
-    return run_demo(args.home)
+    loader = ModelLoader(
+        target=args.target,
+        drafter=args.drafter,
+        predictor=args.predictor,
+        model_name=args.model_name,
+        device=args.device,
+        dtype=args.dtype,
+        limits=ServeLimits(max_tokens_cap=args.max_tokens_cap),
+    )
+    server = serve_locally(loader, port=args.port, host=args.host, num_replicas=args.replicas, num_gpus=args.num_gpus)
+    print(f"serving {args.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipelines.demo import run_demo
+
+    _quiet_transformers()
+    return run_demo(args.home, size=args.size, port=args.port)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -231,8 +257,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(handler=cmd_train)
 
+    srv = commands.add_parser("serve", help="the adaptive decoder behind an OpenAI-style endpoint on Ray Serve")
+    srv.add_argument("--target", type=model_ref, required=True)
+    srv.add_argument("--drafter", type=model_ref, default=None)
+    srv.add_argument("--predictor", default=None, help="predictor folder or models:/blockpilot-predictor/N")
+    srv.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback by default)")
+    srv.add_argument("--port", type=positive_int, default=8000)
+    srv.add_argument("--model-name", default="blockpilot")
+    srv.add_argument("--replicas", type=positive_int, default=1)
+    srv.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
+    srv.add_argument("--max-tokens-cap", type=positive_int, default=512)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--dtype", default=None)
+    srv.set_defaults(handler=cmd_serve)
+
     demo = commands.add_parser("demo", help="the main job on embedded defaults")
     demo.add_argument("--home", type=Path, default=None, help="artifact folder (default: $BLOCKPILOT_HOME)")
+    demo.add_argument("--size", choices=("tiny", "small"), default="small", help="which zoo the flow runs on")
+    demo.add_argument("--port", type=positive_int, default=8000, help="port of the endpoint on 127.0.0.1")
     demo.set_defaults(handler=cmd_demo)
     return parser
 
