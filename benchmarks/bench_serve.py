@@ -58,13 +58,7 @@ def main() -> None:
         port = sock.getsockname()[1]
     server = serve_locally(loader, port=port)
     url = f"{server.url}/v1/completions"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    server.wait_healthy()
     httpx.post(url, json=bodies[0], timeout=120).raise_for_status()  # warm-up
 
     def one(body: dict) -> float:

@@ -174,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=ServeLimits(max_tokens_cap=args.max_tokens_cap),
     )
     server = serve_locally(loader, port=args.port, host=args.host, num_replicas=args.replicas, num_gpus=args.num_gpus)
+    server.wait_healthy()
     print(f"serving {args.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
     try:
         while True:

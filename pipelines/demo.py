@@ -11,7 +11,6 @@ reuses what an earlier run left: the zoo is cached, labeled prompts are skipped,
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -100,7 +99,7 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
         ModelLoader(str(zoo / "target"), str(zoo / "drafter"), predictor, model_name=f"zoo-{size}"), port=port
     )
     try:
-        _wait_healthy(server.url)
+        server.wait_healthy()
         response = httpx.post(
             f"{server.url}/v1/chat/completions",
             timeout=120,
@@ -123,16 +122,3 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
         serve.shutdown()
     print(f"\nMLflow: mlflow ui --backend-store-uri sqlite:///{home / 'mlflow' / 'mlflow.db'} --host 127.0.0.1")
     return 0
-
-
-def _wait_healthy(url: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the endpoint at {url} did not become healthy in {timeout_s:.0f}s")
-        time.sleep(0.5)

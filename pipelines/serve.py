@@ -232,6 +232,23 @@ class LocalServer:
     url: str
     app_name: str
 
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        """Block until GET /health answers 200 (the proxy and a replica are up), or raise TimeoutError."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the endpoint at {self.url} did not become healthy in {timeout_s:.0f}s")
+            time.sleep(0.5)
+
     def shutdown(self) -> None:
         serve.delete(self.app_name)
 

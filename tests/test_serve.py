@@ -57,13 +57,7 @@ def endpoint(local_ray, tiny_zoo, predictor_dir):
 
     loader = ModelLoader(str(tiny_zoo / "target"), str(tiny_zoo / "drafter"), str(predictor_dir), model_name="tiny")
     server = serve_locally(loader, port=free_port(), request_timeout_s=120)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    server.wait_healthy(120)
     yield server.url
     server.shutdown()
     serve.shutdown()
