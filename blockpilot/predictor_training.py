@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from blockpilot.predictor import BlockSizePredictor, PredictorInputs
 
-Objective = Literal["ce", "expected-tau"]
-OBJECTIVES: tuple[str, ...] = ("ce", "expected-tau")
+Objective = Literal["ce", "expected-tau", "normalized-gain"]
+OBJECTIVES: tuple[str, ...] = ("ce", "expected-tau", "normalized-gain")
 REQUIRED_COLUMNS = (
     "prompt_id",
     "source",
@@ -149,14 +149,32 @@ def label_arrays(table: pa.Table, dense: bool = False) -> LabelArrays:
 
 
 def predictor_loss(
-    logits: torch.Tensor, tau: torch.Tensor, best_index: torch.Tensor, objective: Objective
+    logits: torch.Tensor,  # (N, C)
+    tau: torch.Tensor,  # (N, C)
+    best_index: torch.Tensor,  # (N,)
+    objective: Objective,
+    temperature: torch.Tensor | None = None,  # (N,), needed by normalized-gain
 ) -> torch.Tensor:
     """`ce`: cross-entropy on B* (the paper). `expected-tau`: minus the tau expected under the predicted
-    distribution, which uses the whole tau vector (a near-tie costs little, a bad b costs a lot)."""
+    distribution, which uses the whole tau vector (a near-tie costs little, a bad b costs a lot).
+    `normalized-gain`: the same, as the gain over the row's mean tau, divided by the mean spread
+    (max - min over b) of the batch's rows at the same temperature. At T = 1 the tau vectors of a row
+    differ by hundredths, at T = 0 by whole tokens; unnormalized, the T > 0 rows hardly move the weights."""
     if objective == "ce":
         return F.cross_entropy(logits, best_index)
+    expected = torch.softmax(logits, dim=-1) * tau
     if objective == "expected-tau":
-        return -(torch.softmax(logits, dim=-1) * tau).sum(dim=-1).mean()
+        return -expected.sum(dim=-1).mean()
+    if objective == "normalized-gain":
+        if temperature is None:
+            raise ValueError("the normalized-gain objective needs the rows' temperatures")
+        gain = torch.softmax(logits, dim=-1) * (tau - tau.mean(dim=-1, keepdim=True))
+        spread = tau.max(dim=-1).values - tau.min(dim=-1).values
+        scale = torch.empty_like(spread)
+        for value in temperature.unique():
+            rows = temperature == value
+            scale[rows] = spread[rows].mean().clamp_min(1e-3)
+        return -(gain.sum(dim=-1) / scale).mean()
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
 
 
@@ -278,7 +296,13 @@ def fit_epochs(
         total, count = 0.0, 0
         for batch in batches(epoch):
             logits = model(batch_to_inputs(batch).to(device))
-            loss = predictor_loss(logits, batch["tau"].to(device), batch["best_index"].to(device), config.objective)
+            loss = predictor_loss(
+                logits,
+                batch["tau"].to(device),
+                batch["best_index"].to(device),
+                config.objective,
+                batch["temperature"].to(device),
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -250,14 +250,15 @@ def run_train_job(job: TrainJob) -> TrainOutcome:
 def format_metrics(title: str, metrics: dict[str, float]) -> str:
     lines = [
         f"[predictor] {title}: accuracy {metrics['accuracy']:.3f}, gap captured {metrics['gap_captured']:.2f}",
-        f"  {'group':<18} {'pred':>6} {'B':>6} {'best':>6} {'oracle':>6}",
+        f"  {'group':<18} {'pred':>6} {'B':>6} {'best':>6} {'oracle':>6} {'gap':>5}",
     ]
     groups = [""] + sorted({k.rsplit("/", 1)[0] + "/" for k in metrics if k.startswith("T")})
     for group in groups:
         name = group.rstrip("/") or "all"
         lines.append(
             f"  {name:<18} {metrics[group + 'tau_pred']:>6.3f} {metrics[group + 'tau_B']:>6.3f} "
-            f"{metrics[group + 'tau_best_fixed']:>6.3f} {metrics[group + 'tau_oracle']:>6.3f}"
+            f"{metrics[group + 'tau_best_fixed']:>6.3f} {metrics[group + 'tau_oracle']:>6.3f} "
+            f"{metrics[group + 'gap_captured']:>5.2f}"
         )
     return "\n".join(lines)
 
@@ -305,6 +306,7 @@ def predictor_figures(predictor: Any, arrays: Any) -> dict[str, Any]:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from blockpilot.cli import positive_int
+    from blockpilot.predictor_training import OBJECTIVES
 
     parser.add_argument("--labels", type=Path, required=True, help="label Parquet file or folder")
     parser.add_argument("--val", type=Path, default=None, help="validate on these labels instead of a split")
@@ -317,9 +319,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
         "--objective",
-        choices=("ce", "expected-tau"),
+        choices=OBJECTIVES,
         default="ce",
-        help="cross-entropy on B* (the paper), or the whole tau vector",
+        help="cross-entropy on B* (the paper); expected-tau, the whole tau vector; normalized-gain, the same with "
+        "each temperature's rows weighted alike",
     )
     parser.add_argument("--val-share", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)

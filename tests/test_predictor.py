@@ -216,11 +216,32 @@ def test_objectives():
     best = torch.tensor([0, 1])
     assert predictor_loss(logits, tau, best, "ce") < predictor_loss(-logits, tau, best, "ce")
     assert predictor_loss(logits, tau, best, "expected-tau") < predictor_loss(-logits, tau, best, "expected-tau")
+    temperature = torch.tensor([0.0, 1.0])
+    good = predictor_loss(logits, tau, best, "normalized-gain", temperature)
+    assert good < predictor_loss(-logits, tau, best, "normalized-gain", temperature)
+    with pytest.raises(ValueError, match="temperatures"):
+        predictor_loss(logits, tau, best, "normalized-gain")
     with pytest.raises(ValueError, match="objective"):
         predictor_loss(logits, tau, best, "hinge")
 
 
-@pytest.mark.parametrize("objective", ["ce", "expected-tau"])
+def test_normalized_gain_weighs_each_temperature_alike():
+    """Rows at T = 1 whose tau differ by hundredths pull as hard as T = 0 rows that differ by tokens."""
+    tau = torch.tensor([[2.0, 4.0], [3.0, 5.0], [1.20, 1.22], [1.30, 1.32]])
+    temperature = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    best = torch.tensor([1, 1, 1, 1])
+
+    def row_gradients(objective: str) -> torch.Tensor:
+        logits = torch.zeros(4, 2, requires_grad=True)
+        predictor_loss(logits, tau, best, objective, temperature).backward()
+        return logits.grad.abs().sum(dim=-1)
+
+    plain, normalized = row_gradients("expected-tau"), row_gradients("normalized-gain")
+    assert plain[2] < plain[0] / 50
+    assert float(normalized[2]) == pytest.approx(float(normalized[0]), rel=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["ce", "expected-tau", "normalized-gain"])
 def test_training_learns_a_learnable_rule(objective):
     arrays = label_arrays(rows_to_table(label_rows(80)))
     model = BlockSizePredictor(PredictorConfig("sparse", arrays.candidates, 10, top_k=4, hidden_size=32, dropout=0.0))
