@@ -45,19 +45,25 @@ def main() -> None:
     )
     print(f"{'candidates':<34} {'live p/s':>9} {'replay p/s':>11} {'ratio':>6} {'same tau':>9}")
     for candidates in (default_candidates(models.train_block_size), BLOCKPILOT_CANDIDATES):
-        seconds, taus = {}, {}
-        for mode in ("live", "replay"):
-            config = SweepConfig(
+        configs = {
+            mode: SweepConfig(
                 candidates,
                 temperature=args.temperature,
                 max_new_tokens=args.max_new_tokens,
                 stop_token_ids=stop,
                 mode=mode,
             )
+            for mode in ("live", "replay")
+        }
+        seconds, taus = {"live": 0.0, "replay": 0.0}, {"live": [], "replay": []}
+        for config in configs.values():
             sweep_prompt(models, prompts[0], config)  # warm-up
-            started = time.perf_counter()
-            taus[mode] = [sweep_prompt(models, ids, config).tau for ids in prompts]
-            seconds[mode] = time.perf_counter() - started
+        # Modes alternate prompt by prompt (and which goes first), so drift in the machine's speed hits both.
+        for index, ids in enumerate(prompts):
+            for mode in ("live", "replay") if index % 2 == 0 else ("replay", "live"):
+                started = time.perf_counter()
+                taus[mode].append(sweep_prompt(models, ids, configs[mode]).tau)
+                seconds[mode] += time.perf_counter() - started
         same = sum(a == b for a, b in zip(taus["live"], taus["replay"], strict=True))
         live, replay = len(prompts) / seconds["live"], len(prompts) / seconds["replay"]
         print(f"{str(candidates):<34} {live:>9.2f} {replay:>11.2f} {replay / live:>5.2f}x {same:>4}/{len(prompts)}")

@@ -8,7 +8,9 @@ Two modes with one accounting (only tokens that reach the output count, as in `G
   that sequence with the drafter alone: at each step a candidate drafts a block from its cursor, the
   drafts are compared with the sequence, and the cursor moves by the accepted prefix + 1. The drafter's
   context keys/values depend only on the features, so they are computed once per sequence and shared;
-  the walks of all candidates advance together as one batched drafter call per step.
+  the walks of all candidates advance together as one batched drafter call per step. The reference
+  candidate's walk is its live run's. Candidates of b <= 2 draft one token per step, so their walks
+  would set the number of steps; they are drafted at every position of the sequence in one call instead.
 
 At T = 0 the sequence is the target's greedy output whatever b is, so replay and live give the same tau
 vector. At T > 0 under `match` (greedy drafts kept while they equal the target's samples) a live run's
@@ -31,6 +33,9 @@ from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
 from blockpilot.decoding.policies import FixedBlockSize, PrefillState
 from blockpilot.decoding.speculative import GenerationConfig, GenerationResult, generate
 from blockpilot.models.loading import SpeculativeModels
+
+# Up to this block size a candidate is drafted at every anchor in one call rather than walked step by step.
+EVERY_ANCHOR_MAX_BLOCK = 2
 
 SweepMode = Literal["replay", "live"]
 SWEEP_MODES: tuple[str, ...] = ("replay", "live")
@@ -138,21 +143,27 @@ def replay_sweep(models: SpeculativeModels, prompt_ids: Sequence[int], config: S
     """One live generation, then every candidate's walk replayed over its sequence with the drafter alone."""
     if models.drafter is None:
         raise ValueError("a sweep needs a drafter")
+    reference_b = reference_block_size(models, config.candidates)
     reference = generate(
         models,
         prompt_ids,
-        policy=FixedBlockSize(reference_block_size(models, config.candidates)),
+        policy=FixedBlockSize(reference_b),
         config=config.generation_config(),
         collect_features=True,
     )
-    lengths = replay_walks(
-        models,
-        len(prompt_ids),
-        reference.token_ids,
-        reference.context_features,
-        config.candidates,
-        config.max_new_tokens,
+    # The reference run is that candidate's live run over the same sequence: its walk is already known.
+    others = [b for b in config.candidates if b != reference_b]
+    walks = dict(
+        zip(
+            others,
+            replay_walks(
+                models, len(prompt_ids), reference.token_ids, reference.context_features, others, config.max_new_tokens
+            ),
+            strict=True,
+        )
     )
+    walks[reference_b] = list(reference.acceptance_lengths)
+    lengths = [walks[b] for b in config.candidates]
     return PromptSweep(
         candidates=list(config.candidates),
         tau=[_mean(walk) for walk in lengths],
@@ -192,6 +203,12 @@ def replay_walks(
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     cursors = [1] * len(candidates)
     lengths: list[list[int]] = [[] for _ in candidates]
+    for walk, b in enumerate(candidates):
+        if b <= EVERY_ANCHOR_MAX_BLOCK:
+            lengths[walk] = _walk_every_anchor(
+                models, embed, head, context_kv, sequence, prompt_length, b, max_new_tokens
+            )
+            cursors[walk] = n
     while True:
         drafting = []  # (walk index, block size)
         for walk, b in enumerate(candidates):
@@ -216,6 +233,32 @@ def replay_walks(
             committed = min(accepted + 1, n - c)
             lengths[walk].append(committed)
             cursors[walk] += committed
+
+
+def _walk_every_anchor(models, embed, head, context_kv, sequence, prompt_length, b, max_new_tokens) -> list[int]:
+    """A walk of block size b from drafts made at every anchor 1..n-1 in one drafter call."""
+    n = sequence.shape[0]
+    anchors = list(range(1, n))
+    sizes = [min(b, max_new_tokens - c) for c in anchors]
+    drafting = [(i, size) for i, size in enumerate(sizes) if size > 1]
+    drafts = (
+        _batched_drafts(models, embed, head, context_kv, sequence, prompt_length, anchors, drafting)
+        if drafting
+        else None
+    )
+    row_of = {i: row for row, (i, _) in enumerate(drafting)}
+    lengths, c = [], 1
+    while c < n:
+        size = sizes[c - 1]
+        accepted = 0
+        if size > 1:
+            wanted = sequence[c : c + size - 1]
+            matches = drafts[row_of[c - 1], : wanted.shape[0]] == wanted
+            accepted = int(matches.to(torch.int64).cumprod(0).sum())
+        committed = min(accepted + 1, n - c)
+        lengths.append(committed)
+        c += committed
+    return lengths
 
 
 def _batched_drafts(models, embed, head, context_kv, sequence, prompt_length, cursors, drafting) -> torch.Tensor:

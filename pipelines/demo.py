@@ -1,6 +1,6 @@
 """The main job on embedded defaults: zoo -> labels -> predictor -> generate -> endpoint.
 
-    make demo                      # = python -m blockpilot demo (the small zoo; ~30 min the first time on 2 cores)
+    make demo                      # = python -m blockpilot demo (the small zoo; ~40 min the first time on 2 cores)
     python -m blockpilot demo --size tiny      # the same flow on the tiny zoo, in a few minutes
 
 Everything runs on this machine: an embedded Ray (Ray Data labels, Ray Train fits the predictor, Ray Serve
@@ -43,7 +43,8 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
     )
 
     _banner("2/5 labels: the block-size sweep of every prompt on Ray Data")
-    settings = LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True)
+    # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
+    settings = LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4)
     labels = home / "demo" / size / "labels"
     for split in ("train", "heldout"):
         run_label_job(
@@ -65,7 +66,7 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
             labels=labels / "train",
             eval=labels / "heldout",
             kind="sparse",
-            objective="expected-tau",
+            objective="normalized-gain",
             epochs=30,
             name=f"demo-{size}",
             out=home / "demo" / size / "predictor",
