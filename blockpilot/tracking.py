@@ -153,6 +153,7 @@ def log_predictor_model(
         return None
     import mlflow
 
+    _quiet_artifact_transfers()
     info = mlflow.pyfunc.log_model(
         name="predictor-model",
         python_model=str(_MODEL_CODE),
@@ -163,6 +164,13 @@ def log_predictor_model(
     )
     version = getattr(info, "registered_model_version", None)
     return None if version is None else str(version)
+
+
+def _quiet_artifact_transfers() -> None:
+    """A predictor is a few small files: a progress bar per file is noise in `generate`, `train` and the demo."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def download_model_folder(uri: str, artifact: str) -> Path:
@@ -178,6 +186,7 @@ def download_model_folder(uri: str, artifact: str) -> Path:
 
     import mlflow
 
+    _quiet_artifact_transfers()
     uri_of_store = tracking_uri()
     mlflow.set_tracking_uri(uri_of_store)
     pinned = uri.startswith("runs:/") or re.fullmatch(r"models:/[^/@]+/\d+", uri) is not None

@@ -196,6 +196,10 @@ def run_train_job(job: TrainJob) -> TrainOutcome:
             }
         )
         ensure_ray()
+        # Each epoch's shard iteration is a small Ray Data execution: without this, every one prints bars.
+        data_context = ray.data.DataContext.get_current()
+        data_context.enable_progress_bars = False
+        data_context.print_on_execution_start = False
         columns = dict(fn_kwargs={"dense": dense}, batch_format="numpy")
         # Materialized once: every epoch then reads the prepared blocks instead of redoing the conversion.
         datasets = {"train": ray.data.from_arrow(train).map_batches(training_columns, **columns).materialize()}
