@@ -67,6 +67,7 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
             eval=labels / "heldout",
             kind="sparse",
             objective="normalized-gain",
+            val_share=0.05,  # validation only watches the run (the last epoch is kept): keep the rows for training
             epochs=30,
             name=f"demo-{size}",
             out=home / "demo" / size / "predictor",
