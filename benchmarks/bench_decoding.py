@@ -1,6 +1,8 @@
 """Decode speed: autoregressive vs fixed block sizes (and the entropy policy), same prompts, same models.
 
     python benchmarks/bench_decoding.py [--target DIR --drafter DIR] [--device cpu] [--max-new-tokens 128]
+    python benchmarks/bench_decoding.py --target $ZOO/target --drafter $ZOO/drafter \
+        --prompts $ZOO/prompts/heldout.jsonl --block-sizes 4,6,8 [--predictor DIR_OR_URI]
 
 Without --target/--drafter it writes and uses the random tiny zoo (tau near 1 by construction, so what
 this shows there is the cost of a cycle, not a speedup). Prints decode tokens/s, mean tau, and the
@@ -10,6 +12,7 @@ speedup over autoregressive decoding, averaged over the prompts after one warm-u
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from dataclasses import replace
@@ -47,6 +50,9 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--block-sizes", default="2,4,8,16")
+    parser.add_argument("--prompts", type=Path, default=None, help="a prompts .jsonl (e.g. a zoo's heldout.jsonl)")
+    parser.add_argument("--limit", type=int, default=16, help="prompts taken from --prompts")
+    parser.add_argument("--predictor", default=None, help="also time the learned policy (folder or models:/ URI)")
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -59,17 +65,28 @@ def main() -> None:
         args.target, args.drafter = paths["target"], paths["drafter"]
     models = load_models(args.target, args.drafter, device=args.device)
     autoregressive = replace(models, drafter=None, mask_token_id=None)
-    prompts_ids = [models.encode_prompt(p) for p in PROMPTS]
-    # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    if args.prompts is None:
+        prompts = PROMPTS
+        # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    else:
+        rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+        prompts = [row["prompt"] for row in rows[: args.limit]]
+        # Real answers end at a stop token; at T = 0 every policy produces the same tokens anyway.
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(models.stop_token_ids()))
+    prompts_ids = [models.encode_prompt(p) for p in prompts]
     print(
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
-        f"prompts={len(PROMPTS)} max_new_tokens={args.max_new_tokens}"
+        f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T=0"
     )
 
     runs = [("autoregressive", autoregressive, None)]
     runs += [(f"fixed b={b}", models, FixedBlockSize(int(b))) for b in args.block_sizes.split(",")]
     runs += [("entropy policy", models, EntropyHeuristic.around(models.train_block_size))]
+    if args.predictor:
+        from blockpilot.predictor import LearnedPolicy, load_predictor
+
+        runs += [("learned policy", models, LearnedPolicy(load_predictor(args.predictor)))]
     measure(models, prompts_ids[:1], FixedBlockSize(2), config)  # warm-up
     baseline = None
     print(f"{'policy':<16} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")
