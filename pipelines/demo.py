@@ -1,6 +1,6 @@
 """The main job on embedded defaults: zoo -> labels -> predictor -> generate -> endpoint.
 
-    make demo                      # = python -m blockpilot demo (the small zoo; ~40 min the first time on 2 cores)
+    make demo                      # = python -m blockpilot demo (the small zoo; ~35 min the first time on 2 cores)
     python -m blockpilot demo --size tiny      # the same flow on the tiny zoo, in a few minutes
 
 Everything runs on this machine: an embedded Ray (Ray Data labels, Ray Train fits the predictor, Ray Serve
