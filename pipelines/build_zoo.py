@@ -18,10 +18,12 @@ class RayTrainer:
     num_workers: int = 1
     use_gpu: bool = False
 
-    def train_target(self, target: Any, sequences, pad_id: int, schedule, seed: int) -> list[float]:
+    def train_target(self, target: Any, sequences, pad_id: int, schedule, seed: int, loss_from) -> list[float]:
         from pipelines.train_target import fit_target
 
-        return fit_target(target, sequences, pad_id, schedule, seed, num_workers=self.num_workers, use_gpu=self.use_gpu)
+        return fit_target(
+            target, sequences, pad_id, schedule, seed, loss_from, num_workers=self.num_workers, use_gpu=self.use_gpu
+        )
 
     def train_drafter(self, drafter: Any, target: Any, rows, recipe, schedule, seed: int) -> list[float]:
         from pipelines.train_drafter import fit_drafter

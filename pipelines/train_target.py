@@ -43,7 +43,8 @@ def report_final(model: Any, history: list[float]) -> None:
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            state = {k: v.detach().contiguous().cpu() for k, v in unwrapped.state_dict().items()}
+            # Cloned: tied weights (embeddings = lm_head) share memory, which safetensors refuses to save.
+            state = {k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items()}
             save_file(state, Path(directory) / "model.safetensors")
             (Path(directory) / "history.json").write_text(json.dumps(history))
             checkpoint = ray.train.Checkpoint.from_directory(directory)
@@ -74,6 +75,7 @@ def _target_worker(config: dict[str, Any]) -> None:
     model = model.to(ray.train.torch.get_device())
     schedule = replace(config["schedule"], batch_size=max(1, config["schedule"].batch_size // world))
     report = worker_reporter("target", schedule.steps, schedule.log_every)
+    loss_from = config["loss_from"]
     history = train_target_steps(
         model,
         config["sequences"][rank::world],
@@ -82,6 +84,7 @@ def _target_worker(config: dict[str, Any]) -> None:
         config["seed"] + rank,
         report,
         wrap=ray.train.torch.prepare_model,
+        loss_from=None if loss_from is None else loss_from[rank::world],
     )
     report_final(model, history)
 

@@ -241,3 +241,26 @@ def test_a_second_build_reuses_the_cache(tiny_zoo, tmp_path):
 def test_unknown_size():
     with pytest.raises(ValueError, match="unknown zoo size 'huge'"):
         build_zoo("huge")
+
+
+@pytest.mark.slow
+def test_ray_train_target_learns_the_responses_only_as_the_local_trainer(local_ray):
+    """The Ray trainer runs the same recipe as the local one: same losses, prompt tokens left out of the loss."""
+    from blockpilot.zoo.build import LocalTrainer
+    from blockpilot.zoo.training import Schedule
+    from pipelines.build_zoo import RayTrainer
+
+    shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(1, 40) for _ in range(rng.randrange(12, 30))] for _ in range(24)]
+    loss_from = [len(s) // 2 for s in sequences]
+    schedule = Schedule(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, log_every=3)
+
+    def losses(trainer, cuts):
+        target = qwen3_target(40, shape, seed=0)
+        return trainer.train_target(target, sequences, 0, schedule, 0, cuts)
+
+    local = losses(LocalTrainer(), loss_from)
+    on_ray = losses(RayTrainer(num_workers=1), loss_from)
+    assert on_ray == pytest.approx(local, rel=1e-3)
+    assert on_ray != pytest.approx(losses(RayTrainer(num_workers=1), [0] * len(sequences)), rel=1e-3)
