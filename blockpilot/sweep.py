@@ -226,11 +226,7 @@ def replay_walks(
             continue
         drafts = _batched_drafts(models, embed, head, context_kv, sequence, prompt_length, cursors, drafting)
         for row, (walk, size) in enumerate(drafting):
-            c = cursors[walk]
-            wanted = sequence[c : c + size - 1]
-            matches = drafts[row, : wanted.shape[0]] == wanted
-            accepted = int(matches.to(torch.int64).cumprod(0).sum())
-            committed = min(accepted + 1, n - c)
+            committed = _committed(drafts[row, : size - 1], sequence, cursors[walk])
             lengths[walk].append(committed)
             cursors[walk] += committed
 
@@ -250,15 +246,19 @@ def _walk_every_anchor(models, embed, head, context_kv, sequence, prompt_length,
     lengths, c = [], 1
     while c < n:
         size = sizes[c - 1]
-        accepted = 0
-        if size > 1:
-            wanted = sequence[c : c + size - 1]
-            matches = drafts[row_of[c - 1], : wanted.shape[0]] == wanted
-            accepted = int(matches.to(torch.int64).cumprod(0).sum())
-        committed = min(accepted + 1, n - c)
+        committed = _committed(drafts[row_of[c - 1], : size - 1], sequence, c) if size > 1 else 1
         lengths.append(committed)
         c += committed
     return lengths
+
+
+def _committed(drafts: torch.Tensor, sequence: torch.Tensor, cursor: int) -> int:
+    """Tokens a block at `cursor` with `drafts` (b - 1,) commits: the drafts' prefix that matches the
+    sequence, + the target's own token, at most up to the end of the sequence."""
+    wanted = sequence[cursor : cursor + drafts.shape[0]]
+    matches = drafts[: wanted.shape[0]] == wanted
+    accepted = int(matches.to(torch.int64).cumprod(0).sum())
+    return min(accepted + 1, sequence.shape[0] - cursor)
 
 
 def _batched_drafts(models, embed, head, context_kv, sequence, prompt_length, cursors, drafting) -> torch.Tensor:
