@@ -159,8 +159,8 @@ class DecoderEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.context}",
             )
 
-        temperature = body.get("temperature", 1.0 if chat else 1.0)
-        temperature = 1.0 if temperature is None else temperature
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else temperature  # OpenAI's default
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
             raise RequestError("temperature", "temperature must be a number")
         if not math.isfinite(temperature) or not 0 <= temperature <= 2:
@@ -218,17 +218,19 @@ class DecoderEngine:
         )
         text = StreamedText(self.models.tokenizer, request.stop)
         deadline = time.monotonic() + self.limits.request_timeout_s
+        timed_out = False
         with self._lock:
             generation = Generation(self.models, request.prompt_ids, policy=policy, config=config)
             for chunk in generation:
                 delta = text.push(chunk)
                 if delta:
                     yield delta, None
-                if text.stopped or (cancel is not None and cancel.is_set()) or time.monotonic() > deadline:
+                timed_out = time.monotonic() > deadline
+                if text.stopped or (cancel is not None and cancel.is_set()) or timed_out:
                     generation.cancel()
             result = generation.result
         tail = text.push([], final=True)
-        yield tail, self._stats(result, text, policy_name, timed_out=time.monotonic() > deadline)
+        yield tail, self._stats(result, text, policy_name, timed_out=timed_out)
 
     def complete(self, request: DecodeRequest) -> tuple[str, dict]:
         parts, stats = [], {}
