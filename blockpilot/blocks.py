@@ -1,0 +1,20 @@
+"""Rules about candidate block sizes, each written once: the candidates around B, and B* (the best candidate)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+# BlockPilot's sweep: b in B-2 .. B+2 around the drafter's training block size B.
+DEFAULT_SPREAD = 2
+
+
+def candidates_around(train_block_size: int, spread: int = DEFAULT_SPREAD) -> tuple[int, ...]:
+    """B - spread .. B + spread around the drafter's training block size B (b >= 1)."""
+    return tuple(b for b in range(train_block_size - spread, train_block_size + spread + 1) if b >= 1)
+
+
+def best_block_size(candidates: Sequence[int], scores: Sequence[float]) -> int:
+    """argmax of `scores` over the candidates, ties to the smaller b (NaN never wins)."""
+    scored = [(s if not math.isnan(s) else -math.inf, -b, b) for b, s in zip(candidates, scores, strict=True)]
+    return max(scored)[2]
