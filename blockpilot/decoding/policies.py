@@ -1,9 +1,10 @@
-"""Block-size policies: what b to draft with, chosen once after prefill, optionally revised per cycle.
+"""Block-size policies: what b to draft with, chosen once after prefill, and optionally revised before every cycle.
 
-A policy is a small protocol with two hooks. `initial_block_size` sees the prefill state (the target's
+A policy is a small protocol with two hooks and a `name` (what every surface reports: the CLI's JSON, the
+endpoint's `blockpilot` object, MLflow, benchmarks). `initial_block_size` sees the prefill state (the target's
 next-token distribution at the last prompt position and the prompt ids) and picks b for the request;
-`next_block_size` runs after every cycle and may change b. Per-request policies (everything here, and
-the learned predictor) inherit the no-op per-cycle hook from `PerRequestPolicy`.
+`next_block_size` runs after every cycle and may change b. Per-request policies inherit the no-op per-cycle
+hook from `PerRequestPolicy`. Policies are built from a spec by `blockpilot.decoding.resolve`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from blockpilot.checks import positive_int
+
+
+def distribution_summary(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy (nats) and the top-k ids and probabilities of softmax(logits) at T = 1, for (..., V) logits:
+    (...,), (..., k), (..., k), most likely first. The one summary of a target distribution that the prefill
+    predictor, the per-step policies and the labels all read."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(dim=-1)
+    top_probs, top_ids = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)
+    return entropy, top_ids, top_probs
 
 
 @dataclass(frozen=True)
@@ -33,23 +47,27 @@ class PrefillState:
     @cached_property
     def entropy(self) -> float:
         """Entropy of `probs` in nats."""
-        log_probs = torch.log_softmax(self.next_token_logits.float(), dim=-1)
-        return float(-(self.probs * log_probs).sum().item())
+        return float(distribution_summary(self.next_token_logits, 1)[0])
 
     def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely ids and their probabilities, most likely first: (k,), (k,)."""
-        probs, ids = torch.topk(self.probs, min(k, self.probs.shape[-1]))
+        _, ids, probs = distribution_summary(self.next_token_logits, k)
         return ids, probs
 
 
 @dataclass(frozen=True)
 class CycleState:
-    """What one draft/verify cycle did; the input of the per-cycle hook."""
+    """What one draft/verify cycle did; the input of the per-cycle hook, which picks the next cycle's b."""
 
     cycle: int  # 0-based
-    block_size: int
-    acceptance_length: int
+    block_size: int  # the b this cycle was drafted with
+    acceptance_length: int  # tokens it committed
     new_tokens: int  # generated so far, the prefill's token included
+    max_new_tokens: int
+    temperature: float
+    # (V,) the target's logits that produced the next block's first token (the bonus): the distribution "at
+    # the anchor" of the next cycle, already computed by this cycle's verify pass.
+    anchor_logits: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -73,12 +91,6 @@ class PerRequestPolicy:
         return cycle.block_size
 
 
-def _check_block_size(value: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class FixedBlockSize(PerRequestPolicy):
     """The same b for every request (what DFlash does, with b = B)."""
@@ -87,10 +99,20 @@ class FixedBlockSize(PerRequestPolicy):
     name: str = field(default="fixed", init=False)
 
     def __post_init__(self) -> None:
-        _check_block_size(self.block_size, "block_size")
+        positive_int(self.block_size, "block_size")
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self.block_size
+
+
+@dataclass(frozen=True)
+class Autoregressive(PerRequestPolicy):
+    """One token per target pass: what runs without a drafter."""
+
+    name: str = field(default="autoregressive", init=False)
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return 1
 
 
 @dataclass(frozen=True)
@@ -108,19 +130,14 @@ class EntropyHeuristic(PerRequestPolicy):
     name: str = field(default="entropy", init=False)
 
     def __post_init__(self) -> None:
-        _check_block_size(self.min_block_size, "min_block_size")
-        _check_block_size(self.max_block_size, "max_block_size")
+        positive_int(self.min_block_size, "min_block_size")
+        positive_int(self.max_block_size, "max_block_size")
         if self.min_block_size > self.max_block_size:
             raise ValueError(
                 f"min_block_size ({self.min_block_size}) must not exceed max_block_size ({self.max_block_size})"
             )
         if not (self.high_entropy > 0 and math.isfinite(self.high_entropy)):
             raise ValueError(f"high_entropy must be a positive number of nats, got {self.high_entropy!r}")
-
-    @classmethod
-    def around(cls, train_block_size: int, spread: int = 2) -> EntropyHeuristic:
-        """Candidates B - spread .. B + spread around the drafter's training block size B."""
-        return cls(max(1, train_block_size - spread), train_block_size + spread)
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         confidence = 1.0 - min(prefill.entropy / self.high_entropy, 1.0)

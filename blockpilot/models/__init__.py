@@ -1,6 +1,6 @@
 """Models: the DFlash drafter and the loading of target, drafter and tokenizer."""
 
-from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, DrafterCache, dflash_target_layer_ids
+from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from blockpilot.models.loading import (
     MASK_TOKEN,
     SpeculativeModels,
@@ -16,7 +16,6 @@ __all__ = [
     "MASK_TOKEN",
     "DFlashConfig",
     "DFlashDrafter",
-    "DrafterCache",
     "SpeculativeModels",
     "check_drafter_fits_target",
     "dflash_target_layer_ids",

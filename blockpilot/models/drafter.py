@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
+from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME
+
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 # One (keys, values) pair per drafter layer, each (batch, kv_heads, length, head_dim).
@@ -383,7 +383,7 @@ class DFlashDrafter(nn.Module):
         self,
         block_embeds: torch.Tensor,  # (N, S, hidden) target embeddings of [last token, MASK...]
         block_positions: torch.Tensor,  # (N or 1, S)
-        context_kv: ContextKV,  # from encode_context / DrafterCache, batch N or 1
+        context_kv: ContextKV,  # from encode_context, batch N or 1
         attention_mask: torch.Tensor | None = None,  # bool (N or 1, 1, S, C + S); None = see everything
     ) -> torch.Tensor:
         """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head."""
@@ -392,6 +392,40 @@ class DFlashDrafter(nn.Module):
         for layer, kv in zip(self.layers, context_kv, strict=True):
             x = layer(x, cos, sin, kv, attention_mask)
         return self.norm(x)
+
+    def draft_blocks(
+        self,
+        embed: nn.Module,  # the target's input embeddings
+        context_kv: ContextKV,  # per layer (M, kv_heads, C, head_dim): context position p at index p
+        first_tokens: torch.Tensor,  # (N,) each block's first token (the last committed one)
+        anchors: torch.Tensor,  # (N,) absolute position of each block's first token
+        block_sizes: torch.Tensor,  # (N,) slots of each block; slots past it are padding
+        width: int,  # the padded width W >= max(block_sizes)
+        mask_token_id: int,
+        context_rows: torch.Tensor | None = None,  # (N,) the context row each block reads; None: row n (or the one)
+    ) -> torch.Tensor:
+        """The one drafting primitive: hidden states (N, W, hidden) of N blocks drafted in one call.
+
+        Block n is `[first_tokens[n], MASK, ...]` at positions anchors[n] .. anchors[n] + W - 1. It sees the
+        context strictly before its anchor (index < anchor; later entries may be stale or belong to other
+        blocks) and, inside the block, its own `block_sizes[n]` slots in both directions, never the padding.
+        Decoding (one block per row), the acceptance table (every anchor of a sequence) and drafter training
+        (random anchors of many sequences) all draft through here; `target head(hidden[:, 1:])` gives the
+        logits of the W - 1 drafted tokens.
+        """
+        device = first_tokens.device
+        n = first_tokens.shape[0]
+        block_ids = torch.full((n, width), mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = first_tokens
+        slots = torch.arange(width, device=device)
+        positions = anchors[:, None] + slots
+        context_length = context_kv[0][0].shape[2] if context_kv else 0
+        sees_context = torch.arange(context_length, device=device)[None, :] < anchors[:, None]
+        sees_block = slots[None, :] < block_sizes[:, None]
+        mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(n, 1, width, -1)
+        if context_rows is not None:
+            context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
+        return self(embed(block_ids), positions, context_kv, attention_mask=mask)
 
     # ---------------------------------------------------------------- checkpoints (z-lab layout)
 
@@ -461,25 +495,3 @@ def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(directory / shard))
         return state
     raise FileNotFoundError(f"no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {directory}")
-
-
-class DrafterCache:
-    """Per-layer keys/values of the committed context, grown as tokens are committed.
-
-    Only committed context ever enters it (block keys live for one forward pass), so it never needs
-    cropping after a rejection.
-    """
-
-    def __init__(self) -> None:
-        self.layers: ContextKV = []
-        self.length = 0
-
-    def extend(self, new: ContextKV, length: int) -> None:
-        if not self.layers:
-            self.layers = list(new)
-        else:
-            self.layers = [
-                (torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2))
-                for (k, v), (k_new, v_new) in zip(self.layers, new, strict=True)
-            ]
-        self.length += length

@@ -1,0 +1,475 @@
+"""The speculative decoding engine: rows with their own prompt, block size, temperature, seed and stop rules
+share one drafter call and one target verify per cycle. Batch 1 is the same code with one row.
+
+prefill (target, per row as it joins) -> first token -> policy picks b -> repeat for the batch: draft every
+row's block in one drafter call (padded to the widest block; a row attends to its own b slots only) -> verify
+every block in one target pass -> per row: accepted prefix + the target's own token -> write the committed
+positions' context features into the drafter's cache -> per-row policy hook picks the next b. Without a
+drafter (or at b = 1) a cycle verifies just the last token: plain autoregressive decoding.
+
+Caches keep one slot per absolute position (`cache.py`), so rejected drafts need no crop and rows of
+different lengths need no compaction; rows join and leave between cycles (continuous batching). Every random
+draw of a row comes from its own generator in a fixed order, so a row's output for a given seed does not
+depend on the other rows. Terms (block, draft/accepted/bonus tokens, acceptance length) are defined in
+`acceptance.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from blockpilot.checks import check_fits_context, positive_int
+from blockpilot.decoding.acceptance import (
+    accept_greedy,
+    accept_match,
+    accept_rejection,
+    sample_next,
+    sample_tokens,
+    temperature_probs,
+)
+from blockpilot.decoding.cache import SlotStore, TargetSlotCache
+from blockpilot.decoding.policies import (
+    Autoregressive,
+    BlockSizePolicy,
+    CycleState,
+    FixedBlockSize,
+    PrefillState,
+    distribution_summary,
+)
+from blockpilot.decoding.request import (
+    GenerationConfig,
+    GenerationRecord,
+    GenerationRequest,
+    GenerationResult,
+    StopReason,
+)
+from blockpilot.models.features import tapped
+from blockpilot.models.loading import SpeculativeModels
+
+RECORD_TOP_K = 8
+
+
+@dataclass
+class RowUpdate:
+    """What one engine step did for one row: the tokens it committed, and the result once the row is done."""
+
+    row_id: int
+    new_tokens: list[int]
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Row:
+    """A request inside the engine."""
+
+    id: int
+    request: GenerationRequest
+    prompt: torch.Tensor  # (P,)
+    policy: BlockSizePolicy
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    length: int = 0  # positions in the caches == position of the last committed token
+    block_size: int = 1  # the policy's current choice
+    chosen_block_size: int = 1  # its choice after prefill
+    block_sizes: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafter_passes: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    prefill_state: PrefillState | None = None
+    stop_reason: StopReason | None = None
+    cancelled: bool = False
+    record: dict[str, list[torch.Tensor]] | None = None
+
+    @property
+    def config(self) -> GenerationConfig:
+        return self.request.config
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def truncate_at_stop(tokens: list[int], stop_token_ids: Sequence[int]) -> list[int]:
+    """Tokens up to and including the first stop token."""
+    for index, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return tokens[: index + 1]
+    return tokens
+
+
+def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"policy {policy.name!r} returned block size {block_size!r}; expected an integer >= 1")
+    return block_size
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeEngine:
+    """Continuous-batching speculative decoding over one set of models.
+
+    `submit` queues a request and returns its row id; each `step` admits queued rows (prefill) while the
+    batch has room, then runs one draft/verify cycle for every active row and reports what each committed.
+    `run` drains the engine as a generator of `RowUpdate`s; `cancel` ends a row before the next cycle.
+    """
+
+    def __init__(self, models: SpeculativeModels, *, max_batch: int = 1) -> None:
+        self.models = models
+        self.max_batch = positive_int(max_batch, "max_batch")
+        self.device = models.device
+        self.target, self.drafter = models.target, models.drafter
+        num_layers = int(self.target.config.get_text_config().num_hidden_layers)
+        self.target_cache = TargetSlotCache(num_layers)
+        self.context = SlotStore(self.drafter.config.num_hidden_layers) if self.drafter is not None else None
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else None
+        self.embed, self.head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        self.vocab_size = int(self.embed.weight.shape[0])
+        self.context_limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        self.rows: list[_Row] = []  # active rows; row i occupies cache row i
+        self.waiting: deque[_Row] = deque()
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, request: GenerationRequest) -> int:
+        """Check and queue a request; returns its row id. Bad prompts fail here, naming the problem."""
+        prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long).flatten()
+        if prompt.numel() == 0:
+            raise ValueError("prompt is empty: expected at least one token id")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
+            raise ValueError(
+                f"prompt token ids must lie in [0, {self.vocab_size}), got min {int(prompt.min())}, "
+                f"max {int(prompt.max())}"
+            )
+        check_fits_context(prompt.numel(), request.config.max_new_tokens, self.context_limit)
+        if self.drafter is None:
+            policy: BlockSizePolicy = Autoregressive()
+        else:
+            policy = request.policy or FixedBlockSize(self.drafter.block_size)
+        row = _Row(
+            id=next(self._ids),
+            request=request,
+            prompt=prompt.to(self.device),
+            policy=policy,
+            generator=make_generator(self.device, request.config.seed),
+            record={"features": [], "entropy": [], "top_ids": [], "top_probs": []} if request.record else None,
+        )
+        self.waiting.append(row)
+        return row.id
+
+    def cancel(self, row_id: int) -> None:
+        """End a row before its next cycle (stop reason "cancelled"); unknown or finished ids are ignored."""
+        for row in itertools.chain(self.rows, self.waiting):
+            if row.id == row_id:
+                row.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    def run(self) -> Iterator[RowUpdate]:
+        """Step until every submitted row is done, yielding each step's updates."""
+        while self.busy:
+            yield from self.step()
+
+    @torch.inference_mode()
+    def step(self) -> list[RowUpdate]:
+        updates: list[RowUpdate] = []
+        self._drop_cancelled(updates)
+        while self.waiting and len(self.rows) < self.max_batch:
+            self._admit(self.waiting.popleft(), updates)
+        if self.rows:
+            self._cycle(updates)
+        return updates
+
+    # ---------------------------------------------------------------- prefill
+
+    def _admit(self, row: _Row, updates: list[RowUpdate]) -> None:
+        """Prefill a row into the next free cache row and commit its first token."""
+        started = time.perf_counter()
+        slot = len(self.rows)
+        prompt_length = row.prompt.numel()
+        positions = torch.arange(prompt_length, device=self.device)[None]
+        self.target_cache.window(slice(slot, slot + 1), positions, prompt_length)
+        with tapped(self.target, self.layer_ids) as tap:
+            out = self.target(
+                input_ids=row.prompt[None],
+                position_ids=positions,
+                past_key_values=self.target_cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        logits = out.logits[0, -1].float()
+        if tap is not None:
+            features = tap.features()
+            self._write_context(slice(slot, slot + 1), positions, features, prompt_length)
+        first = int(sample_next(logits, row.config.temperature, row.generator))
+        row.prefill_state = PrefillState(logits, row.prompt, row.config.temperature, self.models.train_block_size)
+        row.tokens, row.length = [first], prompt_length
+        row.block_size = row.chosen_block_size = _checked(row.policy.initial_block_size(row.prefill_state), row.policy)
+        if row.record is not None and tap is not None:
+            row.record["features"].append(features[0])
+            self._record_distributions(row, logits[None])
+        _synchronize(self.device)
+        row.prefill_time = time.perf_counter() - started
+        self.rows.append(row)
+        if first in row.config.stop_token_ids:
+            row.stop_reason = "stop"
+        elif row.config.max_new_tokens == 1:
+            row.stop_reason = "length"
+        updates.append(RowUpdate(row.id, [first]))
+        if row.stop_reason is not None:
+            self._retire(slot, updates)
+
+    # ---------------------------------------------------------------- one cycle for the whole batch
+
+    def _cycle(self, updates: list[RowUpdate]) -> None:
+        started = time.perf_counter()
+        rows = self.rows
+        sizes = [min(row.block_size, row.config.max_new_tokens - len(row.tokens)) for row in rows]
+        width = max(sizes)
+        lengths = torch.tensor([row.length for row in rows], device=self.device)
+        last_tokens = torch.tensor([row.last_token for row in rows], device=self.device)
+        drafts, draft_probs = self._draft(rows, lengths, last_tokens, sizes, width)
+        block_ids = torch.cat([last_tokens[:, None], drafts], dim=1)  # (n, W)
+        logits, features = self._verify(block_ids, lengths, width)
+        committed = self._accept(rows, sizes, drafts, draft_probs, logits)
+        if features is not None:
+            positions = lengths[:, None] + torch.arange(width, device=self.device)
+            self._write_context(slice(0, len(rows)), positions, features, int(lengths.max()) + width)
+        _synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        finished = []
+        for index, (row, size, (new_tokens, accepted)) in enumerate(zip(rows, sizes, committed, strict=True)):
+            self._commit(row, size, new_tokens, features, logits, index)
+            row.decode_time += elapsed
+            updates.append(RowUpdate(row.id, new_tokens))
+            if row.stop_reason is None:
+                state = CycleState(
+                    cycle=len(row.block_sizes) - 1,
+                    block_size=row.block_size,
+                    acceptance_length=len(new_tokens),
+                    new_tokens=len(row.tokens),
+                    max_new_tokens=row.config.max_new_tokens,
+                    temperature=row.config.temperature,
+                    anchor_logits=logits[index, accepted],
+                )
+                row.block_size = _checked(row.policy.next_block_size(state), row.policy)
+            else:
+                finished.append(index)
+        for index in reversed(finished):
+            self._retire(index, updates)
+
+    def _draft(
+        self, rows: list[_Row], lengths: torch.Tensor, last_tokens: torch.Tensor, sizes: list[int], width: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Every row's drafts in one drafter call: (n, W - 1) tokens (padding past each row's b - 1), and per
+        row the drafter's probabilities where the `rejection` rule needs them."""
+        n = len(rows)
+        if width == 1:
+            return torch.empty(n, 0, dtype=torch.long, device=self.device), [None] * n
+        span = int(lengths.max())
+        hidden = self.drafter.draft_blocks(
+            self.embed,
+            self.context.read_all(slice(0, n), span),
+            first_tokens=last_tokens,
+            anchors=lengths,
+            block_sizes=torch.tensor(sizes, device=self.device),
+            width=width,
+            mask_token_id=self.models.mask_token_id,
+        )
+        draft_logits = self.head(hidden[:, 1:])  # (n, W - 1, V)
+        drafts = draft_logits.argmax(dim=-1)
+        probs: list[torch.Tensor | None] = [None] * n
+        for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
+            if size > 1:
+                row.drafter_passes += 1
+                if row.config.temperature > 0 and row.config.verify == "rejection":
+                    probs[index] = temperature_probs(draft_logits[index, : size - 1], row.config.temperature)
+                    drafts[index, : size - 1] = sample_tokens(probs[index], row.generator)
+        return drafts, probs
+
+    def _verify(
+        self, block_ids: torch.Tensor, lengths: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over every row's block: logits (n, W, V) and context features (n, W, F) or None."""
+        n = block_ids.shape[0]
+        positions = lengths[:, None] + torch.arange(width, device=self.device)  # (n, W)
+        span = int(lengths.max()) + width
+        self.target_cache.window(slice(0, n), positions, span)
+        # A query at position q sees its own row's slots <= q: the committed context and the block up to itself.
+        visible = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]
+        with tapped(self.target, self.layer_ids) as tap:
+            out = self.target(
+                input_ids=block_ids,
+                position_ids=positions,
+                attention_mask=visible[:, None],
+                past_key_values=self.target_cache,
+                use_cache=True,
+            )
+        return out.logits, (tap.features() if tap is not None else None)
+
+    def _accept(
+        self,
+        rows: list[_Row],
+        sizes: list[int],
+        drafts: torch.Tensor,
+        draft_probs: list[torch.Tensor | None],
+        logits: torch.Tensor,
+    ) -> list[tuple[list[int], int]]:
+        """Per row: (committed tokens, number of accepted drafts) under the row's rule and generator."""
+        out = []
+        for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
+            config = row.config
+            row_drafts, row_logits = drafts[index, : size - 1], logits[index, :size]
+            if config.temperature == 0:
+                accepted, bonus = accept_greedy(row_drafts, row_logits)
+            else:
+                target_probs = temperature_probs(row_logits, config.temperature)
+                if draft_probs[index] is not None:
+                    accepted, bonus = accept_rejection(row_drafts, draft_probs[index], target_probs, row.generator)
+                else:
+                    accepted, bonus = accept_match(row_drafts, target_probs, row.generator)
+            new_tokens = truncate_at_stop([*row_drafts[:accepted].tolist(), bonus], config.stop_token_ids)
+            out.append((new_tokens, accepted))
+        return out
+
+    def _commit(
+        self,
+        row: _Row,
+        size: int,
+        new_tokens: list[int],
+        features: torch.Tensor | None,
+        logits: torch.Tensor,
+        index: int,
+    ) -> None:
+        """The row's cache now holds the block positions before its new last token."""
+        committed = len(new_tokens)
+        if row.record is not None and features is not None:
+            row.record["features"].append(features[index, :committed])
+            self._record_distributions(row, logits[index, :committed])
+        row.length += committed
+        row.tokens.extend(new_tokens)
+        row.block_sizes.append(size)
+        row.acceptance_lengths.append(committed)
+        if new_tokens[-1] in row.config.stop_token_ids:
+            row.stop_reason = "stop"
+        elif len(row.tokens) >= row.config.max_new_tokens:
+            row.stop_reason = "length"
+
+    def _write_context(self, rows: slice, positions: torch.Tensor, features: torch.Tensor, span: int) -> None:
+        """Encode target features into the drafter's context keys/values at their positions (all < span)."""
+        self.context.reserve(rows.stop, span)
+        for layer, (keys, values) in enumerate(self.drafter.encode_context(features, positions)):
+            self.context.write(layer, rows, positions, keys, values)
+
+    def _record_distributions(self, row: _Row, logits: torch.Tensor) -> None:
+        entropy, top_ids, top_probs = distribution_summary(logits, RECORD_TOP_K)
+        row.record["entropy"].append(entropy)
+        row.record["top_ids"].append(top_ids)
+        row.record["top_probs"].append(top_probs)
+
+    # ---------------------------------------------------------------- leaving
+
+    def _drop_cancelled(self, updates: list[RowUpdate]) -> None:
+        for row in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(row)
+            updates.append(RowUpdate(row.id, [], self._result(row, "cancelled")))
+        for index in reversed([i for i, r in enumerate(self.rows) if r.cancelled]):
+            self.rows[index].stop_reason = "cancelled"
+            self._retire(index, updates)
+
+    def _retire(self, index: int, updates: list[RowUpdate]) -> None:
+        """Finish row `index`; the last active row takes over its cache row."""
+        row = self.rows[index]
+        last = len(self.rows) - 1
+        if index != last:
+            moved = self.rows[last]
+            # Slots up to the moved row's last verify may be read by nobody, but copying `length` is enough:
+            # everything past it is rewritten before it is read.
+            self.target_cache.store.move_row(last, index, moved.length)
+            if self.context is not None:
+                self.context.move_row(last, index, moved.length)
+            self.rows[index] = moved
+        self.rows.pop()
+        result = self._result(row, row.stop_reason)
+        mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
+        if mine is None:
+            updates.append(RowUpdate(row.id, [], result))
+        else:
+            mine.result = result
+
+    def _result(self, row: _Row, stop_reason: StopReason) -> GenerationResult:
+        record = None
+        if row.record is not None and row.record["features"]:
+            record = GenerationRecord(
+                context_features=torch.cat(row.record["features"], dim=0),
+                entropy=torch.cat(row.record["entropy"], dim=0),
+                top_ids=torch.cat(row.record["top_ids"], dim=0),
+                top_probs=torch.cat(row.record["top_probs"], dim=0),
+            )
+        return GenerationResult(
+            token_ids=list(row.tokens),
+            prompt_length=row.prompt.numel(),
+            policy=row.policy.name,
+            block_size=row.chosen_block_size,
+            block_sizes=list(row.block_sizes),
+            acceptance_lengths=list(row.acceptance_lengths),
+            stop_reason=stop_reason,
+            prefill_time_s=row.prefill_time,
+            decode_time_s=row.decode_time,
+            target_forward_passes=(1 if row.tokens else 0) + len(row.block_sizes),
+            drafter_forward_passes=row.drafter_passes,
+            prefill=row.prefill_state,
+            record=record,
+        )
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def generate_many(
+    models: SpeculativeModels, requests: Sequence[GenerationRequest], *, max_batch: int | None = None
+) -> list[GenerationResult]:
+    """Run `requests` through one engine (all at once by default) and return their results in order."""
+    engine = SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)))
+    ids = [engine.submit(request) for request in requests]
+    results: dict[int, GenerationResult] = {}
+    for update in engine.run():
+        if update.result is not None:
+            results[update.row_id] = update.result
+    return [results[i] for i in ids]
+
+
+def generate(
+    models: SpeculativeModels,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    policy: BlockSizePolicy | None = None,
+    config: GenerationConfig | None = None,
+    record: bool = False,
+) -> GenerationResult:
+    """Generate after `prompt_ids` (one row of the engine), to the end."""
+    prompt = torch.as_tensor(prompt_ids).flatten().tolist()
+    request = GenerationRequest(prompt, config or GenerationConfig(), policy, record)
+    return generate_many(models, [request])[0]
