@@ -1,0 +1,179 @@
+"""The cost of a draft/verify cycle, c(b) and c(b, batch), measured on a device.
+
+`calibrate` times whole cycles of the engine (draft + verify + accept + commit) at each block size and
+batch size: warmed up, synchronised, the median of repeats. Random weights time like trained ones, so a
+curve at a real model's shape needs no real weights. A `CycleCost` prices the cycles of a walk: modeled
+throughput = committed tokens / total cost, in tokens per second when the cost is in seconds. Without a
+cost file every cycle costs 1 (`CycleCost.unit()`), and modeled throughput is tokens per cycle, i.e. tau.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from blockpilot.checks import distinct_block_sizes
+from blockpilot.files import write_text_atomic
+
+
+@dataclass(frozen=True)
+class CycleCost:
+    """Median seconds of one cycle per (batch size, block size); `__call__` interpolates in b."""
+
+    seconds: dict[int, dict[int, float]]  # batch -> b -> seconds
+    unit: str = "s"
+    device: str = ""
+    dtype: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    target_id: str = ""
+    drafter_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.seconds or any(not by_b for by_b in self.seconds.values()):
+            raise ValueError("a cost curve needs at least one (batch, block size) measurement")
+        for batch, by_b in self.seconds.items():
+            for b, value in by_b.items():
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise ValueError(f"cost of b={b} at batch {batch} must be a positive number, got {value!r}")
+
+    @classmethod
+    def uniform(cls) -> CycleCost:
+        """Every cycle costs 1 (tokens per cycle = tau)."""
+        return cls({1: {1: 1.0}}, unit="cycle")
+
+    @property
+    def is_uniform(self) -> bool:
+        return self.unit == "cycle"
+
+    def __call__(self, block_size: int, batch: int = 1) -> float:
+        """c(b) at `batch` (the nearest measured batch size), linear in b between and beyond measured points."""
+        if self.is_uniform:
+            return 1.0
+        nearest = min(self.seconds, key=lambda measured: (abs(measured - batch), measured))
+        points = sorted(self.seconds[nearest].items())
+        if len(points) == 1:
+            return points[0][1]
+        right = next((i for i, (b, _) in enumerate(points) if b >= block_size), len(points) - 1)
+        (b0, c0), (b1, c1) = points[max(right - 1, 0)], points[max(right, 1)]
+        return max(c0 + (c1 - c0) * (block_size - b0) / (b1 - b0), min(c for _, c in points) / 10)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["seconds"] = {str(batch): {str(b): v for b, v in by_b.items()} for batch, by_b in self.seconds.items()}
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CycleCost:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cost file {str(path)!r} does not exist (make one with `blockpilot calibrate`)")
+        try:
+            raw = json.loads(path.read_text())
+            seconds = {int(batch): {int(b): float(v) for b, v in by_b.items()} for batch, by_b in raw["seconds"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"cost file {str(path)!r} is not a blockpilot cost curve: {error}") from None
+        return cls(
+            seconds,
+            unit=raw.get("unit", "s"),
+            device=raw.get("device", ""),
+            dtype=raw.get("dtype", ""),
+            versions=raw.get("versions", {}),
+            target_id=raw.get("target_id", ""),
+            drafter_id=raw.get("drafter_id", ""),
+        )
+
+    def describe(self) -> str:
+        if self.is_uniform:
+            return "uniform (every cycle costs 1)"
+        batch = min(self.seconds)
+        curve = ", ".join(f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.seconds[batch].items()))
+        return f"{self.device} {self.dtype}, batch {batch}: {curve}"
+
+
+def load_cost(path: str | Path | None) -> CycleCost:
+    """The cost curve in `path`, or the uniform one when no path is given."""
+    return CycleCost.uniform() if path is None else CycleCost.load(path)
+
+
+def calibrate(
+    models: Any,
+    block_sizes: Sequence[int],
+    batch_sizes: Sequence[int] = (1,),
+    *,
+    prompt_tokens: int = 64,
+    cycles: int = 12,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> CycleCost:
+    """Median wall time of one engine cycle at each (batch, b), on the models' device.
+
+    Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
+    `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
+    """
+    import torch
+
+    from blockpilot.decoding.engine import SpeculativeEngine
+    from blockpilot.decoding.policies import FixedBlockSize
+    from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+
+    block_sizes = distinct_block_sizes(block_sizes, "block sizes")
+    batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
+    generator = torch.Generator().manual_seed(0)
+    vocab = models.target.get_input_embeddings().weight.shape[0]
+    seconds: dict[int, dict[int, float]] = {}
+    for batch in batch_sizes:
+        seconds[batch] = {}
+        for b in block_sizes:
+            prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(batch)]
+            times = []
+            for attempt in range(warmup + repeats):
+                engine = SpeculativeEngine(models, max_batch=batch)
+                config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
+                for prompt in prompts:
+                    engine.submit(GenerationRequest(prompt, config, FixedBlockSize(b)))
+                engine.step()  # admission (prefill) and the first cycle: not timed
+                started = time.perf_counter()
+                ran = 0
+                while engine.busy and ran < cycles:
+                    engine.step()
+                    ran += 1
+                if models.device.type == "cuda":
+                    torch.cuda.synchronize(models.device)
+                if attempt >= warmup:
+                    times.append((time.perf_counter() - started) / max(ran, 1))
+            seconds[batch][b] = statistics.median(times)
+    return CycleCost(
+        seconds,
+        device=_device_name(models.device),
+        dtype=str(models.target.dtype).removeprefix("torch."),
+        versions=_versions(),
+        target_id=models.target_id,
+        drafter_id=models.drafter_id,
+    )
+
+
+def _device_name(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import blockpilot
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "blockpilot": blockpilot.__version__}

@@ -1,0 +1,202 @@
+"""The acceptance table of one generated sequence, and every walk, oracle and label derived from it.
+
+For a generated sequence g_0..g_{n-1} after a prompt of P tokens, and the target's context features of
+every position: a(i, b) = the tokens a block of size b anchored at cursor i commits = (drafts of that block
+that match g_i, g_{i+1}, ...) + 1 for the target's own token, capped at n - i. The block sits at position
+P + i - 1 with g_{i-1} first and sees the context strictly before that position and nothing of other blocks:
+DFlash's own training layout, so one call of the drafting primitive per candidate fills a column (in chunks
+of anchors, so memory stays bounded on long sequences). As in a live run, a block at cursor i is cut to
+max_new_tokens - i slots.
+
+A candidate's walk is index-chasing: c = 1; repeat c += a(c, b). At T = 0 it equals a live run of b exactly.
+At T > 0 under `match` (greedy drafts kept while they equal the target's samples), a live run's acceptances
+are a function of its sampled sequence, which is a sample of the target whatever b is: walks over one shared
+sample are exact in distribution for every b, and couple the candidates (their differences have less variance).
+
+With a cost per cycle c(b) (`blockpilot.cost`), the per-step oracle is the cheapest way from cursor 1 to n
+when b may change at every cycle: J(n) = 0, J(i) = min_b c(b) + J(i + a(i, b)), right to left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from blockpilot.checks import distinct_block_sizes, mean_or_nan
+from blockpilot.models.loading import SpeculativeModels
+
+# Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.
+LOGITS_BUDGET = 1 << 26
+
+CostFn = Callable[[int], float]
+
+
+def unit_cost(block_size: int) -> float:
+    """Every cycle costs 1: modeled throughput is then tokens per cycle, i.e. tau."""
+    return 1.0
+
+
+@dataclass
+class AcceptanceTable:
+    """a(i, b) of one sequence: `commits[k, i - 1]` for candidate `candidates[k]` and cursor i = 1 .. n - 1."""
+
+    candidates: tuple[int, ...]
+    commits: np.ndarray  # (K, n - 1) int16
+    max_new_tokens: int  # blocks at cursor i were cut to max_new_tokens - i slots, as a live run cuts them
+
+    @property
+    def n(self) -> int:
+        """Length of the generated sequence (g_0 from the prefill included)."""
+        return self.commits.shape[1] + 1
+
+    def row(self, block_size: int) -> np.ndarray:
+        return self.commits[self.candidates.index(block_size)]
+
+    def block_size_at(self, cursor: int, block_size: int) -> int:
+        """The size a block of b really has at `cursor` (cut to the generation budget)."""
+        return min(block_size, self.max_new_tokens - cursor)
+
+    def walk(self, block_size: int) -> list[int]:
+        """Acceptance lengths of a fixed-b run over the sequence."""
+        row, lengths, cursor = self.row(block_size), [], 1
+        while cursor < self.n:
+            step = int(row[cursor - 1])
+            lengths.append(step)
+            cursor += step
+        return lengths
+
+    def walk_policy(self, choose: Callable[[int, int | None, int | None], int]) -> tuple[list[int], list[int]]:
+        """(block sizes, acceptance lengths) of a per-step policy: `choose(cursor, previous b, previous
+        acceptance length)` picks a candidate before each cycle."""
+        sizes, lengths, cursor, previous_b, previous_a = [], [], 1, None, None
+        while cursor < self.n:
+            b = choose(cursor, previous_b, previous_a)
+            step = int(self.row(b)[cursor - 1])
+            sizes.append(b)
+            lengths.append(step)
+            cursor += step
+            previous_b, previous_a = b, step
+        return sizes, lengths
+
+    def tau(self) -> list[float]:
+        """Mean acceptance length of every candidate's walk (NaN when the sequence has no cycle)."""
+        return [mean_or_nan(self.walk(b)) for b in self.candidates]
+
+    def walk_cost(self, sizes: Sequence[int], start: int = 1, cost: CostFn = unit_cost) -> float:
+        """Total cost of the cycles of a walk whose chosen block sizes are `sizes`."""
+        total, cursor = 0.0, start
+        for b in sizes:
+            total += cost(self.block_size_at(cursor, b))
+            cursor += int(self.row(b)[cursor - 1])
+        return total
+
+    def cost_to_go(self, cost: CostFn = unit_cost) -> tuple[np.ndarray, np.ndarray]:
+        """The per-step oracle by dynamic programming: (J (n + 1,) cost from each cursor to the end, J[n] = 0,
+        and Q (K, n - 1) the cost of choosing each candidate at each cursor and acting optimally after)."""
+        n, k = self.n, len(self.candidates)
+        best = np.zeros(n + 1)
+        q = np.zeros((k, max(n - 1, 0)))
+        for cursor in range(n - 1, 0, -1):
+            for index, b in enumerate(self.candidates):
+                step = int(self.commits[index, cursor - 1])
+                q[index, cursor - 1] = cost(self.block_size_at(cursor, b)) + best[cursor + step]
+            best[cursor] = q[:, cursor - 1].min()
+        return best, q
+
+    def oracle_walk(self, cost: CostFn = unit_cost) -> tuple[list[int], list[int]]:
+        """(block sizes, acceptance lengths) of the per-step oracle's path (ties to the smaller b)."""
+        _, q = self.cost_to_go(cost)
+        return self.walk_policy(lambda cursor, *_: self.candidates[int(np.argmin(q[:, cursor - 1]))])
+
+
+@torch.inference_mode()
+def acceptance_table(
+    models: SpeculativeModels,
+    prompt_length: int,
+    tokens: Sequence[int],  # g_0..g_{n-1}
+    features: torch.Tensor,  # (>= prompt_length + n - 1, F): the target's context features of every position
+    candidates: Sequence[int],
+    max_new_tokens: int,
+    slot_hits: np.ndarray | None = None,  # (K, max b - 1, 2): per candidate and draft slot, [right, drafted] += ...
+) -> AcceptanceTable:
+    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked)."""
+    candidates = distinct_block_sizes(candidates)
+    drafter, device = models.drafter, models.device
+    if drafter is None:
+        raise ValueError("an acceptance table needs a drafter")
+    n = len(tokens)
+    context_length = prompt_length + n - 1
+    if features.shape[0] < context_length:
+        raise ValueError(f"features cover {features.shape[0]} positions; the table needs {context_length}")
+    commits = np.ones((len(candidates), max(n - 1, 0)), dtype=np.int16)
+    if n < 2:
+        return AcceptanceTable(candidates, commits, max_new_tokens)
+    sequence = torch.as_tensor(list(tokens), device=device)
+    context = features[:context_length].to(device)[None]
+    context_kv = drafter.encode_context(context, torch.arange(context_length, device=device)[None])
+    embed, head = models.target.get_input_embeddings(), models.target.get_output_embeddings()
+    cursors = torch.arange(1, n, device=device)
+    # The sequence, padded past its end with a token id no draft equals.
+    padded = torch.cat([sequence, torch.full((max(candidates),), -1, device=device, dtype=sequence.dtype)])
+    vocab = head.weight.shape[0]
+    for column, b in enumerate(candidates):
+        sizes = torch.clamp(max_new_tokens - cursors, max=b)
+        drafting = (sizes > 1).nonzero().flatten()
+        chunk = max(1, LOGITS_BUDGET // (b * vocab))
+        for start in range(0, drafting.numel(), chunk):
+            rows = drafting[start : start + chunk]
+            width = int(sizes[rows].max())
+            hidden = drafter.draft_blocks(
+                embed,
+                context_kv,
+                first_tokens=sequence[cursors[rows] - 1],
+                anchors=prompt_length + cursors[rows] - 1,
+                block_sizes=sizes[rows],
+                width=width,
+                mask_token_id=models.mask_token_id,
+            )
+            drafts = head(hidden[:, 1:]).argmax(dim=-1)  # (m, W - 1)
+            slots = torch.arange(width - 1, device=device)
+            wanted = padded[cursors[rows][:, None] + slots]
+            in_block = slots[None, :] < (sizes[rows] - 1)[:, None]
+            right = (drafts == wanted) & in_block
+            accepted = right.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            step = torch.minimum(accepted + 1, n - cursors[rows])
+            commits[column, rows.cpu().numpy()] = step.cpu().numpy()
+            if slot_hits is not None:
+                slot_hits[column, : width - 1, 0] += right.sum(dim=0).cpu().numpy()
+                slot_hits[column, : width - 1, 1] += in_block.sum(dim=0).cpu().numpy()
+    return AcceptanceTable(candidates, commits, max_new_tokens)
+
+
+# ----------------------------------------------------------------------------- in label rows
+
+
+def table_columns(tables: Sequence[AcceptanceTable]) -> dict[str, list]:
+    """The tables of one label row (one per pooled sample) as the row's `table_commits` (per candidate, every
+    sample's a(i, b) concatenated) and `table_anchors` (cursors per sample) columns."""
+    if not tables:
+        return {"table_commits": None, "table_anchors": None}
+    return {
+        "table_commits": [
+            [int(v) for table in tables for v in table.commits[k]] for k in range(len(tables[0].candidates))
+        ],
+        "table_anchors": [table.commits.shape[1] for table in tables],
+    }
+
+
+def tables_from_row(row: dict) -> list[AcceptanceTable]:
+    """The acceptance tables stored in a label row (empty for rows without one: live sweeps, errors)."""
+    commits, anchors = row.get("table_commits"), row.get("table_anchors")
+    if commits is None or anchors is None:
+        return []
+    candidates = tuple(int(b) for b in row["candidates"])
+    matrix = np.asarray(commits, dtype=np.int16).reshape(len(candidates), -1)
+    bounds = np.cumsum([0, *anchors])
+    return [
+        AcceptanceTable(candidates, matrix[:, start:stop], int(row["max_new_tokens"]))
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
