@@ -10,7 +10,7 @@ Two kinds compute the same function class:
 
 Both also read the sampling temperature (labels at T = 0 and T = 1 may prefer different b for the same
 prompt). A predictor is saved as a folder, `config.json` + `model.safetensors`, loaded without pickle.
-It plugs into decoding as `LearnedPolicy`, a per-request block-size policy.
+It plugs into decoding as `LearnedPolicy` (`blockpilot.predictor.policy`), a per-request block-size policy.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockpilot.decoding.policies import PerRequestPolicy, PrefillState
+from blockpilot.checks import distinct_block_sizes, positive_int
+from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME, atomic_folder
+from blockpilot.predictor.inputs import PredictorInputs
 
 PredictorKind = Literal["dense", "sparse"]
 PREDICTOR_KINDS: tuple[str, ...] = ("dense", "sparse")
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-MODEL_URI_PREFIX = "models:/"
 
 
 @dataclass(frozen=True)
@@ -49,13 +48,9 @@ class PredictorConfig:
     def __post_init__(self) -> None:
         if self.kind not in PREDICTOR_KINDS:
             raise ValueError(f"predictor kind must be one of {PREDICTOR_KINDS}, got {self.kind!r}")
-        candidates = tuple(int(b) for b in self.candidates)
-        if not candidates or len(set(candidates)) != len(candidates) or min(candidates) < 1:
-            raise ValueError(f"candidates must be distinct block sizes >= 1, got {list(self.candidates)}")
-        object.__setattr__(self, "candidates", candidates)
+        object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
         for name in ("vocab_size", "top_k", "hidden_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), name)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -71,37 +66,6 @@ class PredictorConfig:
         if unknown:
             raise ValueError(f"predictor config: unknown fields {sorted(unknown)}")
         return cls(**{**raw, "candidates": tuple(raw["candidates"])})
-
-
-@dataclass
-class PredictorInputs:
-    """A batch of predictor inputs; `probs` is only needed by the dense kind."""
-
-    topk_ids: torch.Tensor  # (N, k) int64
-    topk_probs: torch.Tensor  # (N, k) float
-    entropy: torch.Tensor  # (N,)
-    temperature: torch.Tensor  # (N,)
-    probs: torch.Tensor | None = None  # (N, V) float
-
-    def to(self, device: torch.device | str) -> PredictorInputs:
-        return PredictorInputs(
-            self.topk_ids.to(device),
-            self.topk_probs.to(device),
-            self.entropy.to(device),
-            self.temperature.to(device),
-            None if self.probs is None else self.probs.to(device),
-        )
-
-    @classmethod
-    def from_prefill(cls, prefill: PrefillState, temperature: float, top_k: int, dense: bool) -> PredictorInputs:
-        ids, probs = prefill.top_k(top_k)
-        return cls(
-            topk_ids=ids[None].long(),
-            topk_probs=probs[None].float(),
-            entropy=torch.tensor([prefill.entropy]),
-            temperature=torch.tensor([float(temperature)]),
-            probs=prefill.probs[None].float() if dense else None,
-        )
 
 
 class BlockSizePredictor(nn.Module):
@@ -152,14 +116,16 @@ class BlockSizePredictor(nn.Module):
     # ---------------------------------------------------------------- folder format
 
     def save(self, directory: str | Path) -> Path:
+        """Write the folder whole (staged, then renamed into place): readers never see half a predictor."""
         from safetensors.torch import save_file
 
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
-        return directory
+        if not all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
+            raise ValueError("refusing to save a predictor with non-finite weights")
+        with atomic_folder(directory) as staging:
+            (staging / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+            save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
+        return Path(directory)
 
     @classmethod
     def load(cls, directory: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
@@ -173,57 +139,3 @@ class BlockSizePredictor(nn.Module):
         model = cls(PredictorConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text())))
         model.load_state_dict(load_file(directory / WEIGHTS_NAME))
         return model.to(device).eval()
-
-
-def resolve_predictor_dir(path_or_uri: str | Path) -> Path:
-    """A predictor folder, or an MLflow model URI (`models:/blockpilot-predictor/3`) downloaded to one.
-
-    The registered model is a pyfunc whose artifacts hold the predictor folder; only that folder is read
-    (safetensors + JSON), nothing is unpickled.
-    """
-    text = str(path_or_uri)
-    if text.startswith(MODEL_URI_PREFIX) or text.startswith("runs:/"):
-        from blockpilot.tracking import download_model_folder
-
-        return download_model_folder(text, "predictor")
-    directory = Path(text).expanduser()
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"predictor {text!r} is neither a folder nor an MLflow model URI (models:/NAME/VERSION)"
-        )
-    return directory
-
-
-def load_predictor(path_or_uri: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
-    return BlockSizePredictor.load(resolve_predictor_dir(path_or_uri), device=device)
-
-
-class LearnedPolicy(PerRequestPolicy):
-    """The predictor as a per-request block-size policy."""
-
-    name = "learned"
-
-    def __init__(self, predictor: BlockSizePredictor) -> None:
-        self.predictor = predictor
-
-    def initial_block_size(self, prefill: PrefillState) -> int:
-        config = self.predictor.config
-        inputs = PredictorInputs.from_prefill(prefill, prefill.temperature, config.top_k, dense=config.kind == "dense")
-        return self.predictor.predict(inputs)[0]
-
-    def check_fits(self, vocab_size: int, train_block_size: int | None) -> None:
-        """Fail early when the predictor was made for another target or drafter."""
-        config = self.predictor.config
-        if config.vocab_size != vocab_size:
-            raise ValueError(
-                f"predictor vocabulary mismatch: predictor vocab_size={config.vocab_size}, target has {vocab_size}"
-            )
-        if (
-            config.train_block_size is not None
-            and train_block_size is not None
-            and config.train_block_size != train_block_size
-        ):
-            raise ValueError(
-                f"the predictor was trained for a drafter with B={config.train_block_size}; this drafter has "
-                f"B={train_block_size}"
-            )

@@ -1,0 +1,65 @@
+"""The predictor on label rows: its choices, their metrics (`blockpilot.scoring`), and the report's figures."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from blockpilot.predictor.model import BlockSizePredictor
+from blockpilot.scoring import LabelArrays, evaluate_choices
+
+
+@torch.no_grad()
+def predict_indices(model: BlockSizePredictor, arrays: LabelArrays, batch_size: int = 512) -> np.ndarray:
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(arrays), batch_size):
+        out.append(model(arrays.batch(slice(start, start + batch_size)).to(device)).argmax(dim=-1).cpu())
+    return torch.cat(out).numpy()
+
+
+def evaluate_predictor(model: BlockSizePredictor, arrays: LabelArrays) -> dict[str, float]:
+    return evaluate_choices(predict_indices(model, arrays), arrays)
+
+
+def predictor_figures(predictor: BlockSizePredictor, arrays: LabelArrays) -> dict[str, Any]:
+    """Confusion matrix (B* vs predicted b) and the tau and throughput of each policy, as matplotlib figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    choice = predict_indices(predictor, arrays)
+    size = len(arrays.candidates)
+    confusion = np.zeros((size, size), dtype=int)
+    for truth, guess in zip(arrays.best_index, choice, strict=True):
+        confusion[truth, guess] += 1
+    matrix_figure, ax = plt.subplots(figsize=(4.5, 4))
+    ax.imshow(confusion, cmap="Blues")
+    labels = [str(b) for b in arrays.candidates]
+    ax.set_xticks(range(size), labels)
+    ax.set_yticks(range(size), labels)
+    ax.set_xlabel("predicted b")
+    ax.set_ylabel("B*")
+    for i in range(size):
+        for j in range(size):
+            ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=8)
+    matrix_figure.tight_layout()
+    metrics = evaluate_choices(choice, arrays)
+    bars_figure, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    names = ["fixed B", "best fixed", "predictor", "static oracle", "per-step oracle"]
+    for ax, prefix, unit in ((axes[0], "tau_", "mean tau"), (axes[1], "throughput_", f"tokens / {arrays.cost.unit}")):
+        keys = ["B", "best_fixed", "pred", "oracle", "step_oracle"]
+        values = [metrics.get(prefix + key, math.nan) for key in keys]
+        shown = [0 if math.isnan(v) else v for v in values]
+        ax.bar(names, shown, color=["#999", "#777", "#2a7", "#35a", "#a53"])
+        finite = [v for v in values if not math.isnan(v)]
+        ax.set_ylim(min(finite) * 0.97, max(finite) * 1.01)
+        ax.set_ylabel(unit)
+        ax.tick_params(axis="x", labelrotation=30)
+    bars_figure.tight_layout()
+    return {"confusion_matrix.png": matrix_figure, "tau_by_policy.png": bars_figure}

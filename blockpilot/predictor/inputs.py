@@ -1,0 +1,89 @@
+"""The predictor's inputs, written once: which columns, and how a row of them becomes tensors.
+
+A label row, a Ray Data batch, the MLflow pyfunc's DataFrame and a live prefill all carry the same columns
+(`INPUT_COLUMNS`, plus `probs_fp16` for the dense kind); `input_arrays` turns any of them into fixed-shape
+arrays and `PredictorInputs.from_arrays` into tensors. A new input feature is one entry in each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from blockpilot.decoding.policies import PrefillState
+
+INPUT_COLUMNS = ("topk_ids", "topk_probs", "entropy", "temperature")
+DENSE_COLUMN = "probs_fp16"  # the whole prefill distribution, only the dense kind reads it
+
+
+def prefill_columns(prefill: PrefillState, top_k: int, dense: bool) -> dict[str, Any]:
+    """The input columns of one prefill (numpy arrays and numbers; a label row stores them as lists)."""
+    ids, probs = prefill.top_k(top_k)
+    return {
+        "topk_ids": ids.cpu().numpy(),
+        "topk_probs": probs.cpu().numpy(),
+        "entropy": prefill.entropy,
+        "temperature": float(prefill.temperature),
+        DENSE_COLUMN: prefill.probs.half().cpu().numpy() if dense else None,
+    }
+
+
+def input_arrays(columns: Mapping[str, Any], dense: bool) -> dict[str, np.ndarray]:
+    """Columns of N rows (lists per row, or arrays) -> fixed-shape arrays: ids (N, k) int64, probabilities
+    (N, k), entropy and temperature (N,) float32, and for `dense` the distribution (N, V) float16."""
+
+    def stacked(name: str, dtype: Any) -> np.ndarray:
+        return np.stack([np.asarray(v, dtype=dtype) for v in columns[name]])
+
+    out = {
+        "topk_ids": stacked("topk_ids", np.int64),
+        "topk_probs": stacked("topk_probs", np.float32),
+        "entropy": np.asarray(columns["entropy"], dtype=np.float32),
+        "temperature": np.asarray(columns["temperature"], dtype=np.float32),
+    }
+    if dense:
+        out["probs"] = stacked(DENSE_COLUMN, np.float16)
+    return out
+
+
+@dataclass
+class PredictorInputs:
+    """A batch of predictor inputs; `probs` is only needed by the dense kind."""
+
+    topk_ids: torch.Tensor  # (N, k) int64
+    topk_probs: torch.Tensor  # (N, k) float
+    entropy: torch.Tensor  # (N,)
+    temperature: torch.Tensor  # (N,)
+    probs: torch.Tensor | None = None  # (N, V) float
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, Any]) -> PredictorInputs:
+        """From `input_arrays` output (numpy or torch), rows as they are."""
+
+        def tensor(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(arrays[name]).to(dtype)
+
+        return cls(
+            topk_ids=tensor("topk_ids", torch.long),
+            topk_probs=tensor("topk_probs", torch.float32),
+            entropy=tensor("entropy", torch.float32),
+            temperature=tensor("temperature", torch.float32),
+            probs=tensor("probs", torch.float32) if arrays.get("probs") is not None else None,
+        )
+
+    @classmethod
+    def from_prefill(cls, prefill: PrefillState, top_k: int, dense: bool) -> PredictorInputs:
+        return cls.from_arrays(input_arrays({k: [v] for k, v in prefill_columns(prefill, top_k, dense).items()}, dense))
+
+    def to(self, device: torch.device | str) -> PredictorInputs:
+        return PredictorInputs(
+            self.topk_ids.to(device),
+            self.topk_probs.to(device),
+            self.entropy.to(device),
+            self.temperature.to(device),
+            None if self.probs is None else self.probs.to(device),
+        )
