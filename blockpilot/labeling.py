@@ -1,9 +1,14 @@
 """From prompt records to label rows: the per-prompt work of the labeling stage, Ray-free.
 
 A task is (prompt record, temperature). Each user turn becomes one row (multi-turn sets continue the
-conversation with the target's own answer, as DFlash's benchmark does). A prompt that cannot be labeled
-(empty, longer than the target's context, undecodable, a failure inside the sweep) still yields its
-rows, with `error` set, so that the job goes on, the summary counts it and a rerun does not retry it.
+conversation with the target's own answer, as DFlash's benchmark does). The tasks of a batch are swept
+together: their reference generations share one batched engine, turn by turn.
+
+Failures: a prompt that cannot be labeled for a reason of its own (empty, longer than the target's context,
+unreadable in its source, a generation with no cycle) still yields its rows, with `error` and `error_kind`
+set, so that the job goes on, the summary counts it and a rerun does not retry it. A failure of the machine
+(CUDA out of memory, a device assert, a driver error) is raised instead: the actor is restarted and the
+prompts are retried, never recorded as done.
 """
 
 from __future__ import annotations
@@ -12,42 +17,56 @@ import hashlib
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from blockpilot.checks import check_fits_context, distinct_block_sizes, positive_int
 from blockpilot.data.labels import LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
+from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list
+from blockpilot.sweep import SWEEP_MODES
 
-if TYPE_CHECKING:  # torch-heavy; imported where used so that the command line starts fast
+if TYPE_CHECKING:
     from blockpilot.models.loading import SpeculativeModels
-    from blockpilot.sweep import SweepMode
+    from blockpilot.sweep import PromptSweep
 
 
 @dataclass(frozen=True)
 class LabelSettings:
-    candidates: tuple[int, ...] | None = None  # None: B-2..B+2 around the drafter's training block size
-    temperatures: tuple[float, ...] = (0.0,)
-    mode: SweepMode = "replay"  # or "live"
-    max_new_tokens: int = 128
-    top_k: int = 32
-    dense: bool = False  # also store the whole prefill distribution (fp16)
-    seed: int = 0
-    samples: int = 1  # generations pooled per row at T > 0 (a row's tau is then a mean over them)
+    """How every row of a label set is measured (part of the output folder's fingerprint)."""
+
+    candidates: tuple[int, ...] | None = option(
+        None,
+        type=block_size_list,
+        help="block sizes, e.g. 6,7,8,9,10 (default: B-2..B+2 around the drafter's training block size)",
+    )
+    temperatures: tuple[float, ...] = option((0.0,), type=temperature_list, help="e.g. 0,1")
+    mode: str = option("replay", choices=SWEEP_MODES, help="replay: acceptance tables; live: one run per b")
+    max_new_tokens: int = option(128, type=positive_int_arg, help="tokens generated per prompt")
+    top_k: int = option(32, type=positive_int_arg, help="prefill distribution entries stored")
+    dense: bool = option(False, help="also store the whole prefill distribution (fp16)")
+    seed: int = option(0, type=int, help="base seed of every (prompt, temperature) task")
+    samples: int = option(
+        1, type=positive_int_arg, help="at T > 0, generations pooled per row (tau becomes a mean over them)"
+    )
 
     def __post_init__(self) -> None:
+        if self.candidates is not None:
+            object.__setattr__(self, "candidates", distinct_block_sizes(self.candidates))
         if not self.temperatures:
             raise ValueError("temperatures is empty: expected at least one")
         for t in self.temperatures:
-            if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
                 raise ValueError(f"temperatures must be finite numbers >= 0, got {t!r}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.mode not in ("replay", "live"):
-            raise ValueError(f"mode must be 'replay' or 'live', got {self.mode!r}")
+        positive_int(self.top_k, "top_k")
+        positive_int(self.max_new_tokens, "max_new_tokens")
+        positive_int(self.samples, "samples")
+        if self.mode not in SWEEP_MODES:
+            raise ValueError(f"mode must be one of {SWEEP_MODES}, got {self.mode!r}")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes two runs' rows comparable: everything but the temperatures (more may be added later)."""
+        return {k: v for k, v in asdict(self).items() if k != "temperatures"}
 
 
 def task_seed(base_seed: int, prompt_id: str, temperature: float) -> int:
@@ -68,7 +87,35 @@ def task_keys(record: PromptRecord, temperature: float) -> list[tuple[str, float
 
 
 class PromptError(ValueError):
-    """This prompt cannot be labeled; the reason goes into the row's `error`."""
+    """This prompt cannot be labeled; the reason goes into the row's `error`, its kind into `error_kind`."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+TRANSIENT_MARKERS = ("out of memory", "cuda error", "device-side assert", "cudnn", "nccl", "driver", "ecc error")
+
+
+def is_transient(error: BaseException) -> bool:
+    """A failure of the machine rather than of the prompt: worth a restart and a retry, never an error row."""
+    import torch
+
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in TRANSIENT_MARKERS)
+
+
+@dataclass
+class _Turn:
+    """One row in the making: its task, its turn, the conversation so far."""
+
+    record: PromptRecord
+    temperature: float
+    turn: int
+    base: dict[str, Any]
+    messages: list[dict[str, str]]
+    rows: list[dict[str, Any]]  # the task's rows, shared by its turns
 
 
 @dataclass
@@ -77,54 +124,71 @@ class Labeler:
 
     models: SpeculativeModels
     settings: LabelSettings
+    max_batch: int = 8  # reference generations run together
     candidates: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        from blockpilot.sweep import SweepConfig, default_candidates
+        from blockpilot.blocks import candidates_around
+        from blockpilot.sweep import SweepConfig
 
         if self.models.drafter is None:
             raise ValueError("labeling needs a drafter")
-        self.candidates = tuple(sorted(self.settings.candidates or default_candidates(self.models.train_block_size)))
+        self.candidates = self.settings.candidates or candidates_around(self.models.train_block_size)
         SweepConfig(candidates=self.candidates, mode=self.settings.mode)  # validate early, before any prompt
-
-    def _check(self, record: PromptRecord, text: str, prompt_ids: Sequence[int]) -> None:
-        if record.error:
-            raise PromptError(record.error)
-        if not text.strip():
-            raise PromptError("empty prompt")
-        context = getattr(self.models.target.config, "max_position_embeddings", None)
-        needed = len(prompt_ids) + self.settings.max_new_tokens
-        if context is not None and needed > context:
-            raise PromptError(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens={self.settings.max_new_tokens} exceeds the "
-                f"target's context of {context} positions"
-            )
 
     def label(self, record: PromptRecord, temperature: float) -> list[dict[str, Any]]:
         """The rows of one task: one per turn; after a failed turn, the later turns carry the error too."""
-        rows: list[dict[str, Any]] = []
-        messages: list[dict[str, str]] = []
-        error: str | None = None
-        turns = record.turns or ("",)
-        for turn, (prompt_id, text) in enumerate(zip(turn_ids(record), turns, strict=True)):
-            base = self._base_row(record, prompt_id, turn, text, temperature)
-            if error is not None:
-                rows.append({**base, "error": f"an earlier turn failed: {error}"})
-                continue
-            messages.append({"role": "user", "content": text})
-            try:
-                prompt_ids = self.models.encode_prompt(messages) if text.strip() else []
-                self._check(record, text, prompt_ids)
-                row, answer = self._measure(prompt_ids, base)
-                rows.append(row)
-                messages.append({"role": "assistant", "content": answer})
-            except PromptError as failure:
-                error = str(failure)
-                rows.append({**base, "error": error})
-            except Exception as failure:  # a failure on one prompt must not end the job
-                error = f"{type(failure).__name__}: {failure}"
-                rows.append({**base, "error": error})
-        return rows
+        return self.label_many([(record, temperature)])[0]
+
+    def label_many(self, tasks: Sequence[tuple[PromptRecord, float]]) -> list[list[dict[str, Any]]]:
+        """The rows of each task; the tasks' turns are swept together, turn by turn."""
+        out: list[list[dict[str, Any]]] = [[] for _ in tasks]
+        alive = []
+        for index, (record, temperature) in enumerate(tasks):
+            if record.error:
+                alive.append(None)
+                out[index] = [
+                    {**self._base_row(record, pid, k, text, temperature), "error": record.error, "error_kind": "source"}
+                    for k, (pid, text) in enumerate(zip(turn_ids(record), record.turns or ("",), strict=True))
+                ]
+            else:
+                alive.append([])
+        depth = max((len(record.turns or ("",)) for record, _ in tasks), default=0)
+        for turn in range(depth):
+            pending: list[tuple[int, _Turn, list[int]]] = []
+            for index, (record, temperature) in enumerate(tasks):
+                turns = record.turns or ("",)
+                if alive[index] is None or turn >= len(turns):
+                    continue
+                text = turns[turn]
+                base = self._base_row(record, turn_ids(record)[turn], turn, text, temperature)
+                failed = next((r["error"] for r in out[index] if r.get("error")), None)
+                if failed is not None:
+                    out[index].append({**base, "error": f"an earlier turn failed: {failed}", "error_kind": "source"})
+                    continue
+                alive[index].append({"role": "user", "content": text})
+                try:
+                    prompt_ids = self._prompt_ids(text, alive[index])
+                except PromptError as failure:
+                    out[index].append({**base, "error": str(failure), "error_kind": failure.kind})
+                    continue
+                pending.append((index, _Turn(record, temperature, turn, base, alive[index], out[index]), prompt_ids))
+            for (index, item, _), (row, answer) in zip(pending, self._measure([(t, p) for _, t, p in pending]), strict=True):
+                out[index].append(row)
+                if answer is not None:
+                    alive[index].append({"role": "assistant", "content": answer})
+        return out
+
+    def _prompt_ids(self, text: str, messages: list[dict[str, str]]) -> list[int]:
+        if not text.strip():
+            raise PromptError("empty", "empty prompt")
+        prompt_ids = self.models.encode_prompt(messages)
+        context = getattr(self.models.target.config, "max_position_embeddings", None)
+        try:
+            check_fits_context(len(prompt_ids), self.settings.max_new_tokens, context)
+        except ValueError as error:
+            raise PromptError("too_long", str(error)) from None
+        return prompt_ids
 
     def _base_row(self, record: PromptRecord, prompt_id: str, turn: int, text: str, temperature: float) -> dict:
         """Every column of the schema, measured ones still null."""
@@ -145,21 +209,54 @@ class Labeler:
             "max_new_tokens": self.settings.max_new_tokens,
         }
 
-    def _measure(self, prompt_ids: list[int], base: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        from blockpilot.sweep import SweepConfig, sweep_prompt
+    def _measure(self, items: Sequence[tuple[_Turn, list[int]]]) -> list[tuple[dict[str, Any], str | None]]:
+        """Sweep the turns (grouped by temperature: one sweep configuration each); (row, answer) per turn."""
+        from blockpilot.sweep import SweepConfig, sweep_prompts
 
-        config = SweepConfig(
-            candidates=self.candidates,
-            temperature=base["temperature"],
-            max_new_tokens=self.settings.max_new_tokens,
-            stop_token_ids=tuple(self.models.stop_token_ids()),
-            seed=base["seed"],
-            mode=self.settings.mode,
-            samples=base["samples"],
-        )
-        sweep = sweep_prompt(self.models, prompt_ids, config)
+        results: list[tuple[dict[str, Any], str | None] | None] = [None] * len(items)
+        for temperature in sorted({item.temperature for item, _ in items}):
+            group = [i for i, (item, _) in enumerate(items) if item.temperature == temperature]
+            config = SweepConfig(
+                candidates=self.candidates,
+                temperature=temperature,
+                max_new_tokens=self.settings.max_new_tokens,
+                stop_token_ids=tuple(self.models.stop_token_ids()),
+                mode=self.settings.mode,
+                samples=self.settings.samples,
+            )
+            prompts = [items[i][1] for i in group]
+            seeds = [items[i][0].base["seed"] for i in group]
+            try:
+                sweeps = sweep_prompts(self.models, prompts, seeds, config, max_batch=self.max_batch)
+            except Exception as error:
+                if is_transient(error):
+                    raise
+                # One prompt's failure must not fail its neighbours: sweep them one by one to find it.
+                sweeps = [self._sweep_alone(prompt, seed, config) for prompt, seed in zip(prompts, seeds, strict=True)]
+            for i, sweep in zip(group, sweeps, strict=True):
+                results[i] = self._row(items[i][0].base, items[i][1], sweep)
+        return results  # type: ignore[return-value]
+
+    def _sweep_alone(self, prompt: list[int], seed: int, config: Any) -> PromptSweep | Exception:
+        from blockpilot.sweep import sweep_prompts
+
+        try:
+            return sweep_prompts(self.models, [prompt], [seed], config, max_batch=1)[0]
+        except Exception as error:
+            if is_transient(error):
+                raise
+            return error
+
+    def _row(
+        self, base: dict[str, Any], prompt_ids: list[int], sweep: PromptSweep | Exception
+    ) -> tuple[dict[str, Any], str | None]:
+        from blockpilot.table import table_columns
+
+        if isinstance(sweep, Exception):
+            return {**base, "error": f"{type(sweep).__name__}: {sweep}", "error_kind": "exception"}, None
         if not any(sweep.cycles):
-            raise PromptError("the generation ended at its first token: no draft/verify cycle to measure")
+            message = "the generation ended at its first token: no draft/verify cycle to measure"
+            return {**base, "error": message, "error_kind": "no_cycle"}, None
         ids, probs = sweep.prefill.top_k(self.settings.top_k)
         row = {
             **base,
@@ -168,15 +265,17 @@ class Labeler:
             "new_tokens": sweep.new_tokens,
             "cycles": sweep.cycles,
             "best_block_size": sweep.best_block_size,
+            **table_columns(sweep.tables),
+            "anchor_entropy": None if sweep.anchor_entropy is None else sweep.anchor_entropy.tolist(),
+            "anchor_top_probs": None if sweep.anchor_top_probs is None else sweep.anchor_top_probs[:, :4].tolist(),
             "topk_ids": ids.tolist(),
             "topk_probs": probs.tolist(),
             "entropy": sweep.prefill.entropy,
             "vocab_size": int(sweep.prefill.probs.shape[-1]),
             "probs_fp16": sweep.prefill.probs.half().tolist() if self.settings.dense else None,
         }
-        answer = (
-            self.models.tokenizer.decode(sweep.token_ids, skip_special_tokens=True) if self.models.tokenizer else ""
-        )
+        tokenizer = self.models.tokenizer
+        answer = tokenizer.decode(sweep.token_ids, skip_special_tokens=True) if tokenizer else ""
         return row, answer
 
 
@@ -189,7 +288,10 @@ class LabelSummary:
     candidates: list[int]
     mean_tau: dict[int, float]
     best_block_size_histogram: dict[int, int]
+    already_labeled: int = 0  # rows present when the job started
     error_examples: list[str] = field(default_factory=list)
+    # Fixed B, best fixed b, static and per-step oracle, in tau and modeled throughput (`scoring.headroom`).
+    headroom: dict[str, float] | None = None
 
     @property
     def prompts_per_s(self) -> float:
@@ -203,19 +305,29 @@ class LabelSummary:
             "B* histogram: " + ", ".join(f"b={b}: {n}" for b, n in self.best_block_size_histogram.items()),
         ]
         lines += [f"error: {example}" for example in self.error_examples]
+        if self.headroom:
+            from blockpilot.scoring import format_metrics
+
+            lines.append(format_metrics("what b can gain on these labels", self.headroom, prediction=False))
         return "\n".join(lines)
 
 
-def summarize(rows: Iterable[dict[str, Any]], new_rows: int, seconds: float) -> LabelSummary:
+SUMMARY_COLUMNS = ("prompt_id", "candidates", "tau", "best_block_size", "error")
+
+
+def summarize(rows: Iterable[dict[str, Any]], new_rows: int, seconds: float, already_labeled: int = 0) -> LabelSummary:
+    """Counts, mean tau per candidate and the B* histogram of label rows (only `SUMMARY_COLUMNS` are read)."""
+    from blockpilot.checks import mean_or_nan
+
     rows = list(rows)
     good = [r for r in rows if not r.get("error")]
     candidates = sorted({b for r in good for b in r["candidates"]})
-    mean_tau = {}
-    for b in candidates:
-        values = [
+    mean_tau = {
+        b: mean_or_nan(
             t for r in good for c, t in zip(r["candidates"], r["tau"], strict=True) if c == b and not math.isnan(t)
-        ]
-        mean_tau[b] = sum(values) / len(values) if values else math.nan
+        )
+        for b in candidates
+    }
     histogram = Counter(r["best_block_size"] for r in good)
     errors = [r for r in rows if r.get("error")]
     return LabelSummary(
@@ -226,5 +338,35 @@ def summarize(rows: Iterable[dict[str, Any]], new_rows: int, seconds: float) -> 
         candidates=candidates,
         mean_tau=mean_tau,
         best_block_size_histogram={b: histogram.get(b, 0) for b in candidates},
+        already_labeled=already_labeled,
         error_examples=[f"{r['prompt_id']}: {r['error']}" for r in errors[:5]],
     )
+
+
+HEADROOM_COLUMNS = (
+    "prompt_id",
+    "source",
+    "temperature",
+    "train_block_size",
+    "candidates",
+    "tau",
+    "cycles",
+    "table_commits",
+    "table_anchors",
+    "max_new_tokens",
+    "error",
+)
+
+
+def label_headroom(path: Any, cost: Any = None) -> dict[str, float] | None:
+    """`scoring.headroom` of the label rows under `path` that carry acceptance tables (None when none do)."""
+    import pyarrow.compute as pc
+
+    from blockpilot.data.labels import read_labels
+    from blockpilot.scoring import headroom, label_arrays
+
+    table = read_labels(path, columns=HEADROOM_COLUMNS)
+    table = table.filter(pc.and_(pc.is_null(table["error"]), pc.is_valid(table["table_commits"])))
+    if table.num_rows == 0 or len({tuple(c) for c in table["candidates"].to_pylist()}) != 1:
+        return None
+    return headroom(label_arrays(table, cost=cost, inputs=False))

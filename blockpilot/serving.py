@@ -1,109 +1,210 @@
-"""The adaptive decoder behind the HTTP endpoint, Ray-free: request checks, policy choice, stop strings,
-streamed text. `pipelines/serve.py` wraps it in a FastAPI app on Ray Serve.
+"""The decoder behind the HTTP endpoint, Ray-free: one batched engine loop, prompts encoded safely, text
+streamed with stop strings. `pipelines/serve.py` parses the OpenAI requests (typed models) and wraps this in
+a FastAPI app on Ray Serve.
 
-Per request: `temperature` (0..2), `max_tokens` (1..cap), `stop` (strings), `seed`, and two extensions:
-`block_size` forces a fixed b (1..max_block_size), `policy` is `adaptive` (the predictor when one is
-loaded, else the drafter's training block size) or `fixed` (the training block size).
+`BatchedDecoder` runs the speculative engine in one background thread. Requests join the running batch
+between cycles (up to `max_batch` rows) and leave it as soon as they end; each row has its own block-size
+policy, temperature, seed and stop rules. Waiting requests sit in a bounded queue: a full queue, or a wait
+longer than `queue_timeout_s`, is `Overloaded` (the endpoint's 503 with Retry-After). A request's
+generation deadline (`request_timeout_s`) starts when its decoding starts; a cancelled handle (a client gone,
+a proxy timeout) frees its row at the next cycle.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from blockpilot.checks import check_fits_context
+from blockpilot.decoding.engine import SpeculativeEngine
 from blockpilot.decoding.policies import BlockSizePolicy, FixedBlockSize
-from blockpilot.decoding.speculative import Generation, GenerationConfig, GenerationResult
+from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
+from blockpilot.decoding.resolve import PolicySpec, resolve_policy
 from blockpilot.models.loading import SpeculativeModels
+from blockpilot.options import option, positive_float_arg, positive_int_arg
 
-POLICIES = ("adaptive", "fixed")
+REQUEST_POLICIES = ("adaptive", "fixed")  # what a request may ask for; responses report the resolved policy name
+MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / T leave the range sampling is meaningful in
 
 
 class RequestError(ValueError):
     """A request that cannot be served: `field` names the parameter, `status` is the HTTP status."""
 
     def __init__(self, field: str, message: str, status: int = 400) -> None:
-        super().__init__(message)
+        super().__init__(f"{field}: {message}")
         self.field, self.message, self.status = field, message, status
+
+
+class Overloaded(RuntimeError):
+    """No row can take the request in time: the client should retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
 class ServeLimits:
-    max_tokens_cap: int = 512
-    default_max_tokens: int = 128
-    max_block_size: int | None = None  # None: twice the drafter's training block size
-    max_stop_strings: int = 4
-    request_timeout_s: float = 120.0
+    """Bounds on what one request may ask and on the work a replica takes on (each is a `blockpilot serve` flag)."""
+
+    max_tokens_cap: int = option(512, type=positive_int_arg, help="largest max_tokens a request may ask for")
+    default_max_tokens: int = option(128, type=positive_int_arg, help="max_tokens when a request gives none")
+    max_block_size: int | None = option(None, type=positive_int_arg, help="largest block_size (default: 2B)")
+    max_stop_strings: int = option(4, type=positive_int_arg, help="stop strings per request")
+    max_stop_length: int = option(64, type=positive_int_arg, help="characters per stop string")
+    max_prompt_chars: int = option(64_000, type=positive_int_arg, help="prompt characters, checked before tokenizing")
+    max_prompt_tokens: int | None = option(None, type=positive_int_arg, help="prompt tokens (default: the context)")
+    max_body_bytes: int = option(1 << 20, type=positive_int_arg, help="request body size (larger: 413)")
+    request_timeout_s: float = option(120.0, type=positive_float_arg, help="decoding time per request")
+    queue_timeout_s: float = option(30.0, type=positive_float_arg, help="wait for a free row before 503")
+    max_batch: int = option(8, type=positive_int_arg, help="requests decoded together in one engine")
+    max_queue: int = option(64, type=positive_int_arg, help="requests waiting for a row (more: 503)")
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"serve limit {name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
 class DecodeRequest:
     """A checked request, prompt tokenized."""
 
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     max_tokens: int
     temperature: float
-    stop: tuple[str, ...]
-    seed: int | None
-    block_size: int | None
-    policy: str
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    block_size: int | None = None  # forces a fixed b
+    policy: str = "adaptive"
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, tests)
+
+
+class IncrementalText:
+    """Token chunks -> text deltas that never change once emitted, never drop text, and hold back both a
+    character still split across tokens and any tail that could still become a stop string.
+
+    Detokenization decodes a sliding window (the tokens since the last stable point), so each chunk costs the
+    window, not the whole answer; stop strings are searched only where they can newly appear.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.tokens: list[int] = []
+        self.prefix_offset = 0  # window start: tokens before it are emitted for good
+        self.read_offset = 0  # tokens up to here are decoded into emitted or pending text
+        self.emitted = ""
+        self.pending = ""  # decoded, held back (a possible stop-string prefix)
+        self.stopped = False
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _new_text(self, final: bool) -> str:
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        whole = self._decode(self.tokens[self.prefix_offset :])
+        if len(whole) <= len(prefix) or (whole.endswith("\ufffd") and not final):
+            return ""  # nothing new, or a character still waiting for its last byte
+        start = len(prefix) if whole.startswith(prefix) else len(os.path.commonprefix([prefix, whole]))
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return whole[start:]
+
+    def push(self, new_tokens: Sequence[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.tokens.extend(new_tokens)
+        candidate = self.pending + self._new_text(final)
+        if self.stop:
+            hit = min((i for i in (candidate.find(s) for s in self.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                self.stopped, self.pending = True, ""
+                self.emitted += candidate[:hit]
+                return candidate[:hit]
+            if not final:
+                hold = next(
+                    (
+                        k
+                        for k in range(min(len(candidate), self.longest_stop - 1), 0, -1)
+                        if any(s.startswith(candidate[-k:]) for s in self.stop)
+                    ),
+                    0,
+                )
+                self.pending, candidate = candidate[len(candidate) - hold :], candidate[: len(candidate) - hold]
+            else:
+                self.pending = ""
+        self.emitted += candidate
+        return candidate
 
 
 @dataclass
-class StreamedText:
-    """Turns committed token chunks into text deltas: whole characters only, stop strings cut and never
-    half-shown (text that could still become a stop string is held back until it cannot)."""
+class DecodeHandle:
+    """One request in the decoder: events flow to `listener` (by default a queue that `events()` reads)."""
 
-    tokenizer: Any
-    stop: Sequence[str]
-    tokens: list[int] = field(default_factory=list)
-    emitted: str = ""
-    stopped: bool = False
+    request: DecodeRequest
+    text: IncrementalText
+    policy: BlockSizePolicy
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    row_id: int | None = None
+    cancelled: bool = False
+    timed_out: bool = False
+    listener: Callable[[tuple[str, Any]], None] | None = None
+    _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
-    def push(self, new_tokens: Sequence[int], final: bool = False) -> str:
-        self.tokens.extend(new_tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, self.stopped, final = text[:cut], True, True
-        elif not final:
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for its last byte
-                text = text.rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold]
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
+    def emit(self, kind: str, value: Any) -> None:
+        (self.listener or self._queue.put)((kind, value))
+
+    def cancel(self) -> None:
+        """Free the row at the next cycle (the client went away, or its time is up)."""
+        self.cancelled = True
+
+    def events(self, timeout_s: float | None = None) -> Iterator[tuple[str, Any]]:
+        """("delta", text) ... then ("done", stats) or ("error", exception), for a synchronous consumer."""
+        while True:
+            kind, value = self._queue.get(timeout=timeout_s)
+            yield kind, value
+            if kind != "delta":
+                return
 
 
-class DecoderEngine:
-    """Target + drafter (+ predictor) serving completions one at a time (batch size 1 per engine)."""
+class BatchedDecoder:
+    """Target + drafter (+ per-request and per-step predictors) serving completions in one batched engine."""
 
     def __init__(
         self,
         models: SpeculativeModels,
-        predictor: Any | None = None,
         *,
+        adaptive: PolicySpec | str = "fixed",
         model_name: str = "blockpilot",
         limits: ServeLimits | None = None,
+        predictor: Any | None = None,
     ) -> None:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
-        self.models, self.predictor, self.model_name = models, predictor, model_name
+        self.models, self.model_name = models, model_name
         self.limits = limits or ServeLimits()
-        if predictor is not None and models.drafter is not None:
-            from blockpilot.predictor import LearnedPolicy
-
-            self.learned: BlockSizePolicy | None = LearnedPolicy(predictor)
-            self.learned.check_fits(models.target.get_output_embeddings().weight.shape[0], models.train_block_size)
-        else:
-            self.learned = None
+        self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
-        self._lock = threading.Lock()
+        self.stop_token_ids = tuple(models.stop_token_ids())
+        self._engine = SpeculativeEngine(models, max_batch=self.limits.max_batch)
+        self._waiting: deque[DecodeHandle] = deque()
+        self._active: dict[int, DecodeHandle] = {}
+        self._lock = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # ---------------------------------------------------------------- prompts
 
     @property
     def max_block_size(self) -> int:
@@ -111,160 +212,266 @@ class DecoderEngine:
             return self.limits.max_block_size
         return 2 * self.models.train_block_size if self.models.drafter is not None else 1
 
-    # ---------------------------------------------------------------- request checks
+    @property
+    def max_prompt_tokens(self) -> int:
+        return min(self.limits.max_prompt_tokens or self.context, self.context - 1)
 
-    def check(self, body: dict[str, Any], *, chat: bool) -> DecodeRequest:
-        """A checked request, or RequestError naming the offending field."""
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("messages", "messages must be a non-empty list of {role, content} objects")
-            for index, message in enumerate(messages):
-                if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                    raise RequestError(f"messages[{index}]", "each message needs a string 'content'")
-                if message.get("role") not in ("system", "user", "assistant"):
-                    raise RequestError(f"messages[{index}].role", "role must be 'system', 'user' or 'assistant'")
-            if not any(m["content"].strip() for m in messages):
-                raise RequestError("messages", "messages are empty")
-            prompt_ids = self.models.encode_prompt([{"role": m["role"], "content": m["content"]} for m in messages])
-            prompt_field = "messages"
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if prompt is None:
-                raise RequestError("prompt", "prompt is required")
-            if not isinstance(prompt, str):
-                raise RequestError("prompt", "prompt must be a string")
-            if not prompt.strip():
-                raise RequestError("prompt", "prompt is empty")
-            prompt_ids = self.models.encode_prompt(prompt, chat=False)
-            prompt_field = "prompt"
+    def _check_text(self, text: str, field_name: str) -> None:
+        if len(text) > self.limits.max_prompt_chars:
+            raise RequestError(field_name, f"{len(text)} characters; at most {self.limits.max_prompt_chars}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(field_name, "not valid Unicode (a lone surrogate?)") from None
 
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    def _tokenize_user_text(self, text: str) -> list[int]:
+        """User text as plain text: `<|im_end|>` typed by a user never becomes the special token."""
+        return self.models.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def encode_completion(self, prompt: str) -> list[int]:
+        self._check_text(prompt, "prompt")
+        if not prompt.strip():
+            raise RequestError("prompt", "prompt is empty")
+        return self._checked_prompt(self._tokenize_user_text(prompt), "prompt")
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """(role, content) pairs through the chat template; contents are tokenized as user text, never as special
+        tokens, so a message cannot forge a turn."""
+        tokenizer = self.models.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("messages", f"model {self.model_name!r} has no chat template; use /v1/completions")
+        for index, (_, content) in enumerate(messages):
+            self._check_text(content, f"messages[{index}].content")
+        if not any(content.strip() for _, content in messages):
+            raise RequestError("messages", "every message is empty")
+        marks = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
+        try:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": role, "content": mark} for (role, _), mark in zip(messages, marks, strict=True)],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=False,
+            )
+        except Exception as error:  # jinja's TemplateError and whatever a template raises on purpose
+            raise RequestError("messages", f"the chat template rejects these messages: {error}") from None
+        ids: list[int] = []
+        for mark, (_, content) in zip(marks, messages, strict=True):
+            before, found, rendered = rendered.partition(mark)
+            if not found:
+                raise RequestError("messages", "the chat template rewrites message contents; cannot encode safely")
+            ids += tokenizer(before, add_special_tokens=False)["input_ids"] + self._tokenize_user_text(content)
+        ids += tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return self._checked_prompt(ids, "messages")
+
+    def _checked_prompt(self, ids: list[int], field_name: str) -> list[int]:
+        if not ids:
+            raise RequestError(field_name, "the prompt tokenizes to nothing")
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestError(field_name, f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens}")
+        return ids
+
+    def check(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int | None,
+        temperature: float,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        block_size: int | None = None,
+        policy: str = "adaptive",
+        ignore_eos: bool = False,
+    ) -> DecodeRequest:
+        """A request within this decoder's limits, or RequestError naming the parameter."""
         max_tokens = self.limits.default_max_tokens if max_tokens is None else max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise RequestError("max_tokens", "max_tokens must be an integer")
         if not 1 <= max_tokens <= self.limits.max_tokens_cap:
-            raise RequestError(
-                "max_tokens", f"max_tokens must be between 1 and {self.limits.max_tokens_cap}, got {max_tokens}"
-            )
-        if len(prompt_ids) >= self.context:
-            raise RequestError(
-                prompt_field, f"the prompt has {len(prompt_ids)} tokens; the context holds {self.context}"
-            )
-        if len(prompt_ids) + max_tokens > self.context:
-            raise RequestError(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.context}",
-            )
-
-        temperature = body.get("temperature")
-        temperature = 1.0 if temperature is None else temperature  # OpenAI's default
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise RequestError("temperature", "temperature must be a number")
-        if not math.isfinite(temperature) or not 0 <= temperature <= 2:
-            raise RequestError("temperature", f"temperature must be a number in [0, 2], got {temperature}")
-
-        stop = body.get("stop")
-        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError("stop", "stop must be a non-empty string or a list of them")
+            raise RequestError("max_tokens", f"must be between 1 and {self.limits.max_tokens_cap}, got {max_tokens}")
+        try:
+            check_fits_context(len(prompt_ids), max_tokens, self.context)
+        except ValueError as error:
+            raise RequestError("max_tokens", str(error)) from None
+        if not (math.isfinite(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= 2)):
+            raise RequestError("temperature", f"must be 0 (greedy) or between {MIN_TEMPERATURE} and 2, got {temperature}")
         if len(stop) > self.limits.max_stop_strings:
-            raise RequestError("stop", f"at most {self.limits.max_stop_strings} stop strings")
-
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError("seed", "seed must be an integer")
-
-        block_size = body.get("block_size")
-        if block_size is not None:
-            if isinstance(block_size, bool) or not isinstance(block_size, int):
-                raise RequestError("block_size", "block_size must be an integer")
-            if not 1 <= block_size <= self.max_block_size:
-                raise RequestError(
-                    "block_size", f"block_size must be between 1 and {self.max_block_size}, got {block_size}"
-                )
-        policy = body.get("policy", "adaptive")
-        if policy not in POLICIES:
-            raise RequestError("policy", f"policy must be one of {list(POLICIES)}, got {policy!r}")
-        return DecodeRequest(prompt_ids, max_tokens, float(temperature), tuple(stop), seed, block_size, policy)
-
-    # ---------------------------------------------------------------- decoding
-
-    def policy_for(self, request: DecodeRequest) -> tuple[BlockSizePolicy | None, str]:
-        if self.models.drafter is None:
-            return None, "autoregressive"
-        if request.block_size is not None:
-            return FixedBlockSize(request.block_size), "fixed"
-        if request.policy == "adaptive" and self.learned is not None:
-            return self.learned, "adaptive"
-        return FixedBlockSize(self.models.train_block_size), "fixed"
-
-    def stream(
-        self, request: DecodeRequest, cancel: threading.Event | None = None
-    ) -> Iterator[tuple[str, dict | None]]:
-        """Text deltas as cycles commit; the last item carries the final stats (finish reason, usage, ...).
-
-        Holds the engine's lock for the whole generation; `cancel` (set by the server when the client goes
-        away) and the request timeout end it after the current cycle.
-        """
-        policy, policy_name = self.policy_for(request)
-        config = GenerationConfig(
-            max_new_tokens=request.max_tokens,
-            temperature=request.temperature,
-            stop_token_ids=tuple(self.models.stop_token_ids()),
-            seed=request.seed,
+            raise RequestError("stop", f"at most {self.limits.max_stop_strings} stop strings, got {len(stop)}")
+        for text in stop:
+            if not text or len(text) > self.limits.max_stop_length:
+                raise RequestError("stop", f"each stop string needs 1 to {self.limits.max_stop_length} characters")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise RequestError("seed", f"must be in [0, 2^63), got {seed}")
+        if block_size is not None and not 1 <= block_size <= self.max_block_size:
+            raise RequestError("block_size", f"must be between 1 and {self.max_block_size}, got {block_size}")
+        if policy not in REQUEST_POLICIES:
+            raise RequestError("policy", f"must be one of {list(REQUEST_POLICIES)}, got {policy!r}")
+        return DecodeRequest(
+            tuple(prompt_ids), max_tokens, float(temperature), tuple(stop), seed, block_size, policy, ignore_eos
         )
-        text = StreamedText(self.models.tokenizer, request.stop)
-        deadline = time.monotonic() + self.limits.request_timeout_s
-        timed_out = False
-        with self._lock:
-            generation = Generation(self.models, request.prompt_ids, policy=policy, config=config)
-            for chunk in generation:
-                delta = text.push(chunk)
-                if delta:
-                    yield delta, None
-                timed_out = time.monotonic() > deadline
-                if text.stopped or (cancel is not None and cancel.is_set()) or timed_out:
-                    generation.cancel()
-            result = generation.result
-        tail = text.push([], final=True)
-        yield tail, self._stats(result, text, policy_name, timed_out=timed_out)
 
-    def complete(self, request: DecodeRequest) -> tuple[str, dict]:
+    def policy_for(self, request: DecodeRequest) -> BlockSizePolicy:
+        if request.block_size is not None:
+            return resolve_policy(PolicySpec("fixed", block_size=request.block_size), self.models)
+        if request.policy == "adaptive":
+            return self.adaptive
+        return resolve_policy(PolicySpec("fixed"), self.models)
+
+    # ---------------------------------------------------------------- the engine loop
+
+    def start(self) -> BatchedDecoder:
+        with self._lock:
+            if self._running:
+                return self
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="blockpilot-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def load(self) -> dict[str, int]:
+        """Rows decoding and requests waiting, right now."""
+        return {"active": len(self._active), "waiting": len(self._waiting), "max_batch": self.limits.max_batch}
+
+    def submit(
+        self, request: DecodeRequest, listener: Callable[[tuple[str, Any]], None] | None = None
+    ) -> DecodeHandle:
+        """Queue a request; its events go to `listener` (called from the engine thread) or to `handle.events()`.
+        `Overloaded` when the queue is full or the engine has failed."""
+        handle = DecodeHandle(
+            request, IncrementalText(self.models.tokenizer, request.stop), self.policy_for(request), listener=listener
+        )
+        with self._lock:
+            if self.failure is not None:
+                raise Overloaded(f"the decoder failed: {self.failure}", retry_after_s=60)
+            if len(self._waiting) >= self.limits.max_queue:
+                raise Overloaded(f"{len(self._waiting)} requests are waiting; retry later", retry_after_s=self._retry_after())
+            self._waiting.append(handle)
+            self._lock.notify_all()
+        return handle
+
+    def complete(self, request: DecodeRequest) -> tuple[str, dict[str, Any]]:
+        """The whole text and the final stats, synchronously (tests, benchmarks)."""
         parts, stats = [], {}
-        for delta, final in self.stream(request):
-            parts.append(delta)
-            stats = final or stats
+        for kind, value in self.submit(request).events():
+            if kind == "delta":
+                parts.append(value)
+            elif kind == "error":
+                raise value
+            else:
+                stats = value
         return "".join(parts), stats
 
-    def _stats(self, result: GenerationResult | None, text: StreamedText, policy_name: str, timed_out: bool) -> dict:
-        assert result is not None
-        if text.stopped or result.stop_reason == "stop":
-            finish = "stop"
-        elif timed_out:
-            finish = "timeout"
-        elif result.stop_reason == "cancelled":
-            finish = "cancelled"
-        else:
-            finish = "length"
-        return {
-            "finish_reason": finish,
+    def _retry_after(self) -> float:
+        return max(1.0, min(self.limits.queue_timeout_s, 5.0))
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while self._running and not (self._waiting or self._active):
+                        self._lock.wait(timeout=1.0)
+                    if not self._running:
+                        break
+                    self._admit()
+                self._reap()
+                if self._engine.busy:
+                    for update in self._engine.step():
+                        self._deliver(update)
+            self._fail_all(RuntimeError("the decoder stopped"))
+        except BaseException as error:  # a broken device: unhealthy from now on; every request gets the error
+            self.failure = error
+            self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            for handle in [*self._waiting, *self._active.values()]:
+                handle.emit("error", error)
+            self._waiting.clear()
+            self._active.clear()
+
+    def _admit(self) -> None:
+        """Move waiting requests into the engine while it has rows free; expire those that waited too long."""
+        now = time.monotonic()
+        while self._waiting and len(self._active) < self.limits.max_batch:
+            handle = self._waiting.popleft()
+            if handle.cancelled:
+                continue
+            if now - handle.submitted_at > self.limits.queue_timeout_s:
+                handle.emit("error", Overloaded("no decoding row became free in time", self._retry_after()))
+                continue
+            config = GenerationConfig(
+                max_new_tokens=handle.request.max_tokens,
+                temperature=handle.request.temperature,
+                stop_token_ids=() if handle.request.ignore_eos else self.stop_token_ids,
+                seed=handle.request.seed,
+            )
+            handle.row_id = self._engine.submit(GenerationRequest(handle.request.prompt_ids, config, handle.policy))
+            handle.started_at = now
+            self._active[handle.row_id] = handle
+        for handle in [h for h in self._waiting if now - h.submitted_at > self.limits.queue_timeout_s]:
+            self._waiting.remove(handle)
+            handle.emit("error", Overloaded("no decoding row became free in time", self._retry_after()))
+
+    def _reap(self) -> None:
+        """Cancel rows whose client left or whose decoding time is up."""
+        now = time.monotonic()
+        for row_id, handle in list(self._active.items()):
+            if not handle.cancelled and now - handle.started_at > self.limits.request_timeout_s:
+                handle.timed_out = True
+            if handle.cancelled or handle.timed_out:
+                self._engine.cancel(row_id)
+
+    def _deliver(self, update: Any) -> None:
+        handle = self._active.get(update.row_id)
+        if handle is None:
+            return
+        if update.new_tokens:
+            delta = handle.text.push(update.new_tokens)
+            if delta:
+                handle.emit("delta", delta)
+            if handle.text.stopped:
+                self._engine.cancel(update.row_id)
+        if update.result is not None:
+            del self._active[update.row_id]
+            tail = handle.text.push([], final=True)
+            if tail:
+                handle.emit("delta", tail)
+            handle.emit("done", self._stats(handle, update.result))
+
+    def _stats(self, handle: DecodeHandle, result: GenerationResult) -> dict[str, Any]:
+        stopped = handle.text.stopped or result.stop_reason == "stop"
+        stats = {
+            # OpenAI's values only: a generation cut by its deadline reports "length", and says why below.
+            "finish_reason": "stop" if stopped else "length",
             "usage": {
                 "prompt_tokens": result.prompt_length,
                 "completion_tokens": len(result.token_ids),
                 "total_tokens": result.prompt_length + len(result.token_ids),
             },
             "blockpilot": {
-                "block_size": result.block_size if self.models.drafter is not None else 1,
-                "policy": policy_name,
+                "policy": result.policy,
+                "block_size": result.block_size,
+                "block_sizes": result.block_sizes,
+                "acceptance_lengths": result.acceptance_lengths,
                 "tau": None if math.isnan(result.tau) else round(result.tau, 4),
                 "cycles": result.cycles,
+                "queue_time_s": round((handle.started_at or handle.submitted_at) - handle.submitted_at, 6),
                 "prefill_time_s": round(result.prefill_time_s, 6),
                 "decode_time_s": round(result.decode_time_s, 6),
             },
         }
+        if handle.timed_out and not stopped:
+            stats["blockpilot"]["truncated"] = "request_timeout"
+        return stats
 
 
 def new_id(prefix: str) -> str:

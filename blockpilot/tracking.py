@@ -2,7 +2,12 @@
 
 The default store is SQLite under `$BLOCKPILOT_HOME/mlflow/` with artifacts beside it;
 `MLFLOW_TRACKING_URI` overrides. Where MLflow is not installed (the GPU machine has none) or tracking is
-switched off, `start_run` yields a `NullTracker` and the work goes on untracked.
+switched off, `start_run` yields a `NullTracker` and the work goes on untracked: `tracker.enabled` is the one
+place that says whether a run is being tracked.
+
+Experiments are marked as model-training experiments, so the MLflow UI opens on their runs table. The
+predictor is registered as `blockpilot-predictor`; its `champion` alias moves to a new version only when
+that version beats the current champion on held-out modeled throughput.
 """
 
 from __future__ import annotations
@@ -17,9 +22,18 @@ from typing import Any, Protocol
 from blockpilot.home import blockpilot_home
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+PREDICTOR_MODEL_NAME = "blockpilot-predictor"
+CHAMPION_ALIAS = "champion"
+CHAMPION_METRIC_TAG = "heldout_throughput"
+# The UI's experiment type: model training (its runs table), not GenAI (its traces overview).
+EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+_MODEL_CODE = Path(__file__).parent / "predictor" / "pyfunc.py"
 
 
 class Tracker(Protocol):
+    enabled: bool
+    run_id: str | None
+
     def log_params(self, params: Mapping[str, Any]) -> None: ...
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
@@ -28,12 +42,13 @@ class Tracker(Protocol):
 
     def log_figure(self, figure: Any, name: str) -> None: ...
 
-    def set_tags(self, tags: Mapping[str, str]) -> None: ...
+    def log_dataset(self, path: str | Path, frame: Any, name: str, context: str) -> None: ...
 
 
 class NullTracker:
     """Tracks nothing; what runs get when MLflow is off or absent."""
 
+    enabled = False
     run_id: str | None = None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -48,7 +63,7 @@ class NullTracker:
     def log_figure(self, figure: Any, name: str) -> None:
         pass
 
-    def set_tags(self, tags: Mapping[str, str]) -> None:
+    def log_dataset(self, path: str | Path, frame: Any, name: str, context: str) -> None:
         pass
 
 
@@ -77,18 +92,24 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def _finite(metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+
+
 class MLflowTracker:
     """One active MLflow run."""
 
+    enabled = True
+
     def __init__(self, mlflow: Any, run: Any) -> None:
         self._mlflow = mlflow
-        self.run_id: str = run.info.run_id
+        self.run_id: str | None = run.info.run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         self._mlflow.log_params(_flatten(params))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        finite = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        finite = _finite(metrics)
         if finite:
             self._mlflow.log_metrics(finite, step=step)
 
@@ -102,8 +123,10 @@ class MLflowTracker:
     def log_figure(self, figure: Any, name: str) -> None:
         self._mlflow.log_figure(figure, name)
 
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        self._mlflow.set_tags(dict(tags))
+    def log_dataset(self, path: str | Path, frame: Any, name: str, context: str) -> None:
+        """Record a label set as an input of the run (the lineage labels -> predictor -> registered model)."""
+        dataset = self._mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=name)
+        self._mlflow.log_input(dataset, context=context)
 
 
 def mlflow_available() -> bool:
@@ -112,6 +135,24 @@ def mlflow_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _experiment_id(mlflow: Any, name: str, uri: str) -> str:
+    """The experiment's id, created when missing: creation first, so that two processes cannot both miss it
+    and both create it."""
+    from mlflow.exceptions import MlflowException
+
+    # A SQLite store would put artifacts in ./mlruns of whatever folder we run in; keep them at home.
+    location = (artifact_root() / name).as_uri() if uri.startswith("sqlite") else None
+    try:
+        experiment_id = mlflow.create_experiment(name, artifact_location=location)
+    except MlflowException:
+        experiment = mlflow.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        experiment_id = experiment.experiment_id
+    mlflow.MlflowClient().set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
+    return experiment_id
 
 
 @contextlib.contextmanager
@@ -124,91 +165,17 @@ def start_run(
         return
     import mlflow
 
+    _quiet_artifact_transfers()
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(experiment) is None:
-        # A SQLite store would put artifacts in ./mlruns of whatever folder we run in; keep them at home.
-        location = (artifact_root() / experiment).as_uri() if uri.startswith("sqlite") else None
-        mlflow.create_experiment(experiment, artifact_location=location)
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=run_name, tags=dict(tags or {})) as run:
+    experiment_id = _experiment_id(mlflow, experiment, uri)
+    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=dict(tags or {})) as run:
         yield MLflowTracker(mlflow, run)
-
-
-# ----------------------------------------------------------------------------- the predictor as an MLflow model
-
-PREDICTOR_MODEL_NAME = "blockpilot-predictor"
-_MODEL_CODE = Path(__file__).with_name("predictor_pyfunc.py")
-
-
-def log_predictor_model(
-    tracker: Tracker, predictor_dir: str | Path, registered_name: str = PREDICTOR_MODEL_NAME
-) -> str | None:
-    """Log the predictor folder as a pyfunc (models-from-code: nothing pickled) and register a new version.
-
-    Returns the registered version, or None when tracking is off. The folder rides as the model's
-    artifact `predictor`; `download_model_folder` gives it back from `models:/NAME/VERSION`.
-    """
-    if not isinstance(tracker, MLflowTracker):
-        return None
-    import mlflow
-
-    _quiet_artifact_transfers()
-    info = mlflow.pyfunc.log_model(
-        name="predictor-model",
-        python_model=str(_MODEL_CODE),
-        artifacts={"predictor": str(predictor_dir)},
-        code_paths=[str(Path(__file__).parent)],
-        pip_requirements=["torch", "safetensors"],
-        registered_model_name=registered_name,
-    )
-    version = getattr(info, "registered_model_version", None)
-    return None if version is None else str(version)
 
 
 def _quiet_artifact_transfers() -> None:
     """A predictor is a few small files: a progress bar per file is noise in `generate`, `train` and the demo."""
-    import os
-
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
-
-def download_model_folder(uri: str, artifact: str) -> Path:
-    """The folder logged as `artifact` inside the MLflow model at `uri` (`models:/NAME/VERSION` or `runs:/...`).
-
-    A pinned version (or a run) never changes, so its download is kept under the home folder and reused;
-    an alias (`models:/NAME/latest`, `@champion`) is fetched again each time.
-    """
-    import hashlib
-    import re
-    import shutil
-    import tempfile
-
-    import mlflow
-
-    _quiet_artifact_transfers()
-    uri_of_store = tracking_uri()
-    mlflow.set_tracking_uri(uri_of_store)
-    pinned = uri.startswith("runs:/") or re.fullmatch(r"models:/[^/@]+/\d+", uri) is not None
-    key = hashlib.sha256(f"{uri_of_store}|{uri}".encode()).hexdigest()[:16]
-    target = blockpilot_home() / "mlflow" / "downloads" / key if pinned else Path(tempfile.mkdtemp(prefix="predictor-"))
-    if not pinned or not target.is_dir():
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        try:
-            mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging))
-        except Exception as error:  # unknown model, version or store: all mean "cannot get it"
-            shutil.rmtree(staging, ignore_errors=True)
-            raise FileNotFoundError(
-                f"could not fetch {uri!r} from the MLflow store at {uri_of_store}: {error}"
-            ) from error
-        shutil.rmtree(target, ignore_errors=True)
-        staging.replace(target)
-    matches = sorted(p.parent for p in target.rglob("config.json") if p.parent.name == artifact)
-    if not matches:
-        raise FileNotFoundError(f"{uri!r} has no '{artifact}' folder with a config.json")
-    return matches[0]
 
 
 def log_figures(tracker: Tracker, figures: Mapping[str, Any]) -> None:
@@ -226,5 +193,81 @@ def log_epoch_metrics(run_id: str, metrics: Mapping[str, float], step: int, uri:
 
     mlflow.set_tracking_uri(uri or tracking_uri())
     now = int(time.time() * 1000)
-    finite = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-    mlflow.MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in finite.items()])
+    mlflow.MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in _finite(metrics).items()])
+
+
+# ----------------------------------------------------------------------------- the predictor as an MLflow model
+
+
+def log_predictor_model(
+    tracker: Tracker, predictor_dir: str | Path, heldout_throughput: float, registered_name: str = PREDICTOR_MODEL_NAME
+) -> tuple[str | None, bool]:
+    """Log the predictor folder as a pyfunc (models-from-code: nothing pickled), register a new version, and
+    move the `champion` alias to it when its held-out modeled throughput beats the current champion's.
+
+    Returns (version, became champion); (None, False) when tracking is off. The folder rides as the model's
+    artifact `predictor`; `download_model_folder` gives it back from `models:/NAME/VERSION` or `@champion`.
+    """
+    if not tracker.enabled:
+        return None, False
+    import mlflow
+
+    info = mlflow.pyfunc.log_model(
+        name="predictor-model",
+        python_model=str(_MODEL_CODE),
+        artifacts={"predictor": str(predictor_dir)},
+        code_paths=[str(Path(__file__).parent)],
+        pip_requirements=["torch", "safetensors"],
+        registered_model_name=registered_name,
+    )
+    version = getattr(info, "registered_model_version", None)
+    if version is None:
+        return None, False
+    version = str(version)
+    client = mlflow.MlflowClient()
+    client.set_model_version_tag(registered_name, version, CHAMPION_METRIC_TAG, repr(float(heldout_throughput)))
+    try:
+        champion = client.get_model_version_by_alias(registered_name, CHAMPION_ALIAS)
+        best = float(champion.tags.get(CHAMPION_METRIC_TAG, "-inf"))
+    except mlflow.exceptions.MlflowException:  # no champion yet
+        best = -math.inf
+    promote = math.isfinite(heldout_throughput) and heldout_throughput > best
+    if promote:
+        client.set_registered_model_alias(registered_name, CHAMPION_ALIAS, version)
+    return version, promote
+
+
+def download_model_folder(uri: str, artifact: str) -> Path:
+    """The folder logged as `artifact` inside the MLflow model at `uri` (`models:/NAME/VERSION`, `@ALIAS`,
+    `runs:/...`).
+
+    A pinned version (or a run) never changes, so its download is kept under the home folder and reused;
+    an alias (`@champion`, `latest`) is fetched again each time. Downloads stage in a unique folder and are
+    renamed into place, so concurrent readers never see half a model.
+    """
+    import hashlib
+    import re
+    import tempfile
+
+    import mlflow
+
+    from blockpilot.files import atomic_folder
+
+    _quiet_artifact_transfers()
+    uri_of_store = tracking_uri()
+    mlflow.set_tracking_uri(uri_of_store)
+    pinned = uri.startswith("runs:/") or re.fullmatch(r"models:/[^/@]+/\d+", uri) is not None
+    key = hashlib.sha256(f"{uri_of_store}|{uri}".encode()).hexdigest()[:16]
+    target = blockpilot_home() / "mlflow" / "downloads" / key if pinned else Path(tempfile.mkdtemp(prefix="predictor-"))
+    if not pinned or not target.is_dir():
+        try:
+            with atomic_folder(target) as staging:
+                mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging))
+        except Exception as error:  # unknown model, version, alias or store: all mean "cannot get it"
+            raise FileNotFoundError(
+                f"could not fetch {uri!r} from the MLflow store at {uri_of_store}: {error}"
+            ) from error
+    matches = sorted(p.parent for p in target.rglob("config.json") if p.parent.name == artifact)
+    if not matches:
+        raise FileNotFoundError(f"{uri!r} has no '{artifact}' folder with a config.json")
+    return matches[0]

@@ -6,15 +6,23 @@ Columns (lists follow `candidates`):
     prompt_tokens, temperature, seed          the generation it was measured on (seeds seed, seed+1, ...
     samples                                   when `samples` > 1 runs are pooled at T > 0)
     train_block_size, candidates, tau         B, the swept b, mean acceptance length per b
-    new_tokens, cycles                        per b: output length and draft/verify cycles
+    new_tokens, cycles                        per b: output tokens and draft/verify cycles
     best_block_size                           B* = argmax tau, ties to the smaller b
+    table_commits, table_anchors              the acceptance table a(i, b) (replay sweeps): per candidate,
+                                              the commits at every cursor of every sample, concatenated;
+                                              the cursors per sample (see `blockpilot.table`)
+    anchor_entropy, anchor_top_probs          per cursor of the table, the target distribution at the
+                                              anchor (T = 1): entropy in nats and top-k probabilities
     topk_ids, topk_probs, entropy             the prefill distribution (T = 1), top k + entropy in nats
     vocab_size                                its width (the target head's rows)
     probs_fp16                                the whole distribution, fp16, when asked for (else null)
     target_id, drafter_id, sweep_mode, max_new_tokens
-    error                                     null, or why this prompt has no label (the row is kept)
+    error, error_kind                         null, or why this prompt has no label (the row is kept) and
+                                              what kind of failure that is (empty, too_long, source, no_cycle,
+                                              exception)
 
-Keeping the whole tau vector lets a label objective (max tau, or tau(b)/cost(b)) change without relabeling.
+Keeping the table lets a label objective (max tau, or tau(b) / c(b)) or a walk (per-step choices) change
+without relabeling.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ LABEL_SCHEMA = pa.schema(
         pa.field("new_tokens", pa.list_(pa.int32())),
         pa.field("cycles", pa.list_(pa.int32())),
         pa.field("best_block_size", pa.int32()),
+        pa.field("table_commits", pa.list_(pa.list_(pa.int16()))),
+        pa.field("table_anchors", pa.list_(pa.int32())),
+        pa.field("anchor_entropy", pa.list_(pa.float16())),
+        pa.field("anchor_top_probs", pa.list_(pa.list_(pa.float16()))),
         pa.field("topk_ids", pa.list_(pa.int32())),
         pa.field("topk_probs", pa.list_(pa.float32())),
         pa.field("entropy", pa.float32()),
@@ -56,17 +68,24 @@ LABEL_SCHEMA = pa.schema(
         pa.field("sweep_mode", pa.string()),
         pa.field("max_new_tokens", pa.int32()),
         pa.field("error", pa.string()),
+        pa.field("error_kind", pa.string()),
     ]
 )
 
 
+_HALF_COLUMNS = ("probs_fp16", "anchor_entropy")
+
+
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     """Label rows (dicts with the schema's keys; missing keys are null) as a table of LABEL_SCHEMA."""
-    columns = {name: [row.get(name) for row in rows] for name in LABEL_SCHEMA.names}
-    if columns["probs_fp16"] and any(v is not None for v in columns["probs_fp16"]):
-        import numpy as np
+    import numpy as np
 
-        columns["probs_fp16"] = [None if v is None else np.asarray(v, dtype=np.float16) for v in columns["probs_fp16"]]
+    columns = {name: [row.get(name) for row in rows] for name in LABEL_SCHEMA.names}
+    for name in _HALF_COLUMNS:
+        columns[name] = [None if v is None else np.asarray(v, dtype=np.float16) for v in columns[name]]
+    columns["anchor_top_probs"] = [
+        None if v is None else [np.asarray(p, dtype=np.float16) for p in v] for v in columns["anchor_top_probs"]
+    ]
     return pa.Table.from_pydict(columns, schema=LABEL_SCHEMA)
 
 
@@ -97,7 +116,9 @@ def read_label_files(
     tables, broken = [], []
     for file in parquet_files(path):
         try:
-            table = pq.read_table(file, columns=list(columns) if columns else None)
+            # Files of an older schema lack newer columns: read what they have, the rest becomes null.
+            present = pq.read_schema(file).names
+            table = pq.read_table(file, columns=[c for c in columns if c in present] if columns else None)
         except (pa.ArrowInvalid, OSError) as error:
             logger.warning("skipping unreadable label file %s: %s", file, error)
             broken.append(file)
@@ -133,9 +154,12 @@ def deduplicate(table: pa.Table) -> pa.Table:
     return table if len(keep) == table.num_rows else table.take(keep)
 
 
-def read_labels(path: str | Path) -> pa.Table:
-    """All labels under `path` (a file or a folder of Parquet files), one row per key."""
+def read_labels(path: str | Path, columns: Iterable[str] | None = None) -> pa.Table:
+    """All labels under `path` (a file or a folder of Parquet files), one row per key; only `columns` (and the
+    key columns) when given."""
     if not parquet_files(path):
         raise FileNotFoundError(f"no label Parquet files at {str(path)!r}")
-    table, _ = read_label_files(path)
+    if columns is not None:
+        columns = list(dict.fromkeys([*KEY_COLUMNS, *columns]))
+    table, _ = read_label_files(path, columns=columns)
     return deduplicate(table)

@@ -11,18 +11,23 @@ A source spec is one of:
 Several specs may be joined with commas. With no hub reachable, a registry set loads from the HF cache,
 or from `$BLOCKPILOT_DATASETS_DIR/<name>.jsonl` (or `.parquet`): a local copy shaped like the hub's rows.
 
-Every prompt gets a stable, unique id: `<source>:<row id or index>`; multi-turn prompts are one record
-with several user turns.
+Every prompt gets a stable, unique id: `<source>:<row id>` where the data has ids, else (registry sets) the
+row index, and (files) a digest of the prompt's text, so that editing a file does not shift the ids of the
+prompts after the edit (a prompt repeated in one file is one record). Multi-turn prompts are one record with
+several user turns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from blockpilot.checks import positive_int
 
 DATASETS_DIR_ENV = "BLOCKPILOT_DATASETS_DIR"
 
@@ -37,10 +42,6 @@ class PromptRecord:
     source: str
     turns: tuple[str, ...]
     error: str | None = None
-
-    @property
-    def prompt(self) -> str:
-        return self.turns[-1] if self.turns else ""
 
 
 @dataclass(frozen=True)
@@ -163,16 +164,32 @@ def _registry_records(name: str) -> list[PromptRecord]:
     return records
 
 
+def content_id(turns: tuple[str, ...]) -> str:
+    """A short digest of a prompt's turns: its id in a file without ids."""
+    return hashlib.sha256(json.dumps(list(turns)).encode()).hexdigest()[:12]
+
+
 def _row_record(row: dict[str, Any], index: int, default_source: str) -> PromptRecord:
     source = str(row.get("source") or default_source)
-    key = f"{default_source}:{row.get('id', index)}"
     if "turns" in row and row["turns"] is not None:
         turns = tuple(str(t) for t in row["turns"])
     elif "prompt" in row and row["prompt"] is not None:
         turns = (str(row["prompt"]),)
     else:
-        return PromptRecord(key, source, (), f"row {index} has neither 'prompt' nor 'turns'")
+        return PromptRecord(f"{default_source}:row{index + 1}", source, (), f"row {index + 1} has neither 'prompt' nor 'turns'")
+    key = f"{default_source}:{row['id'] if row.get('id') is not None else content_id(turns)}"
     return PromptRecord(key, source, turns)
+
+
+def _unique(records: list[PromptRecord]) -> list[PromptRecord]:
+    """A prompt repeated in one file (same id) is labeled once."""
+    seen: set[str] = set()
+    out = []
+    for record in records:
+        if record.id not in seen:
+            seen.add(record.id)
+            out.append(record)
+    return out
 
 
 def _jsonl_records(path: Path, source: str) -> list[PromptRecord]:
@@ -186,27 +203,26 @@ def _jsonl_records(path: Path, source: str) -> list[PromptRecord]:
             records.append(PromptRecord(f"{source}:line{index + 1}", source, (), f"line {index + 1}: {error}"))
             continue
         records.append(_row_record(row if isinstance(row, dict) else {"prompt": row}, index, source))
-    return records
+    return _unique(records)
 
 
 def _txt_records(path: Path, source: str) -> list[PromptRecord]:
     records = []
     for index, raw in enumerate(path.read_bytes().splitlines()):
-        key = f"{source}:{index + 1}"
         try:
             text = raw.decode("utf-8").strip()
         except UnicodeDecodeError as error:
-            records.append(PromptRecord(key, source, (), f"line {index + 1} is not valid UTF-8: {error}"))
+            records.append(PromptRecord(f"{source}:line{index + 1}", source, (), f"line {index + 1} is not valid UTF-8: {error}"))
             continue
         if text:
-            records.append(PromptRecord(key, source, (text,)))
-    return records
+            records.append(PromptRecord(f"{source}:{content_id((text,))}", source, (text,)))
+    return _unique(records)
 
 
 def _parquet_records(path: Path, source: str) -> list[PromptRecord]:
     import pyarrow.parquet as pq
 
-    return [_row_record(row, i, source) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    return _unique([_row_record(row, i, source) for i, row in enumerate(pq.read_table(path).to_pylist())])
 
 
 def _file(spec: str, text: str) -> Path:
@@ -248,8 +264,8 @@ def load_prompts(specs: str | Iterable[str], limit: int | None = None) -> list[P
     specs = list(specs)
     if not specs:
         raise ValueError("no prompt source given")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    if limit is not None:
+        positive_int(limit, "limit")
     records: list[PromptRecord] = []
     seen: set[str] = set()
     for spec in specs:

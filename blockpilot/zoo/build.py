@@ -12,19 +12,24 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from blockpilot.blocks import best_block_size, candidates_around
+from blockpilot.checks import mean_or_nan
+from blockpilot.files import atomic_folder, write_text_atomic
 from blockpilot.home import blockpilot_home
+from blockpilot.models.drafter_training import DrafterRecipe
 from blockpilot.zoo.corpus import Corpus, CorpusSpec, Example, python_version_tag
 from blockpilot.zoo.random_models import ModelShape
 from blockpilot.zoo.training import (
-    DrafterRecipe,
+    DrafterFit,
     ProgressPrinter,
     Schedule,
+    TargetFit,
     train_drafter_steps,
     train_target_steps,
 )
@@ -52,6 +57,7 @@ class ZooRecipe:
     gamma: float | None = None  # loss-weight decay; None: B / 2
     response_tokens: int = 96  # max new tokens of the target's responses (drafter data and evaluation)
     eval_prompts: int | None = None  # held-out prompts used for zoo.json's tau table; None: all
+    eval_samples: int = 2  # pooled runs per held-out prompt at T = 1
 
     @property
     def block_size(self) -> int:
@@ -120,10 +126,7 @@ RECIPES: dict[str, ZooRecipe] = {
 
 
 def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -196,10 +199,11 @@ class ZooBuild:
         parts["train_prompts"] = corpus.draw("train", self.recipe.train_prompts, "prompts")
         parts["lm"] = corpus.draw("train", self.recipe.lm_examples, "lm")
         parts["drafter"] = corpus.draw("train", self.recipe.drafter_prompts, "drafter")
-        path.write_text(json.dumps({k: [asdict(e) for e in v] for k, v in parts.items()}))
         for name, split in (("train", "train_prompts"), ("heldout", "heldout")):
             rows = [{"id": e.id, "source": e.source, "prompt": e.prompt} for e in parts[split]]
             _write_jsonl(self.work / "prompts" / f"{name}.jsonl", rows)
+        # Written last: its presence says the stage is complete.
+        write_text_atomic(path, json.dumps({k: [asdict(e) for e in v] for k, v in parts.items()}))
         return parts
 
     def tokenizer_stage(self, corpus: dict[str, list[Example]]) -> Any:
@@ -213,7 +217,8 @@ class ZooBuild:
         self.log(f"[zoo] training a {self.recipe.vocab_size}-token byte-level BPE")
         texts = [text for e in corpus["lm"] for text in (e.prompt, e.response)]
         tokenizer = train_byte_level_tokenizer(texts, self.recipe.vocab_size)
-        tokenizer.save_pretrained(directory)
+        with atomic_folder(directory) as staging:
+            tokenizer.save_pretrained(staging)
         return AutoTokenizer.from_pretrained(directory)
 
     def target_stage(self, tokenizer: Any, corpus: dict[str, list[Example]], trainer: Trainer) -> Any:
@@ -238,12 +243,12 @@ class ZooBuild:
         ).to(self.device)
         tokens = sum(map(len, sequences))
         self.log(f"[zoo] training the target: {_millions(target)} params on {len(sequences)} pairs ({tokens} tokens)")
-        self.losses["target"] = trainer.train_target(
-            target, sequences, tokenizer.pad_token_id, self.recipe.target_schedule, self.seed, loss_from
-        )
-        target.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-        (directory / "losses.json").write_text(json.dumps(self.losses["target"]))
+        fit = TargetFit(sequences, loss_from, tokenizer.pad_token_id, self.recipe.target_schedule, self.seed)
+        self.losses["target"] = trainer.train_target(target, fit)
+        with atomic_folder(directory) as staging:
+            target.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            (staging / "losses.json").write_text(json.dumps(self.losses["target"]))
         return target.eval()
 
     def responses_stage(self, target: Any, tokenizer: Any, corpus: dict[str, list[Example]]) -> list[dict[str, Any]]:
@@ -279,10 +284,11 @@ class ZooBuild:
         )
         recipe = DrafterRecipe(self.recipe.block_size, self.recipe.anchors_per_sequence, self.recipe.loss_gamma)
         self.losses["drafter"] = trainer.train_drafter(
-            drafter, target, data, recipe, self.recipe.drafter_schedule, self.seed
+            drafter, target, DrafterFit(data, recipe, self.recipe.drafter_schedule, self.seed)
         )
-        drafter.save_pretrained(directory)
-        (directory / "losses.json").write_text(json.dumps(self.losses["drafter"]))
+        with atomic_folder(directory) as staging:
+            drafter.save_pretrained(staging)
+            (staging / "losses.json").write_text(json.dumps(self.losses["drafter"]))
         return drafter.eval()
 
 
@@ -294,33 +300,22 @@ def _millions(model: torch.nn.Module) -> str:
 
 
 class Trainer(Protocol):
-    """Runs the library's training steps somewhere: in this process, or on Ray Train workers."""
+    """Runs the library's training steps somewhere: in this process, or on Ray Train workers. Each job is one
+    frozen dataclass, passed whole."""
 
-    def train_target(
-        self, target: Any, sequences: list[list[int]], pad_id: int, schedule: Schedule, seed: int, loss_from: list[int]
-    ) -> list[float]: ...
+    def train_target(self, target: Any, fit: TargetFit) -> list[float]: ...
 
-    def train_drafter(
-        self,
-        drafter: Any,
-        target: Any,
-        rows: list[dict[str, Any]],
-        recipe: DrafterRecipe,
-        schedule: Schedule,
-        seed: int,
-    ) -> list[float]: ...
+    def train_drafter(self, drafter: Any, target: Any, fit: DrafterFit) -> list[float]: ...
 
 
 class LocalTrainer:
     """In this process, with a progress line; what a machine without Ray uses."""
 
-    def train_target(self, target, sequences, pad_id, schedule, seed, loss_from):
-        report = ProgressPrinter("target", schedule.steps)
-        return train_target_steps(target, sequences, pad_id, schedule, seed, report, loss_from=loss_from)
+    def train_target(self, target: Any, fit: TargetFit) -> list[float]:
+        return train_target_steps(target, fit, ProgressPrinter("target", fit.schedule.steps))
 
-    def train_drafter(self, drafter, target, rows, recipe, schedule, seed):
-        report = ProgressPrinter("drafter", schedule.steps)
-        return train_drafter_steps(drafter, target, rows, recipe, schedule, seed, report)
+    def train_drafter(self, drafter: Any, target: Any, fit: DrafterFit) -> list[float]:
+        return train_drafter_steps(drafter, target, fit, ProgressPrinter("drafter", fit.schedule.steps))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -341,47 +336,59 @@ def ends_in_loop(tokens: Sequence[int], max_period: int = 12, min_repeats: int =
 def evaluate_zoo(
     models: Any, heldout: list[dict[str, Any]], recipe: ZooRecipe, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    """T = 0 on held-out prompts: tau for b = 1..2B, B* over B-2..B+2, oracle gain, loop share, per source.
+    """Held-out tau for b = 1..2B at T = 0 (and at T = 1, `recipe.eval_samples` pooled runs), B* over
+    B-2..B+2, the oracle's gain, the loop share, per source, and how often each draft slot is right per b.
 
-    A replay sweep (`blockpilot.sweep`): at T = 0 it gives exactly the tau of live runs, for the cost of one.
+    A replay sweep (`blockpilot.sweep`): acceptance tables give every b's tau for the cost of one generation.
     """
-    from blockpilot.sweep import SweepConfig, replay_sweep
+    import numpy as np
+
+    from blockpilot.sweep import SweepConfig, sweep_prompts
 
     block = recipe.block_size
     sizes = list(range(1, 2 * block + 1))
-    window = [b for b in range(block - 2, block + 3) if b >= 1]
-    config = SweepConfig(
-        candidates=tuple(sizes), max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids())
-    )
     prompts = heldout[: recipe.eval_prompts] if recipe.eval_prompts else heldout
-    log(f"[zoo] evaluating tau for b = 1..{2 * block} on {len(prompts)} held-out prompts")
-    per_prompt = []
-    for row in prompts:
-        sweep = replay_sweep(models, models.encode_prompt(row["prompt"]), config)
-        taus = {b: (t if sweep.cycles[i] else 1.0) for i, (b, t) in enumerate(zip(sizes, sweep.tau, strict=True))}
-        per_prompt.append(
-            {"id": row["id"], "source": row["source"], "tau": taus, "loops": ends_in_loop(sweep.token_ids)}
-        )
-    return summarize_tau(per_prompt, sizes, window, block)
+    ids = [models.encode_prompt(row["prompt"]) for row in prompts]
+    seeds = list(range(len(prompts)))
+    stop = tuple(models.stop_token_ids())
+    out: dict[str, Any] = {}
+    for temperature in (0.0, 1.0):
+        samples = recipe.eval_samples if temperature > 0 else 1
+        log(f"[zoo] evaluating tau for b = 1..{2 * block} at T = {temperature:g} on {len(prompts)} held-out prompts")
+        config = SweepConfig(tuple(sizes), temperature, recipe.response_tokens, stop, samples=samples)
+        hits = np.zeros((len(sizes), max(sizes) - 1, 2), dtype=np.int64)
+        sweeps = sweep_prompts(models, ids, seeds, config, max_batch=16, slot_hits=hits)
+        per_prompt = [
+            {
+                "id": row["id"],
+                "source": row["source"],
+                "tau": {b: (t if sweep.cycles[i] else 1.0) for i, (b, t) in enumerate(zip(sizes, sweep.tau, strict=True))},
+                "loops": ends_in_loop(sweep.token_ids),
+            }
+            for row, sweep in zip(prompts, sweeps, strict=True)
+        ]
+        summary = summarize_tau(per_prompt, sizes, block)
+        summary["slot_accuracy"] = {
+            str(b): [round(float(r / d), 4) if d else None for r, d in hits[i, : b - 1]] for i, b in enumerate(sizes)
+        }
+        if temperature == 0:
+            out.update(summary)
+        else:
+            out["T1"] = summary
+    return out
 
 
-def summarize_tau(per_prompt: list[dict[str, Any]], sizes: list[int], window: list[int], block: int) -> dict[str, Any]:
-    def mean(values):
-        values = list(values)
-        return sum(values) / len(values) if values else float("nan")
-
-    def best(taus):  # argmax over the window, ties to the smaller b
-        return max(window, key=lambda b: (taus[b], -b))
-
-    tau_table = {b: mean(p["tau"][b] for p in per_prompt) for b in sizes}
-    histogram = Counter(best(p["tau"]) for p in per_prompt)
-    oracle = mean(max(p["tau"][b] for b in window) for p in per_prompt)
+def summarize_tau(per_prompt: list[dict[str, Any]], sizes: list[int], block: int) -> dict[str, Any]:
+    window = list(candidates_around(block))
+    tau_table = {b: mean_or_nan(p["tau"][b] for p in per_prompt) for b in sizes}
+    histogram = Counter(best_block_size(window, [p["tau"][b] for b in window]) for p in per_prompt)
+    oracle = mean_or_nan(max(p["tau"][b] for b in window) for p in per_prompt)
     sources = sorted({p["source"] for p in per_prompt})
     by_source = {
         s: {
             "prompts": sum(p["source"] == s for p in per_prompt),
-            "tau_at_B": mean(p["tau"][block] for p in per_prompt if p["source"] == s),
-            "loop_share": mean(float(p["loops"]) for p in per_prompt if p["source"] == s),
+            "tau_at_B": mean_or_nan(p["tau"][block] for p in per_prompt if p["source"] == s),
+            "loop_share": mean_or_nan(float(p["loops"]) for p in per_prompt if p["source"] == s),
         }
         for s in sources
     }
@@ -389,12 +396,13 @@ def summarize_tau(per_prompt: list[dict[str, Any]], sizes: list[int], window: li
         "prompts": len(per_prompt),
         "tau_by_block_size": {str(b): round(v, 4) for b, v in tau_table.items()},
         "tau_at_B": round(tau_table[block], 4),
+        "peak_block_size": max(sizes, key=lambda b: (tau_table[b], -b)),
         "candidates": window,
         "best_block_size_histogram": {str(b): histogram.get(b, 0) for b in window},
         "largest_best_share": max(histogram.values()) / len(per_prompt),
         "oracle_tau": round(oracle, 4),
         "oracle_over_fixed_B": round(oracle / tau_table[block], 4),
-        "loop_share": mean(float(p["loops"]) for p in per_prompt),
+        "loop_share": mean_or_nan(float(p["loops"]) for p in per_prompt),
         "by_source": by_source,
     }
 
@@ -468,7 +476,7 @@ def _build_into(work: Path, recipe: ZooRecipe, seed: int, device: str | None, tr
         "build_seconds": round(time.perf_counter() - started, 1),
         "recipe": _recipe_dict(recipe),
     }
-    (work / "zoo.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_text_atomic(work / "zoo.json", json.dumps(info, indent=2) + "\n")
     log(f"[zoo] built in {info['build_seconds']:.0f}s: tau at B={recipe.block_size} is {evaluation['tau_at_B']:.2f}")
     return info
 
@@ -496,7 +504,3 @@ def _recipe_dict(recipe: ZooRecipe) -> dict[str, Any]:
     out = asdict(recipe)
     out["corpus"] = {"mix": recipe.corpus.mix, "vocab_words": recipe.corpus.vocab_words}
     return out
-
-
-def with_overrides(recipe: ZooRecipe, **changes: Any) -> ZooRecipe:
-    return replace(recipe, **changes)

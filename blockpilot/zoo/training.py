@@ -1,14 +1,9 @@
-"""Training steps of the zoo: next-token training of the target, and the DFlash drafter recipe.
+"""Training steps of the zoo: next-token training of the target, and the DFlash drafter recipe run to a schedule.
 
 The loops here are plain PyTorch and run anywhere (`python -m blockpilot zoo build`). Ray Train runs the
-same functions on its workers (`pipelines/train_target.py`, `pipelines/train_drafter.py`): a worker
-passes its data shard, its (DDP-wrapped) model and a `report` callback.
-
-DFlash drafter recipe (DESIGN.md): on the target's own responses, sample anchor positions in the
-response. An anchor opens a block `[token at anchor, MASK x (B-1)]` at positions anchor..anchor+B-1; the
-block sees the target's context features strictly before the anchor, attends bidirectionally inside
-itself, and never sees another block. Cross-entropy at block positions k = 1..B-1 (the tokens at
-anchor + k), weighted by exp(-(k-1)/gamma). The target is frozen; its embeddings and head are shared.
+same functions on its workers (`pipelines/zoo_trainer.py`): a worker passes its shard of the job (`shard`),
+its (DDP-wrapped) model and a `report` callback. The drafter's recipe itself lives beside the drafter
+(`blockpilot.models.drafter_training`).
 """
 
 from __future__ import annotations
@@ -17,14 +12,21 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from blockpilot.models.drafter_training import (
+    IGNORE_INDEX,
+    DrafterBatch,
+    DrafterObjective,
+    DrafterRecipe,
+    sample_drafter_batch,
+    target_features,
+)
 
 
 @dataclass(frozen=True)
@@ -164,144 +166,6 @@ def target_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-# ----------------------------------------------------------------------------- drafter
-
-
-def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for block positions k = 1..B-1: early positions matter most, as acceptance stops at the
-    first miss."""
-    k = torch.arange(1, block_size, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
-
-
-def block_attention_mask(anchors: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
-    """Training mask for blocks opened at `anchors` (N,): bool (N, 1, B, C + B), True = may attend.
-
-    Context key j is visible to a block iff j < its anchor (strictly before: the anchor's own feature is not
-    known when it is drafted); every key of the block itself is visible. Keys of other blocks are not in a
-    block's key set at all, so blocks are blind to each other by construction.
-    """
-    context = torch.arange(context_length, device=anchors.device)[None, :] < anchors[:, None]  # (N, C)
-    context = context[:, None, None, :].expand(-1, 1, block_size, -1)
-    inside = torch.ones(anchors.shape[0], 1, block_size, block_size, dtype=torch.bool, device=anchors.device)
-    return torch.cat([context, inside], dim=-1)
-
-
-@dataclass
-class DrafterBatch:
-    features: torch.Tensor  # (S, L, F) target context features, padded
-    block_ids: torch.Tensor  # (N, B) [token at anchor, MASK...]
-    block_positions: torch.Tensor  # (N, B)
-    labels: torch.Tensor  # (N, B - 1) tokens at anchor + 1..B-1, IGNORE_INDEX past the end
-    sequence_index: torch.Tensor  # (N,) which row of `features` each block reads
-    anchors: torch.Tensor  # (N,)
-
-
-def sample_drafter_batch(
-    token_ids: Sequence[torch.Tensor],  # per sequence (L_i,)
-    features: Sequence[torch.Tensor],  # per sequence (L_i, F)
-    response_starts: Sequence[int],
-    rows: Sequence[int],
-    anchors_per_sequence: int,
-    block_size: int,
-    mask_token_id: int,
-    rng: random.Random,
-) -> DrafterBatch:
-    """Blocks anchored at random response positions of the chosen sequences."""
-    length = max(len(token_ids[r]) for r in rows)
-    width = features[rows[0]].shape[-1]
-    padded = torch.zeros(len(rows), length, width, dtype=features[rows[0]].dtype)
-    block_ids, positions, labels, owners, anchors = [], [], [], [], []
-    offsets = torch.arange(block_size)
-    for row, index in enumerate(rows):
-        ids, n = token_ids[index], len(token_ids[index])
-        padded[row, :n] = features[index]
-        # An anchor needs at least one label after it.
-        candidates = range(response_starts[index], n - 1)
-        if len(candidates) == 0:
-            continue
-        for anchor in rng.sample(candidates, min(anchors_per_sequence, len(candidates))):
-            block = torch.full((block_size,), mask_token_id, dtype=torch.long)
-            block[0] = ids[anchor]
-            target = torch.full((block_size - 1,), IGNORE_INDEX, dtype=torch.long)
-            available = ids[anchor + 1 : anchor + block_size]
-            target[: len(available)] = available
-            block_ids.append(block)
-            positions.append(anchor + offsets)
-            labels.append(target)
-            owners.append(row)
-            anchors.append(anchor)
-    return DrafterBatch(
-        features=padded,
-        block_ids=torch.stack(block_ids),
-        block_positions=torch.stack(positions),
-        labels=torch.stack(labels),
-        sequence_index=torch.tensor(owners),
-        anchors=torch.tensor(anchors),
-    )
-
-
-def drafter_hidden(drafter: nn.Module, embed: nn.Module, batch: DrafterBatch) -> torch.Tensor:
-    """The drafter's block hidden states (N, B, H) under the training mask."""
-    device = next(drafter.parameters()).device
-    features = batch.features.to(device)
-    context_positions = torch.arange(features.shape[1], device=device)[None]
-    context_kv = drafter.encode_context(features, context_positions)
-    owners = batch.sequence_index.to(device)
-    context_kv = [(k.index_select(0, owners), v.index_select(0, owners)) for k, v in context_kv]
-    mask = block_attention_mask(batch.anchors.to(device), features.shape[1], batch.block_ids.shape[1])
-    embeds = embed(batch.block_ids.to(device))
-    return drafter(embeds, batch.block_positions.to(device), context_kv, attention_mask=mask)
-
-
-class DrafterObjective(nn.Module):
-    """The drafter's training loss as one module, so that `forward` touches every trained parameter (what DDP
-    needs). The target's embeddings and head are shared and frozen."""
-
-    def __init__(self, drafter: nn.Module, embed: nn.Module, head: nn.Module, gamma: float) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.embed, self.head = embed, head
-        for parameter in [*embed.parameters(), *head.parameters()]:
-            parameter.requires_grad_(False)
-        self.gamma = gamma
-
-    def forward(self, batch: DrafterBatch) -> torch.Tensor:
-        """Position-weighted cross-entropy of the drafts at block positions 1..B-1."""
-        hidden = drafter_hidden(self.drafter, self.embed, batch)
-        logits = self.head(hidden[:, 1:]).float()  # (N, B-1, V)
-        labels = batch.labels.to(logits.device)
-        losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
-        weights = loss_weights(batch.block_ids.shape[1], self.gamma).to(logits.device)[None, :]
-        weights = weights * (labels != IGNORE_INDEX)
-        return (losses * weights).sum() / weights.sum().clamp_min(1e-8)
-
-
-@torch.no_grad()
-def target_features(
-    target: nn.Module, token_ids: Sequence[torch.Tensor], layer_ids: Sequence[int], batch_size: int = 32
-) -> list[torch.Tensor]:
-    """Context features (L_i, F) of every sequence, from one teacher-forced pass of the frozen target."""
-    from blockpilot.decoding.speculative import context_features
-
-    device = next(target.parameters()).device
-    order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
-    out: list[torch.Tensor | None] = [None] * len(token_ids)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        length = max(len(token_ids[i]) for i in chunk)
-        ids = torch.zeros(len(chunk), length, dtype=torch.long)
-        mask = torch.zeros(len(chunk), length, dtype=torch.long)
-        for row, index in enumerate(chunk):
-            ids[row, : len(token_ids[index])] = token_ids[index]
-            mask[row, : len(token_ids[index])] = 1
-        hidden = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
-        feats = context_features(hidden.hidden_states, layer_ids).cpu()
-        for row, index in enumerate(chunk):
-            out[index] = feats[row, : len(token_ids[index])].clone()
-    return out  # type: ignore[return-value]
-
-
 # ----------------------------------------------------------------------------- one run on one data shard
 
 
@@ -309,62 +173,77 @@ def _identity(module: nn.Module) -> nn.Module:
     return module
 
 
-def train_target_steps(
-    target: nn.Module,
-    sequences: Sequence[Sequence[int]],
-    pad_id: int,
-    schedule: Schedule,
-    seed: int,
-    report: Reporter,
-    wrap: Callable[[nn.Module], nn.Module] = _identity,
-    loss_from: Sequence[int] | None = None,
-) -> list[float]:
-    """Next-token training of `target` on `sequences` (token ids of chat-formatted pairs); with `loss_from`,
-    only the tokens from there on (the responses) are learned."""
-    model = wrap(target)
-    device = next(target.parameters()).device
-    batches = padded_batches(sequences, schedule.batch_size, pad_id, seed, device, loss_from)
-    return run_training(model, batches, target_loss, schedule, report)
+@dataclass(frozen=True)
+class TargetFit:
+    """One target training job: chat-formatted sequences, where each one's loss starts, and the schedule."""
+
+    sequences: Sequence[Sequence[int]]
+    loss_from: Sequence[int] | None  # per sequence, the first position learned (the response); None: all
+    pad_id: int
+    schedule: Schedule
+    seed: int
+
+    def shard(self, rank: int, world: int) -> TargetFit:
+        """This worker's share: every world-th sequence, the global batch split, its own seed."""
+        return replace(
+            self,
+            sequences=self.sequences[rank::world],
+            loss_from=None if self.loss_from is None else self.loss_from[rank::world],
+            schedule=replace(self.schedule, batch_size=max(1, self.schedule.batch_size // world)),
+            seed=self.seed + rank,
+        )
 
 
 @dataclass(frozen=True)
-class DrafterRecipe:
-    block_size: int
-    anchors_per_sequence: int
-    gamma: float
+class DrafterFit:
+    """One drafter training job: the target's own responses, the DFlash recipe and the schedule."""
+
+    rows: Sequence[dict[str, Any]]  # {prompt_ids, response_ids}
+    recipe: DrafterRecipe
+    schedule: Schedule
+    seed: int
+
+    def shard(self, rank: int, world: int) -> DrafterFit:
+        return replace(
+            self,
+            rows=self.rows[rank::world],
+            schedule=replace(self.schedule, batch_size=max(1, self.schedule.batch_size // world)),
+            seed=self.seed + rank,
+        )
+
+
+def train_target_steps(
+    target: nn.Module, fit: TargetFit, report: Reporter, wrap: Callable[[nn.Module], nn.Module] = _identity
+) -> list[float]:
+    """Next-token training of `target` on `fit.sequences`; with `fit.loss_from`, only the responses are learned."""
+    model = wrap(target)
+    device = next(target.parameters()).device
+    batches = padded_batches(fit.sequences, fit.schedule.batch_size, fit.pad_id, fit.seed, device, fit.loss_from)
+    return run_training(model, batches, target_loss, fit.schedule, report)
 
 
 def train_drafter_steps(
     drafter: nn.Module,
     target: nn.Module,
-    rows: Sequence[dict[str, Any]],
-    recipe: DrafterRecipe,
-    schedule: Schedule,
-    seed: int,
+    fit: DrafterFit,
     report: Reporter,
     wrap: Callable[[nn.Module], nn.Module] = _identity,
 ) -> list[float]:
-    """The DFlash recipe on `rows` ({prompt_ids, response_ids}: the target's own responses)."""
-    token_ids = [torch.tensor(row["prompt_ids"] + row["response_ids"]) for row in rows]
-    starts = [len(row["prompt_ids"]) for row in rows]
+    """The DFlash recipe on `fit.rows` (the target's own responses)."""
+    token_ids = [torch.tensor(row["prompt_ids"] + row["response_ids"]) for row in fit.rows]
+    starts = [len(row["prompt_ids"]) for row in fit.rows]
     features = target_features(target, token_ids, drafter.target_layer_ids)
     objective = wrap(
-        DrafterObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), recipe.gamma)
+        DrafterObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), fit.recipe.gamma)
     )
-    rng = random.Random(seed)
+    rng = random.Random(fit.seed)
+    recipe, batch_size = fit.recipe, fit.schedule.batch_size
 
     def batches() -> Iterator[DrafterBatch]:
         while True:
-            chosen = rng.sample(range(len(token_ids)), min(schedule.batch_size, len(token_ids)))
+            chosen = rng.sample(range(len(token_ids)), min(batch_size, len(token_ids)))
             yield sample_drafter_batch(
-                token_ids,
-                features,
-                starts,
-                chosen,
-                recipe.anchors_per_sequence,
-                recipe.block_size,
-                drafter.mask_token_id,
-                rng,
+                token_ids, features, starts, chosen, recipe.anchors_per_sequence, recipe.block_size, rng
             )
 
-    return run_training(objective, batches(), lambda model, batch: model(batch), schedule, report)
+    return run_training(objective, batches(), lambda model, batch: model(batch), fit.schedule, report)
