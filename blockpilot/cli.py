@@ -1,54 +1,25 @@
-"""The `blockpilot` command (also `python -m blockpilot`)."""
+"""The `blockpilot` command (also `python -m blockpilot`).
+
+The stages that run on Ray (label, train, serve, zoo build on Ray Train, demo) declare their options on
+their job dataclasses in `pipelines/`; this module only mounts them as subcommands, imported when run.
+Nothing imports this module back.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-# blockpilot.decoding.VERIFY_RULES, repeated so that `--help` does not import torch (a test keeps them equal).
-VERIFY_RULES = ("match", "rejection")
-
-# ----------------------------------------------------------------------------- argument types
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def model_ref(text: str) -> str:
-    """A local model folder, or a hub id `org/name` (fetched when a hub is reachable)."""
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.exists():
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; expected a model folder")
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise argparse.ArgumentTypeError(f"model folder {text!r} does not exist")
-    return text
-
-
-# ----------------------------------------------------------------------------- commands
+from blockpilot.options import (
+    block_size_list,
+    from_args,
+    model_ref,
+    non_negative_float_arg,
+    positive_int_arg,
+)
 
 
 def _quiet_transformers() -> None:
@@ -56,6 +27,9 @@ def _quiet_transformers() -> None:
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+
+
+# ----------------------------------------------------------------------------- commands
 
 
 def cmd_zoo_random(args: argparse.Namespace) -> int:
@@ -68,56 +42,34 @@ def cmd_zoo_random(args: argparse.Namespace) -> int:
 
 
 def cmd_zoo_build(args: argparse.Namespace) -> int:
-    from blockpilot.zoo.build import build_zoo
+    from pipelines.build_zoo import ZooBuildJob, run_zoo_build
 
     _quiet_transformers()
-    trainer = None
-    if args.trainer == "ray":
-        from pipelines.build_zoo import RayTrainer
-
-        trainer = RayTrainer(num_workers=args.workers, use_gpu=args.use_gpu)
-    out = build_zoo(args.size, args.out, seed=args.seed, device=args.device, trainer=trainer, track=not args.no_track)
-    print(f"zoo: {out}")
+    print(f"zoo: {run_zoo_build(from_args(ZooBuildJob, args))}")
     return 0
 
 
-def _policy(args: argparse.Namespace, train_block_size: int | None) -> Any:
-    from blockpilot.decoding.policies import EntropyHeuristic, FixedBlockSize
-
+def _policy_spec(args: argparse.Namespace) -> str:
+    """--block-size N and --predictor P are shorthands of --policy fixed:N and --policy learned:P."""
+    given = [flag for flag, value in (("--block-size", args.block_size), ("--predictor", args.predictor)) if value]
+    if len(given) > 1 or (given and args.policy is not None):
+        raise ValueError(f"give one of --policy, --block-size, --predictor (got {', '.join(given + ['--policy'] * (args.policy is not None))})")
     if args.block_size is not None:
-        return FixedBlockSize(args.block_size)
-    if train_block_size is None:
-        return None
+        return f"fixed:{args.block_size}"
     if args.predictor is not None:
-        from blockpilot.predictor import LearnedPolicy, load_predictor
-
-        return LearnedPolicy(load_predictor(args.predictor))
-    if args.policy == "entropy":
-        return EntropyHeuristic.around(train_block_size)
-    return FixedBlockSize(train_block_size)
-
-
-def format_stats(result: Any) -> str:
-    tau = "n/a" if math.isnan(result.tau) else f"{result.tau:.2f}"
-    lines = [
-        f"block size:          {result.block_size}",
-        f"new tokens:          {len(result.token_ids)} ({result.stop_reason})",
-        f"cycles:              {result.cycles}",
-        f"mean tau:            {tau}",
-        f"acceptance lengths:  {result.acceptance_lengths}",
-        f"target passes:       {result.target_forward_passes}",
-        f"prefill:             {result.prefill_time_s * 1000:.1f} ms",
-        f"decode:              {result.decode_time_s * 1000:.1f} ms ({result.decode_tokens_per_s:.1f} tokens/s)",
-    ]
-    return "\n".join(lines)
+        return f"learned:{args.predictor}"
+    return args.policy or "fixed"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockpilot.decoding.speculative import GenerationConfig, generate
+    from blockpilot.decoding import GenerationConfig, generate
+    from blockpilot.decoding.resolve import resolve_policy
     from blockpilot.models.loading import load_models
 
     _quiet_transformers()
+    spec = _policy_spec(args)
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
+    policy = resolve_policy(spec, models)
     prompt_ids = models.encode_prompt(args.prompt, chat=not args.raw)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -126,76 +78,81 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(models.stop_token_ids()),
         seed=args.seed,
     )
-    policy = _policy(args, models.train_block_size)
-    if hasattr(policy, "check_fits"):
-        policy.check_fits(models.target.get_output_embeddings().weight.shape[0], models.train_block_size)
     result = generate(models, prompt_ids, policy=policy, config=config)
     text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
-        payload = {"text": text, "policy": getattr(policy, "name", "autoregressive"), **result.to_dict()}
-        print(json.dumps(payload))
+        print(json.dumps({"text": text, **result.to_dict()}))
     else:
         print(text)
         print("---")
-        print(format_stats(result))
+        print(result.format_stats())
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockpilot.cost import calibrate
+    from blockpilot.models.loading import load_models
+
+    _quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
+    if models.drafter is None:
+        raise ValueError("--drafter is required: a cycle drafts a block")
+    block_sizes = args.block_sizes or tuple(range(1, 2 * models.train_block_size + 1))
+    cost = calibrate(models, block_sizes, args.batch_sizes, repeats=args.repeats, cycles=args.cycles)
+    cost.save(args.out)
+    print(f"cost curve -> {args.out}")
+    for batch, by_b in cost.seconds.items():
+        print(f"batch {batch}: " + ", ".join(f"b={b} {seconds * 1000:.2f} ms" for b, seconds in by_b.items()))
     return 0
 
 
 def cmd_label(args: argparse.Namespace) -> int:
-    from pipelines.label import job_from_args, run_label_job
+    from pipelines.label import LabelJob, run_label_job
 
     _quiet_transformers()
-    run_label_job(job_from_args(args))
+    run_label_job(from_args(LabelJob, args))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipelines.train_predictor import job_from_args, run_train_job
+    from pipelines.train_predictor import TrainJob, run_train_job
 
     _quiet_transformers()
-    run_train_job(job_from_args(args))
+    run_train_job(from_args(TrainJob, args))
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import time
-
-    from blockpilot.serving import ServeLimits
-    from pipelines.serve import ModelLoader, serve_locally
+    from pipelines.serve import ServeJob, run_serve_job
 
     _quiet_transformers()
-    loader = ModelLoader(
-        target=args.target,
-        drafter=args.drafter,
-        predictor=args.predictor,
-        model_name=args.model_name,
-        device=args.device,
-        dtype=args.dtype,
-        limits=ServeLimits(max_tokens_cap=args.max_tokens_cap),
-    )
-    server = serve_locally(loader, port=args.port, host=args.host, num_replicas=args.replicas, num_gpus=args.num_gpus)
-    server.wait_healthy()
-    print(f"serving {args.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
-    return 0
+    return run_serve_job(from_args(ServeJob, args))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipelines.demo import run_demo
+    from pipelines.demo import DemoJob, run_demo
 
     _quiet_transformers()
-    return run_demo(args.home, size=args.size, port=args.port)
+    return run_demo(from_args(DemoJob, args))
 
 
 # ----------------------------------------------------------------------------- parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockpilot", description=__doc__)
+    from blockpilot.decoding.acceptance import VERIFY_RULES
+    from blockpilot.options import add_options
+    from pipelines.build_zoo import ZooBuildJob
+    from pipelines.demo import DemoJob
+    from pipelines.label import LabelJob
+    from pipelines.serve import ServeJob
+    from pipelines.train_predictor import TrainJob
+
+    parser = argparse.ArgumentParser(prog="blockpilot", description="Adaptive-block speculative decoding on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     zoo = commands.add_parser("zoo", help="make local models (no hub needed)")
@@ -205,19 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     random.add_argument("--seed", type=int, default=0)
     random.set_defaults(handler=cmd_zoo_random)
     build = zoo_commands.add_parser("build", help="train a target and its DFlash drafter from local text")
-    build.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    build.add_argument("--out", type=Path, default=None, help="copy the zoo here (it is cached under the home folder)")
-    build.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    build.add_argument("--seed", type=int, default=0)
-    build.add_argument(
-        "--trainer",
-        choices=("local", "ray"),
-        default="local",
-        help="run the training steps in this process, or on Ray Train workers",
-    )
-    build.add_argument("--workers", type=positive_int, default=1, help="Ray Train workers (with --trainer ray)")
-    build.add_argument("--use-gpu", action="store_true", help="Ray Train workers take a GPU each")
-    build.add_argument("--no-track", action="store_true", help="do not log the build to MLflow")
+    add_options(build, ZooBuildJob)
     build.set_defaults(handler=cmd_zoo_build)
 
     gen = commands.add_parser("generate", help="generate with the target, speculatively when a drafter is given")
@@ -225,20 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", type=model_ref, default=None, help="DFlash drafter folder or hub id")
     gen.add_argument("--prompt", required=True, help="user message (chat template applied unless --raw)")
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
-    gen.add_argument("--block-size", type=positive_int, default=None, help="fixed block size b (default: policy)")
     gen.add_argument(
         "--policy",
-        choices=("fixed", "entropy"),
-        default="fixed",
-        help="without --block-size: 'fixed' drafts the training block size, 'entropy' adapts it",
-    )
-    gen.add_argument(
-        "--predictor",
         default=None,
-        help="a trained predictor picks b per request: a predictor folder or models:/blockpilot-predictor/N",
+        help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, autoregressive (default fixed)",
     )
-    gen.add_argument("--temperature", type=non_negative_float, default=0.0)
-    gen.add_argument("--max-new-tokens", type=positive_int, default=128)
+    gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")
+    gen.add_argument("--predictor", default=None, help="shorthand for --policy learned:PREDICTOR (folder or models:/)")
+    gen.add_argument("--temperature", type=non_negative_float_arg, default=0.0)
+    gen.add_argument("--max-new-tokens", type=positive_int_arg, default=128)
     gen.add_argument("--verify", choices=VERIFY_RULES, default="match", help="acceptance rule at temperature > 0")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
@@ -246,36 +186,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
     gen.set_defaults(handler=cmd_generate)
 
-    label = commands.add_parser("label", help="the block-size sweep of every prompt, on Ray Data, to Parquet")
-    from pipelines.label import add_label_arguments
+    cal = commands.add_parser("calibrate", help="time a draft+verify cycle per block size (and batch size)")
+    cal.add_argument("--target", type=model_ref, required=True)
+    cal.add_argument("--drafter", type=model_ref, required=True)
+    cal.add_argument("--block-sizes", type=block_size_list, default=None, help="default: 1 .. 2B")
+    cal.add_argument("--batch-sizes", type=block_size_list, default=(1,), help="e.g. 1,8,32")
+    cal.add_argument("--out", type=Path, required=True, help="the cost curve (JSON) to write")
+    cal.add_argument("--repeats", type=positive_int_arg, default=5, help="timed runs per point (median)")
+    cal.add_argument("--cycles", type=positive_int_arg, default=12, help="cycles per timed run")
+    cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")
+    cal.add_argument("--device", default=None)
+    cal.add_argument("--dtype", default=None)
+    cal.set_defaults(handler=cmd_calibrate)
 
-    add_label_arguments(label)
+    label = commands.add_parser("label", help="the block-size sweep of every prompt, on Ray Data, to Parquet")
+    add_options(label, LabelJob)
     label.set_defaults(handler=cmd_label)
 
     train = commands.add_parser("train", help="fit the block-size predictor on labels, on Ray Train, tracked in MLflow")
-    from pipelines.train_predictor import add_train_arguments
-
-    add_train_arguments(train)
+    add_options(train, TrainJob)
     train.set_defaults(handler=cmd_train)
 
     srv = commands.add_parser("serve", help="the adaptive decoder behind an OpenAI-style endpoint on Ray Serve")
-    srv.add_argument("--target", type=model_ref, required=True)
-    srv.add_argument("--drafter", type=model_ref, default=None)
-    srv.add_argument("--predictor", default=None, help="predictor folder or models:/blockpilot-predictor/N")
-    srv.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback by default)")
-    srv.add_argument("--port", type=positive_int, default=8000)
-    srv.add_argument("--model-name", default="blockpilot")
-    srv.add_argument("--replicas", type=positive_int, default=1)
-    srv.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
-    srv.add_argument("--max-tokens-cap", type=positive_int, default=512)
-    srv.add_argument("--device", default=None)
-    srv.add_argument("--dtype", default=None)
+    add_options(srv, ServeJob)
     srv.set_defaults(handler=cmd_serve)
 
     demo = commands.add_parser("demo", help="the main job on embedded defaults")
-    demo.add_argument("--home", type=Path, default=None, help="artifact folder (default: $BLOCKPILOT_HOME)")
-    demo.add_argument("--size", choices=("tiny", "small"), default="small", help="which zoo the flow runs on")
-    demo.add_argument("--port", type=positive_int, default=8000, help="port of the endpoint on 127.0.0.1")
+    add_options(demo, DemoJob)
     demo.set_defaults(handler=cmd_demo)
     return parser
 
@@ -284,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as error:
+    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as error:
         print(f"blockpilot {args.command}: error: {error}", file=sys.stderr)
         return 2
 

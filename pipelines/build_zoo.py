@@ -1,63 +1,52 @@
-"""Build the zoo with its training steps on Ray Train.
+"""Build the local model zoo, its training steps in this process or on Ray Train.
 
-ray job submit --runtime-env ray_job.yaml -- python -m pipelines.build_zoo --size small --workers 2
-blockpilot zoo build --size small --trainer ray        # the same, from the command line
+    ray job submit --runtime-env ray_job.yaml -- python -m pipelines.build_zoo --size small --trainer ray --workers 2
+    blockpilot zoo build --size small [--trainer ray]          # the same, from the command line
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+
+from blockpilot.options import add_options, from_args, option, positive_int_arg
+from blockpilot.zoo.build import RECIPES
 
 
-@dataclass
-class RayTrainer:
-    """The zoo's `Trainer` on Ray Train: `TorchTrainer` with CPU workers by default, GPUs when asked."""
+@dataclass(frozen=True)
+class ZooBuildJob:
+    size: str = option("tiny", choices=tuple(RECIPES), help="which recipe")
+    out: Path | None = option(None, type=Path, help="copy the zoo here (it is cached under the home folder)")
+    device: str = option("cpu", choices=("cpu", "cuda"), help="where the training steps run")
+    seed: int = option(0, type=int, help="seed of the corpus and the weights")
+    trainer: str = option("local", choices=("local", "ray"), help="train in this process, or on Ray Train workers")
+    workers: int = option(1, type=positive_int_arg, help="Ray Train workers (with --trainer ray)")
+    use_gpu: bool = option(False, help="Ray Train workers take a GPU each")
+    track: bool = option(True, flag="--no-track", help="do not log the build to MLflow")
 
-    num_workers: int = 1
-    use_gpu: bool = False
 
-    def train_target(self, target: Any, sequences, pad_id: int, schedule, seed: int, loss_from) -> list[float]:
-        from pipelines.train_target import fit_target
+def run_zoo_build(job: ZooBuildJob) -> Path:
+    from blockpilot.zoo.build import build_zoo
 
-        return fit_target(
-            target, sequences, pad_id, schedule, seed, loss_from, num_workers=self.num_workers, use_gpu=self.use_gpu
-        )
+    trainer = None
+    if job.trainer == "ray":
+        from pipelines.zoo_trainer import RayTrainer
 
-    def train_drafter(self, drafter: Any, target: Any, rows, recipe, schedule, seed: int) -> list[float]:
-        from pipelines.train_drafter import fit_drafter
-
-        return fit_drafter(
-            drafter, target, rows, recipe, schedule, seed, num_workers=self.num_workers, use_gpu=self.use_gpu
-        )
+        trainer = RayTrainer(num_workers=job.workers, use_gpu=job.use_gpu)
+    return build_zoo(job.size, job.out, seed=job.seed, device=job.device, trainer=trainer, track=job.track)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blockpilot.cli import main as cli_main
-
     parser = argparse.ArgumentParser(prog="python -m pipelines.build_zoo", description=__doc__)
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--seed", default="0")
-    parser.add_argument("--workers", default="1")
-    parser.add_argument("--use-gpu", action="store_true")
-    args = parser.parse_args(argv)
-    forwarded = [
-        "zoo",
-        "build",
-        "--size",
-        args.size,
-        "--seed",
-        args.seed,
-        "--trainer",
-        "ray",
-        "--workers",
-        args.workers,
-    ]
-    forwarded += ["--out", args.out] if args.out else []
-    forwarded += ["--use-gpu"] if args.use_gpu else []
-    return cli_main(forwarded)
+    add_options(parser, ZooBuildJob)
+    try:
+        print(f"zoo: {run_zoo_build(from_args(ZooBuildJob, parser.parse_args(argv)))}")
+    except (ValueError, FileNotFoundError) as error:
+        print(f"build_zoo: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,38 +1,51 @@
 """The main job on embedded defaults: zoo -> labels -> predictor -> generate -> endpoint.
 
-    make demo                      # = python -m blockpilot demo (the small zoo; ~35 min the first time on 2 cores)
+    make demo                                  # = python -m blockpilot demo (the small zoo)
     python -m blockpilot demo --size tiny      # the same flow on the tiny zoo, in a few minutes
 
 Everything runs on this machine: an embedded Ray (Ray Data labels, Ray Train fits the predictor, Ray Serve
 serves it on 127.0.0.1), MLflow in SQLite under $BLOCKPILOT_HOME, models from the local zoo. Each stage
-reuses what an earlier run left: the zoo is cached, labeled prompts are skipped, the predictor run resumes.
+reuses what an earlier run left: the zoo is cached, labeled prompts are skipped.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from blockpilot.home import HOME_ENV, blockpilot_home
+from blockpilot.options import option, positive_int_arg
 
-from blockpilot.home import blockpilot_home
+
+@dataclass(frozen=True)
+class DemoJob:
+    home: Path | None = option(None, type=Path, help="artifact folder (default: $BLOCKPILOT_HOME)")
+    size: str = option("small", choices=("tiny", "small"), help="which zoo the flow runs on")
+    port: int = option(8000, type=positive_int_arg, help="port of the endpoint on 127.0.0.1")
 
 
 def _banner(text: str) -> None:
     print(f"\n=== {text}", flush=True)
 
 
-def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) -> int:
-    import os
+def run_demo(job: DemoJob) -> int:
+    import httpx
 
-    if home is not None:
-        os.environ["BLOCKPILOT_HOME"] = str(home)
+    if job.home is not None:
+        os.environ[HOME_ENV] = str(job.home)
     home = blockpilot_home()
+    from blockpilot.decoding import GenerationConfig, generate
+    from blockpilot.decoding.resolve import resolve_policy
     from blockpilot.labeling import LabelSettings
+    from blockpilot.models import load_models
     from blockpilot.zoo.build import RECIPES, build_zoo
     from pipelines.label import LabelJob, run_label_job
+    from pipelines.serve import ModelLoader, serve_locally
     from pipelines.train_predictor import TrainJob, run_train_job
 
+    size = job.size
     recipe = RECIPES[size]
     _banner(f"1/5 the {size} zoo (target + DFlash drafter, trained here from local text)")
     zoo = build_zoo(size)
@@ -69,7 +82,6 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
             objective="normalized-gain",
             val_share=0.05,  # validation only watches the run (the last epoch is kept): keep the rows for training
             epochs=30,
-            name=f"demo-{size}",
             out=home / "demo" / size / "predictor",
         )
     )
@@ -78,27 +90,20 @@ def run_demo(home: Path | None = None, size: str = "small", port: int = 8000) ->
     )
 
     _banner("4/5 one held-out prompt with the trained predictor")
-    from blockpilot.cli import format_stats
-    from blockpilot.decoding import GenerationConfig, generate
-    from blockpilot.models import load_models
-    from blockpilot.predictor import LearnedPolicy, load_predictor
-
     prompt = json.loads((zoo / "prompts" / "heldout.jsonl").read_text().splitlines()[0])["prompt"]
     models = load_models(zoo / "target", zoo / "drafter")
     result = generate(
         models,
         models.encode_prompt(prompt),
-        policy=LearnedPolicy(load_predictor(predictor)),
+        policy=resolve_policy(f"learned:{predictor}", models),
         config=GenerationConfig(max_new_tokens=64, stop_token_ids=tuple(models.stop_token_ids())),
     )
     print(f"prompt: {prompt!r}\nanswer: {models.tokenizer.decode(result.token_ids, skip_special_tokens=True)!r}")
-    print(f"the predictor chose b = {result.block_size}\n{format_stats(result)}")
+    print(result.format_stats())
 
-    _banner(f"5/5 the endpoint on Ray Serve (127.0.0.1:{port})")
-    from pipelines.serve import ModelLoader, serve_locally
-
+    _banner(f"5/5 the endpoint on Ray Serve (127.0.0.1:{job.port})")
     server = serve_locally(
-        ModelLoader(str(zoo / "target"), str(zoo / "drafter"), predictor, model_name=f"zoo-{size}"), port=port
+        ModelLoader(str(zoo / "target"), str(zoo / "drafter"), predictor, model_name=f"zoo-{size}"), port=job.port
     )
     try:
         server.wait_healthy()

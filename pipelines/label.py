@@ -4,52 +4,86 @@
         --target Qwen/Qwen3-4B --drafter z-lab/Qwen3-4B-DFlash-b16 --out /data/labels --num-gpus-per-actor 1
     blockpilot label --prompts zoo:$ZOO --target $ZOO/target --drafter $ZOO/drafter --out labels/   # locally
 
-Prompts are read on the driver (an unknown source fails here, before anything starts); tasks already in
-`--out` are skipped, so a rerun adds no duplicate and a stopped job labels only what is missing. Ray Data
-shards the tasks over an actor pool (models loaded once per actor), each actor runs the library's sweep,
-and `write_parquet` streams the rows out as blocks finish.
+Prompts are read on the driver (an unknown source fails here, before anything starts). The output folder
+holds the job's fingerprint (`job.json`: target, drafter, settings): a rerun with other settings is refused,
+a rerun with the same ones labels only what is missing, and an advisory lock keeps two jobs off one folder.
+Ray Data shards the tasks over an actor pool (models loaded once per actor; each actor sweeps its batch of
+prompts together), and the driver writes each finished batch as its own Parquet file (staged, then renamed
+into place), with one progress bar.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockpilot.data.labels import labeled_keys, read_labels, rows_to_table
+from blockpilot.data.labels import labeled_keys, read_label_files
 from blockpilot.data.sources import PromptRecord, load_prompts
-from blockpilot.labeling import LabelSettings, LabelSummary, summarize, task_keys
+from blockpilot.files import write_text_atomic
+from blockpilot.cost import load_cost
+from blockpilot.labeling import (
+    SUMMARY_COLUMNS,
+    LabelSettings,
+    LabelSummary,
+    label_headroom,
+    summarize,
+    task_keys,
+    turn_ids,
+)
+from blockpilot.options import (
+    add_options,
+    from_args,
+    model_ref,
+    nested,
+    non_negative_float_arg,
+    option,
+    positive_float_arg,
+    positive_int_arg,
+)
+
+FINGERPRINT_FILE = "job.json"
+LOCK_FILE = ".lock"
 
 
-@dataclass
+@dataclass(frozen=True)
 class LabelJob:
-    prompts: str
-    target: str
-    drafter: str
-    out: Path
-    settings: LabelSettings = field(default_factory=LabelSettings)
-    actors: int = 1
-    num_gpus_per_actor: float = 0.0
-    num_cpus_per_actor: float = 1.0
-    batch_size: int = 4
-    limit: int | None = None
-    device: str | None = None
-    dtype: str | None = None
-    track: bool = True
+    prompts: str = option(
+        help="gsm8k, mt-bench, ..., jsonl:PATH, txt:PATH, parquet:PATH, zoo:DIR[:heldout]; comma-separated for several"
+    )
+    target: str = option(type=model_ref, help="target model folder or hub id")
+    drafter: str = option(type=model_ref, help="DFlash drafter folder or hub id")
+    out: Path = option(type=Path, help="folder of label Parquet files (appended to)")
+    settings: LabelSettings = nested(LabelSettings)
+    actors: int = option(1, type=positive_int_arg, help="Ray Data actors (each loads the models once)")
+    num_gpus_per_actor: float = option(0.0, type=non_negative_float_arg, help="GPUs per actor")
+    num_cpus_per_actor: float = option(1.0, type=positive_float_arg, help="CPUs per actor")
+    batch_size: int = option(8, type=positive_int_arg, help="tasks per actor call, swept together (one file each)")
+    limit: int | None = option(None, type=positive_int_arg, help="at most this many prompts per source")
+    cost: Path | None = option(None, type=Path, help="a cost curve (blockpilot calibrate) that prices the summary")
+    device: str | None = option(None, help="cpu, cuda, ... (default: cuda when present)")
+    dtype: str | None = option(None, help="float32, bfloat16, ... (default: bf16 on cuda, fp32 on cpu)")
+    track: bool = option(True, flag="--no-track", help="do not log to MLflow")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for rows of two runs to sit in one folder."""
+        return {"target": self.target, "drafter": self.drafter, "settings": self.settings.fingerprint()}
 
 
 class SweepActor:
     """One Ray Data actor: loads the models once, then labels batches of tasks."""
 
-    def __init__(
-        self, target: str, drafter: str, settings: LabelSettings, device: str | None, dtype: str | None, threads: int
-    ) -> None:
+    def __init__(self, job: LabelJob, threads: int) -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -58,14 +92,17 @@ class SweepActor:
 
         hf_logging.disable_progress_bar()
         torch.set_num_threads(max(1, threads))
-        self.labeler = Labeler(load_models(target, drafter, device=device, dtype=dtype), settings)
+        models = load_models(job.target, job.drafter, device=job.device, dtype=job.dtype)
+        self.labeler = Labeler(models, job.settings, max_batch=job.batch_size)
 
     def __call__(self, batch: Any) -> Any:
-        rows: list[dict[str, Any]] = []
-        for task in batch.to_pylist():
-            record = PromptRecord(task["id"], task["source"], tuple(task["turns"] or ()), task["error"])
-            rows.extend(self.labeler.label(record, task["temperature"]))
-        return rows_to_table(rows)
+        from blockpilot.data.labels import rows_to_table
+
+        tasks = [
+            (PromptRecord(t["id"], t["source"], tuple(t["turns"] or ()), t["error"]), t["temperature"])
+            for t in batch.to_pylist()
+        ]
+        return rows_to_table([row for rows in self.labeler.label_many(tasks) for row in rows])
 
 
 def pending_tasks(records: list[PromptRecord], temperatures: tuple[float, ...], out: Path) -> list[dict[str, Any]]:
@@ -79,85 +116,132 @@ def pending_tasks(records: list[PromptRecord], temperatures: tuple[float, ...], 
     ]
 
 
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """An advisory lock on the output folder for the job's lifetime: a second job on it fails at once."""
+    handle = open(out / LOCK_FILE, "w")  # noqa: SIM115 - held for the whole job
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another labeling job is writing to {str(out)!r}; wait for it or pick another --out") from None
+        yield
+    finally:
+        handle.close()
+
+
+def check_fingerprint(job: LabelJob) -> None:
+    """Refuse to mix rows of differently configured jobs in one folder; record the fingerprint otherwise."""
+    path = job.out / FINGERPRINT_FILE
+    wanted = json.loads(json.dumps(job.fingerprint()))  # as JSON would give it back (tuples -> lists)
+    if path.is_file():
+        found = json.loads(path.read_text())
+        if found != wanted:
+            differing = sorted(
+                key
+                for key in {*found, *wanted, *found.get("settings", {}), *wanted.get("settings", {})} - {"settings"}
+                if _field(found, key) != _field(wanted, key)
+            )
+            raise ValueError(
+                f"{str(job.out)!r} holds labels of another job (differing: {', '.join(differing)}); "
+                f"label into a new --out, or remove {FINGERPRINT_FILE} there to start over"
+            )
+        return
+    write_text_atomic(path, json.dumps(wanted, indent=2) + "\n")
+
+
+def _field(fingerprint: dict[str, Any], key: str) -> Any:
+    return fingerprint.get(key, fingerprint.get("settings", {}).get(key))
+
+
 def run_label_job(job: LabelJob) -> LabelSummary:
     """Label what is missing under `job.out`, then summarize every row there (and log it to MLflow)."""
     records = load_prompts(job.prompts, job.limit)
     job.out.mkdir(parents=True, exist_ok=True)
-    tasks = pending_tasks(records, job.settings.temperatures, job.out)
-    total = len(records) * len(job.settings.temperatures)
-    print(
-        f"[label] {len(records)} prompts x {len(job.settings.temperatures)} temperatures: "
-        f"{total - len(tasks)} already labeled, {len(tasks)} to do",
-        flush=True,
-    )
-    started = time.perf_counter()
-    if tasks:
-        _run_ray_data(job, tasks)
-    elapsed = time.perf_counter() - started
-    table = read_labels(job.out)
-    summary = summarize(table.to_pylist(), new_rows=len(tasks), seconds=elapsed)
+    with exclusive(job.out):
+        check_fingerprint(job)
+        tasks = pending_tasks(records, job.settings.temperatures, job.out)
+        total = len(records) * len(job.settings.temperatures)
+        print(
+            f"[label] {len(records)} prompts x {len(job.settings.temperatures)} temperatures: "
+            f"{total - len(tasks)} already labeled, {len(tasks)} to do",
+            flush=True,
+        )
+        already = read_label_files(job.out, columns=["prompt_id"])[0].num_rows
+        started = time.perf_counter()
+        written = _run_ray_data(job, tasks, records) if tasks else 0
+        elapsed = time.perf_counter() - started
+    table, _ = read_label_files(job.out, columns=SUMMARY_COLUMNS)
+    summary = summarize(table.to_pylist(), new_rows=written, seconds=elapsed, already_labeled=already)
+    summary.headroom = label_headroom(job.out, load_cost(job.cost))
     print(summary.format(), flush=True)
-    _track(job, summary, table)
+    _track(job, summary)
     return summary
 
 
-def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]]) -> None:
+def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]], records: list[PromptRecord]) -> int:
+    """Sweep `tasks` on an actor pool; the driver writes each finished batch. Returns the rows written."""
+    import pyarrow.parquet as pq
     import ray
+    from ray.data import ActorPoolStrategy
+    from tqdm import tqdm
 
-    from pipelines.ray_runtime import ensure_ray
+    from pipelines.ray_runtime import ensure_ray, quiet_ray_data
 
     ensure_ray()
+    quiet_ray_data()  # one bar of our own below, not Ray Data's block every 10 s
+    turns = {r.id: len(turn_ids(r)) for r in records}
+    expected = sum(turns[t["id"]] for t in tasks)
     threads = max(1, int(job.num_cpus_per_actor)) if job.num_gpus_per_actor == 0 else 1
     dataset = ray.data.from_items(tasks, override_num_blocks=max(1, math.ceil(len(tasks) / job.batch_size)))
     labeled = dataset.map_batches(
         SweepActor,
-        fn_constructor_kwargs={
-            "target": job.target,
-            "drafter": job.drafter,
-            "settings": job.settings,
-            "device": job.device,
-            "dtype": job.dtype,
-            "threads": threads,
-        },
+        fn_constructor_kwargs={"job": job, "threads": threads},
         batch_size=job.batch_size,
         batch_format="pyarrow",
-        concurrency=job.actors,
+        compute=ActorPoolStrategy(size=job.actors),
         num_cpus=job.num_cpus_per_actor,
         num_gpus=job.num_gpus_per_actor or None,
     )
-    labeled.write_parquet(str(job.out))
+    written = 0
+    with tqdm(total=expected, desc="[label] rows", unit="row", dynamic_ncols=True, mininterval=2.0) as bar:
+        for block in labeled.iter_batches(batch_size=None, batch_format="pyarrow"):
+            if block.num_rows == 0:
+                continue
+            name = f"part-{uuid.uuid4().hex}.parquet"
+            staging = job.out / f".{name}.tmp"
+            pq.write_table(block, staging)
+            os.replace(staging, job.out / name)  # readers never see a half-written file
+            written += block.num_rows
+            bar.update(block.num_rows)
+    return written
 
 
-def _track(job: LabelJob, summary: LabelSummary, table: Any) -> None:
-    from blockpilot.tracking import NullTracker, start_run
+def _track(job: LabelJob, summary: LabelSummary) -> None:
+    from dataclasses import asdict
+
+    from blockpilot.tracking import start_run
 
     with start_run(
         "blockpilot-labels", f"label-{Path(job.out).name}", enabled=job.track, tags={"stage": "label"}
     ) as tracker:
-        tracker.log_params(
-            {
-                "prompts": job.prompts,
-                "target": job.target,
-                "drafter": job.drafter,
-                "out": str(job.out),
-                "actors": job.actors,
-                "num_gpus_per_actor": job.num_gpus_per_actor,
-                "limit": job.limit,
-                **{f"settings.{k}": v for k, v in asdict(job.settings).items()},
-            }
-        )
+        if not tracker.enabled:
+            return
+        job_params = {k: v for k, v in asdict(job).items() if k != "settings"}
+        tracker.log_params({**job_params, **{f"settings.{k}": v for k, v in asdict(job.settings).items()}})
         tracker.log_metrics(
             {
-                "rows": summary.rows,
-                "errors": summary.errors,
-                "new_rows": summary.new_rows,
-                "prompts_per_s": summary.prompts_per_s,
-                "seconds": summary.seconds,
-                **{f"mean_tau_b{b}": t for b, t in summary.mean_tau.items()},
-                **{f"best_block_size_count_b{b}": n for b, n in summary.best_block_size_histogram.items()},
+                "label/rows": summary.rows,
+                "label/errors": summary.errors,
+                "label/new_rows": summary.new_rows,
+                "label/prompts_per_s": summary.prompts_per_s,
+                "label/seconds": summary.seconds,
+                **{f"label/mean_tau_b{b}": t for b, t in summary.mean_tau.items()},
+                **{f"label/best_block_size_count_b{b}": n for b, n in summary.best_block_size_histogram.items()},
+                **{f"headroom/{k}": v for k, v in (summary.headroom or {}).items() if "source/" not in k},
             }
         )
-        if summary.candidates and not isinstance(tracker, NullTracker):
+        if summary.candidates:
             for name, figure in label_figures(summary).items():
                 tracker.log_figure(figure, name)
 
@@ -186,90 +270,7 @@ def label_figures(summary: LabelSummary) -> dict[str, Any]:
 
 
 def add_label_arguments(parser: argparse.ArgumentParser) -> None:
-    from blockpilot.cli import model_ref, positive_int
-
-    parser.add_argument(
-        "--prompts",
-        required=True,
-        help="gsm8k, mt-bench, ..., jsonl:PATH, txt:PATH, parquet:PATH, zoo:DIR[:heldout]; comma-separated for several",
-    )
-    parser.add_argument("--target", type=model_ref, required=True)
-    parser.add_argument("--drafter", type=model_ref, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="folder of label Parquet files (appended to)")
-    parser.add_argument(
-        "--candidates",
-        type=_int_list,
-        default=None,
-        help="block sizes, e.g. 6,7,8,9,10 (default: B-2..B+2 around the drafter's training block size)",
-    )
-    parser.add_argument("--temperatures", type=_float_list, default=(0.0,), help="e.g. 0,1")
-    parser.add_argument("--mode", choices=("replay", "live"), default="replay")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--top-k", type=positive_int, default=32, help="prefill distribution entries stored")
-    parser.add_argument("--dense", action="store_true", help="also store the whole prefill distribution (fp16)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--samples",
-        type=positive_int,
-        default=1,
-        help="at T > 0, generations pooled per row (tau becomes a mean over them)",
-    )
-    parser.add_argument("--actors", type=positive_int, default=1)
-    parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
-    parser.add_argument("--num-cpus-per-actor", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=positive_int, default=4, help="tasks per actor call (and per file)")
-    parser.add_argument("--limit", type=positive_int, default=None, help="at most this many prompts per source")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct integers >= 1, got {text!r}")
-    return values
-
-
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not math.isfinite(v) or v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected finite numbers >= 0, got {text!r}")
-    return values
-
-
-def job_from_args(args: argparse.Namespace) -> LabelJob:
-    settings = LabelSettings(
-        candidates=args.candidates,
-        temperatures=args.temperatures,
-        mode=args.mode,
-        max_new_tokens=args.max_new_tokens,
-        top_k=args.top_k,
-        dense=args.dense,
-        seed=args.seed,
-        samples=args.samples,
-    )
-    return LabelJob(
-        prompts=args.prompts,
-        target=args.target,
-        drafter=args.drafter,
-        out=args.out,
-        settings=settings,
-        actors=args.actors,
-        num_gpus_per_actor=args.num_gpus_per_actor,
-        num_cpus_per_actor=args.num_cpus_per_actor,
-        batch_size=args.batch_size,
-        limit=args.limit,
-        device=args.device,
-        dtype=args.dtype,
-        track=not args.no_track,
-    )
+    add_options(parser, LabelJob)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        summary = run_label_job(job_from_args(args))
-    except (ValueError, FileNotFoundError) as error:
+        summary = run_label_job(from_args(LabelJob, args))
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"label: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps({"rows": summary.rows, "errors": summary.errors}))

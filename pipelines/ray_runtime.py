@@ -26,7 +26,13 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     if "RAY_AUTH_TOKEN_PATH" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(embedded_auth_token())
+    # Token authentication stays on (Ray's default for a new local cluster); its notice on every start goes.
+    import logging
+
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    # address="local": always a fresh cluster of our own, never one that happens to run on this machine.
     ray.init(
+        address="local",
         num_cpus=num_cpus or max(4, os.cpu_count() or 1),
         include_dashboard=False,
         configure_logging=True,
@@ -52,3 +58,17 @@ def embedded_auth_token() -> Path:
         path.touch(mode=0o600)
         path.write_text(secrets.token_hex(32))
     return path
+
+
+def quiet_ray_data() -> None:
+    """No Ray Data progress block every few seconds, no plan printed per execution: stages show their own bar."""
+    import logging
+
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+    # Nor the lines that announce that (a warning) and each execution's end (info).
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)

@@ -1,31 +1,186 @@
 """The adaptive decoder on Ray Serve: an OpenAI-style HTTP endpoint.
 
-    blockpilot serve --target DIR --drafter DIR [--predictor PATH_OR_MODEL_URI] [--port 8000]
+    blockpilot serve --target DIR --drafter DIR [--predictor PATH_OR_MODEL_URI] [--port 8000] [--api-key KEY]
     serve run cluster/serve.yaml          # or `serve deploy` against a running cluster
 
-Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), `stream: true`
-as server-sent events in OpenAI's chunk format, GET /v1/models, GET /health. Responses carry `usage` and
-a `blockpilot` object (block size used, policy, mean tau, cycles, prefill and decode times).
+Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), `stream: true` as
+server-sent events in OpenAI's chunk format, GET /v1/models, GET /health. Responses carry `usage` and a
+`blockpilot` object (policy, block sizes and acceptance lengths per cycle, mean tau, queue, prefill and
+decode times). Requests are parsed by the typed models below; anything out of bounds is a 400 naming the
+field, a body over the size limit a 413, a full replica a 503 with Retry-After.
 
-The deployment loads its models through an injectable loader (`ModelLoader`: local paths or MLflow model
-URIs by default; tests pass their own), so nothing is loaded at import time.
+Each replica runs one `BatchedDecoder`: requests join its running batch. Ray's token authentication does
+not cover Serve's HTTP proxy: set `--api-key` (or BLOCKPILOT_API_KEY) to require `Authorization: Bearer KEY`
+on every route but /health.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string, on the
 # methods that Serve's ingress wraps, or it reads `request` as a required query parameter (422).
 import asyncio
 import json
-import threading
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 from ray import serve
 
-from blockpilot.serving import DecoderEngine, RequestError, ServeLimits, new_id
+from blockpilot.options import add_options, from_args, model_ref, nested, non_negative_float_arg, option, positive_int_arg
+from blockpilot.serving import BatchedDecoder, DecodeRequest, Overloaded, RequestError, ServeLimits, new_id
+
+API_KEY_ENV = "BLOCKPILOT_API_KEY"
+# OpenAI fields of features this server does not have: refused unless absent or at their neutral value.
+UNSUPPORTED_FIELDS = (
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logit_bias",
+    "response_format",
+    "echo",
+    "suffix",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+# ----------------------------------------------------------------------------- typed requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class GenerationFields(BaseModel):
+    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does; fields of
+    features this server does not have are refused rather than silently dropped."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    temperature: Optional[float] = Field(default=None, allow_inf_nan=True)
+    top_p: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[StrictInt] = None
+    block_size: Optional[StrictInt] = None  # extension: force a fixed b
+    policy: str = "adaptive"  # extension: adaptive (the server's policy) or fixed (the training block size)
+    ignore_eos: StrictBool = False  # extension: always generate max_tokens (benchmarks)
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float))):
+            raise ValueError("must be a number")
+        if isinstance(value, int) and abs(value) > 1000:
+            raise ValueError(f"must be between 0 and 2, got an integer of {len(str(abs(value)))} digits")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        neutral = {"response_format": ({"type": "text"},), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,)}
+        for name in UNSUPPORTED_FIELDS:
+            value = extra.get(name)
+            if value in (None, False, [], {}) or value in neutral.get(name, ()):
+                continue
+            raise RequestError(name, "not supported by this server")
+        if self.n is not None and self.n != 1:
+            raise RequestError("n", "only n = 1 is supported")
+        if self.top_p is not None and self.top_p != 1:
+            raise RequestError("top_p", "only top_p = 1 is supported (the acceptance rules sample the full distribution)")
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(GenerationFields):
+    prompt: Union[str, list[str]]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise RequestError("prompt", "exactly one prompt per request (a list of one string is accepted)")
+            return self.prompt[0]
+        return self.prompt
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _field_name(location: tuple[Any, ...]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch names are dropped."""
+    name = ""
+    for part in location:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in ("str", "list[str]", "list[TextPart]", "function-after[...]") or "[" in str(part):
+            continue
+        else:
+            name += ("." if name else "") + str(part)
+    return name or "body"
+
+
+def parse_request(body: Any, model: type[GenerationFields]) -> GenerationFields:
+    if not isinstance(body, dict):
+        raise RequestError("body", "the request body must be a JSON object")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RequestError(_field_name(first["loc"]), first["msg"]) from None
+    parsed.refuse_unsupported()
+    return parsed
+
+
+def decode_request(decoder: BatchedDecoder, parsed: GenerationFields) -> DecodeRequest:
+    """The library's typed request from a parsed HTTP one (the prompt tokenized, every bound checked)."""
+    if isinstance(parsed, ChatCompletionRequest):
+        prompt_ids = decoder.encode_chat([(m.role, m.text) for m in parsed.messages])
+    else:
+        prompt_ids = decoder.encode_completion(parsed.text)
+    temperature = 1.0 if parsed.temperature is None else parsed.temperature  # OpenAI's default
+    return decoder.check(
+        prompt_ids,
+        max_tokens=parsed.max_tokens if parsed.max_tokens is not None else parsed.max_completion_tokens,
+        temperature=temperature,
+        stop=parsed.stops,
+        seed=parsed.seed,
+        block_size=parsed.block_size,
+        policy=parsed.policy,
+        ignore_eos=parsed.ignore_eos,
+    )
+
+
+# ----------------------------------------------------------------------------- the app
 
 
 @dataclass(frozen=True)
@@ -33,178 +188,240 @@ class ModelLoader:
     """What a replica loads: paths or hub ids for target and drafter, a predictor folder or MLflow model URI."""
 
     target: str
-    drafter: str | None = None
-    predictor: str | None = None
+    drafter: Optional[str] = None
+    predictor: Optional[str] = None
+    policy: Optional[str] = None  # the adaptive policy's spec; default: learned with the predictor, else fixed
     model_name: str = "blockpilot"
-    device: str | None = None
-    dtype: str | None = None
+    device: Optional[str] = None
+    dtype: Optional[str] = None
     limits: ServeLimits = ServeLimits()
+    api_key: Optional[str] = None
 
-    def __call__(self) -> DecoderEngine:
+    def adaptive_spec(self) -> str:
+        if self.policy:
+            return self.policy
+        return f"learned:{self.predictor}" if self.predictor else "fixed"
+
+    def __call__(self) -> BatchedDecoder:
         from transformers.utils import logging as hf_logging
 
         from blockpilot.models.loading import load_models
-        from blockpilot.predictor import load_predictor
 
         hf_logging.disable_progress_bar()
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
-        predictor = load_predictor(self.predictor) if self.predictor else None
-        return DecoderEngine(models, predictor, model_name=self.model_name, limits=self.limits)
+        return BatchedDecoder(models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits).start()
 
 
 api = FastAPI(title="BlockPilot adaptive decoder")
 
 
+def _error(status: int, message: str, param: Optional[str], kind: str, headers: Optional[dict] = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
-    body = {
-        "error": {
-            "message": f"{error.field}: {error.message}",
-            "type": "invalid_request_error",
-            "param": error.field,
-            "code": None,
-        }
-    }
-    return JSONResponse(status_code=error.status, content=body)
+    return _error(error.status, f"{error.field}: {error.message}", error.field, "invalid_request_error")
 
 
-async def read_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+@api.exception_handler(Overloaded)
+async def _overloaded(request: Request, error: Overloaded) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(error.retry_after_s)))}
+    return _error(503, str(error), None, "overloaded", headers)
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The body as JSON within `max_bytes` (413 beyond), or RequestError naming what is wrong."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError("body", f"{declared} bytes; at most {max_bytes}", status=413)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise RequestError("body", f"more than {max_bytes} bytes", status=413)
     try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError("body", f"malformed JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise RequestError("body", "the request body must be a JSON object")
-    return body
+        return json.loads(raw or b"null")
+    except RecursionError:
+        raise RequestError("body", "JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as error:  # malformed, or an integer literal over Python's digit limit
+        raise RequestError("body", f"malformed JSON: {error}") from None
 
 
-async def respond(engine: DecoderEngine, request: Request, *, chat: bool) -> Any:
-    body = await read_body(request)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream", "stream must be true or false")
-    checked = await asyncio.to_thread(engine.check, body, chat=chat)
+def check_api_key(request: Request, key: Optional[str]) -> Optional[JSONResponse]:
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        return _error(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "authentication_error")
+    return None
+
+
+async def respond(decoder: BatchedDecoder, request: Request, chat: bool) -> Any:
+    body = await read_json(request, decoder.limits.max_body_bytes)
+    parsed = parse_request(body, ChatCompletionRequest if chat else CompletionRequest)
+    checked = await asyncio.to_thread(decode_request, decoder, parsed)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    handle = decoder.submit(checked, listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
     ident, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
-    if stream:
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = sse_events(engine, checked, request, ident, created, chat, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
-    text, stats = await asyncio.to_thread(engine.complete, checked)
+    try:
+        first = await next_event(events, request, handle)
+    except BaseException:
+        handle.cancel()
+        raise
+    if first is None:  # the client left while the request waited
+        handle.cancel()
+        return None
+    if first[0] == "error":
+        raise first[1]  # Overloaded (503) when no row freed in time, else a server error
+    if parsed.stream:
+        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        stream = sse_events(decoder, events, first, handle, request, ident, created, chat, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    try:
+        parts, event = [], first
+        while event is not None and event[0] == "delta":
+            parts.append(event[1])
+            event = await next_event(events, request, handle)
+        if event is None:
+            return None
+        if event[0] == "error":
+            raise event[1]
+        stats = event[1]
+    finally:
+        handle.cancel()  # no-op when finished; frees the row when the client left or the proxy gave up
     choice = {"index": 0, "finish_reason": stats["finish_reason"], "logprobs": None}
-    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    choice |= {"message": {"role": "assistant", "content": "".join(parts)}} if chat else {"text": "".join(parts)}
     return {
         "id": ident,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
-        "model": engine.model_name,
+        "model": decoder.model_name,
         "choices": [choice],
         "usage": stats["usage"],
         "blockpilot": stats["blockpilot"],
     }
 
 
-async def sse_events(
-    engine: DecoderEngine, checked: Any, request: Request, ident: str, created: int, chat: bool, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format. The generation runs in a thread and hands its deltas over
-    a queue; a client that goes away cancels it, so the replica is free again after the current cycle."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()
-
-    def produce() -> None:
+async def next_event(events: asyncio.Queue, request: Request, handle: Any) -> Optional[tuple[str, Any]]:
+    """The next event of a request, or None once its client has disconnected (its row is then freed)."""
+    while True:
         try:
-            for item in engine.stream(checked, cancel):
-                loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
-        except BaseException as error:  # surfaced to the client as the stream's last event
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", error))
-        finally:
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
+            return await asyncio.wait_for(events.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                handle.cancel()
+                return None
 
-    threading.Thread(target=produce, daemon=True).start()
+
+async def sse_events(
+    decoder: BatchedDecoder,
+    events: asyncio.Queue,
+    first: tuple[str, Any],
+    handle: Any,
+    request: Request,
+    ident: str,
+    created: int,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk format; a client that goes away frees its row."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None) -> bytes:
+    def chunk(delta: Optional[str], finish: Optional[str], first_chunk: bool = False, extra: Optional[dict] = None) -> bytes:
         if chat:
-            content = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+            content = {"role": "assistant", "content": ""} if first_chunk else ({"content": delta} if delta else {})
             choice = {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        payload = {"id": ident, "object": kind, "created": created, "model": engine.model_name, "choices": [choice]}
+        payload = {"id": ident, "object": kind, "created": created, "model": decoder.model_name, "choices": [choice]}
         return f"data: {json.dumps(payload | (extra or {}))}\n\n".encode()
 
     try:
         if chat:
-            yield chunk(None, None, first=True)
-        while True:
-            try:
-                what, value = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return
-                continue
-            if what == "done":
-                break
-            if what == "error":
+            yield chunk(None, None, first_chunk=True)
+        event: Optional[tuple[str, Any]] = first
+        while event is not None:
+            what, value = event
+            if what == "delta":
+                yield chunk(value, None)
+            elif what == "error":
                 message = {"error": {"message": str(value), "type": "server_error", "param": None, "code": None}}
                 yield f"data: {json.dumps(message)}\n\n".encode()
                 break
-            delta, final = value
-            if final is None:
-                yield chunk(delta, None)
-                continue
-            extra = {"blockpilot": final["blockpilot"]} | ({"usage": final["usage"]} if include_usage else {})
-            yield chunk(delta, final["finish_reason"], extra=extra)
-        yield b"data: [DONE]\n\n"
+            else:
+                extra = {"blockpilot": value["blockpilot"]} | ({"usage": value["usage"]} if include_usage else {})
+                yield chunk(None, value["finish_reason"], extra=extra)
+                break
+            event = await next_event(events, request, handle)
+        if event is not None:
+            yield b"data: [DONE]\n\n"
     finally:
-        cancel.set()  # the client went away (or the stream ended): the generation stops after its current cycle
+        handle.cancel()
 
 
-@serve.deployment(name="BlockPilotDecoder", max_ongoing_requests=8)
+@serve.deployment(name="BlockPilotDecoder")
 @serve.ingress(api)
 class BlockPilotDecoder:
-    """A replica: loads its engine through the injected loader, then serves the routes.
+    """A replica: loads its decoder through the injected loader (its engine loop starts), then serves the routes.
 
     Defined after the helpers it calls: `serve.ingress` pickles the app (and with it these methods and the
     module globals they see) when the class is decorated."""
 
-    def __init__(self, loader: Callable[[], DecoderEngine]) -> None:
-        self.engine = loader()
+    def __init__(self, loader: Callable[[], BatchedDecoder]) -> None:
+        self.decoder = loader()
+        self.api_key = getattr(loader, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine died (a broken device) is replaced."""
+        if not self.decoder.healthy:
+            raise RuntimeError(f"the decoder is not running: {self.decoder.failure!r}")
 
     @api.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Any:
+        if not self.decoder.healthy:
+            return _error(503, f"the decoder is not running: {self.decoder.failure!r}", None, "server_error")
+        return {"status": "ok", **self.decoder.load}
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Any:
+        denied = check_api_key(request, self.api_key)
+        if denied is not None:
+            return denied
         return {
             "object": "list",
-            "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "blockpilot"}],
+            "data": [{"id": self.decoder.model_name, "object": "model", "created": 0, "owned_by": "blockpilot"}],
         }
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        return await respond(self.engine, request, chat=False)
+        return check_api_key(request, self.api_key) or await respond(self.decoder, request, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
-        return await respond(self.engine, request, chat=True)
+        return check_api_key(request, self.api_key) or await respond(self.decoder, request, chat=True)
 
 
 def build_app(
-    loader: Callable[[], DecoderEngine],
+    loader: Callable[[], BatchedDecoder],
     *,
-    num_replicas: int | None = 1,
+    num_replicas: Optional[int] = 1,
     num_gpus: float = 0.0,
     num_cpus: float = 1.0,
-    autoscaling_config: dict | None = None,
-    max_ongoing_requests: int = 8,
+    autoscaling_config: Optional[dict] = None,
+    max_ongoing_requests: Optional[int] = None,
+    max_queued_requests: Optional[int] = None,
 ) -> Any:
-    """The Serve application: the decoder deployment bound to `loader`; autoscaling settings pass through."""
+    """The Serve application: the decoder deployment bound to `loader`; autoscaling settings pass through.
+
+    A replica takes up to `max_batch + max_queue` requests at once (its own rows and queue); Serve holds at
+    most `max_queued_requests` more before answering 503 itself."""
+    limits = getattr(loader, "limits", ServeLimits())
+    ongoing = max_ongoing_requests or limits.max_batch + limits.max_queue
     options: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": num_cpus},
-        "max_ongoing_requests": max_ongoing_requests,
+        "max_ongoing_requests": ongoing,
+        "max_queued_requests": max_queued_requests or ongoing,
+        "health_check_period_s": 10,
     }
     if autoscaling_config:
         options["autoscaling_config"] = autoscaling_config
@@ -218,7 +435,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     args = dict(args)
     deployment = {
         k: args.pop(k)
-        for k in ("num_replicas", "num_gpus", "num_cpus", "autoscaling_config", "max_ongoing_requests")
+        for k in ("num_replicas", "num_gpus", "num_cpus", "autoscaling_config", "max_ongoing_requests", "max_queued_requests")
         if k in args
     }
     limits = ServeLimits(**args.pop("limits", {}))
@@ -254,30 +471,72 @@ class LocalServer:
 
 
 def serve_locally(
-    loader: Callable[[], DecoderEngine],
+    loader: Callable[[], BatchedDecoder],
     *,
     port: int = 8000,
     host: str = "127.0.0.1",
     app_name: str = "blockpilot",
+    route_prefix: str = "/",
     request_timeout_s: float = 180.0,
     **deployment: Any,
 ) -> LocalServer:
-    """Start Serve on `host:port` (loopback by default) in the embedded Ray and deploy the decoder."""
+    """Start Serve on `host:port` (loopback by default) in the embedded Ray and deploy the decoder at
+    `route_prefix` (several apps may share one Serve instance under different prefixes)."""
     from pipelines.ray_runtime import ensure_ray
 
     ensure_ray()
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s})
-    serve.run(build_app(loader, **deployment), name=app_name, route_prefix="/", blocking=False)
-    return LocalServer(f"http://{host}:{port}", app_name)
+    serve.run(build_app(loader, **deployment), name=app_name, route_prefix=route_prefix, blocking=False)
+    return LocalServer(f"http://{host}:{port}{route_prefix.rstrip('/')}", app_name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.serve ...` = `blockpilot serve ...`."""
-    import sys
+# ----------------------------------------------------------------------------- command line
 
-    from blockpilot.cli import main as cli_main
 
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+@dataclass(frozen=True)
+class ServeJob:
+    target: str = option(type=model_ref, help="target model folder or hub id")
+    drafter: Optional[str] = option(None, type=model_ref, help="DFlash drafter folder or hub id")
+    predictor: Optional[str] = option(None, help="per-request predictor: folder or models:/blockpilot-predictor@champion")
+    policy: Optional[str] = option(None, help="the adaptive policy's spec (default: learned with --predictor, else fixed)")
+    host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
+    port: int = option(8000, type=positive_int_arg, help="HTTP port")
+    model_name: str = option("blockpilot", help="the model id the API reports")
+    replicas: int = option(1, type=positive_int_arg, help="replicas (each runs one batched engine)")
+    num_gpus: float = option(0.0, type=non_negative_float_arg, help="GPUs per replica")
+    api_key: Optional[str] = option(None, help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV})")
+    device: Optional[str] = option(None, help="cpu, cuda, ... (default: cuda when present)")
+    dtype: Optional[str] = option(None, help="float32, bfloat16, ...")
+    limits: ServeLimits = nested(ServeLimits)
+
+    def loader(self) -> ModelLoader:
+        fields = {k: v for k, v in asdict(self).items() if k in ModelLoader.__dataclass_fields__ and k != "limits"}
+        return ModelLoader(**fields, limits=self.limits, api_key=self.api_key or os.environ.get(API_KEY_ENV))
+
+
+def run_serve_job(job: ServeJob) -> int:
+    """Serve until Ctrl-C."""
+    server = serve_locally(job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus)
+    server.wait_healthy()
+    print(f"serving {job.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipelines.serve", description=__doc__)
+    add_options(parser, ServeJob)
+    try:
+        return run_serve_job(from_args(ServeJob, parser.parse_args(argv)))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"serve: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
