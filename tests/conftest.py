@@ -51,12 +51,40 @@ def random_models(random_zoo):
     return load_models(random_zoo["target"], random_zoo["drafter"], device="cpu")
 
 
+class RecordingTrainer:
+    """The local trainer, keeping a copy of what training left in memory (to compare with what was saved)."""
+
+    def __init__(self) -> None:
+        from blockpilot.zoo.build import LocalTrainer
+
+        self.local, self.trained = LocalTrainer(), {}
+
+    def train_target(self, target, fit):
+        losses = self.local.train_target(target, fit)
+        self.trained["target"] = {k: v.detach().clone() for k, v in target.state_dict().items()}
+        return losses
+
+    def train_drafter(self, drafter, target, fit):
+        losses = self.local.train_drafter(drafter, target, fit)
+        self.trained["drafter"] = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+        return losses
+
+
+_TRAINER = RecordingTrainer()
+
+
 @pytest.fixture(scope="session")
 def tiny_zoo(isolated_home) -> Path:
     """The trained tiny zoo (target, drafter, prompts, zoo.json), built once per session (about a minute)."""
     from blockpilot.zoo.build import build_zoo
 
-    return build_zoo("tiny", track=False)
+    return build_zoo("tiny", trainer=_TRAINER, track=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo_trained(tiny_zoo) -> dict | None:
+    """The state dicts the tiny zoo's training left in memory; None when the zoo came from a kept home."""
+    return _TRAINER.trained if len(_TRAINER.trained) == 2 else None
 
 
 @pytest.fixture(scope="session")
@@ -91,16 +119,12 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
     from blockpilot.data.sources import load_prompt_source
     from blockpilot.labeling import Labeler, LabelSettings
 
-    labeler = Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16))
+    labeler = Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16), max_batch=16)
     folder = tmp_path_factory.mktemp("tiny-labels")
     out = {}
     for split in ("train", "heldout"):
-        rows = [
-            row
-            for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}")
-            for t in (0.0, 1.0)
-            for row in labeler.label(record, t)
-        ]
+        tasks = [(record, t) for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}") for t in (0.0, 1.0)]
+        rows = [row for rows in labeler.label_many(tasks) for row in rows]
         (folder / split).mkdir()
         pq.write_table(rows_to_table(rows), folder / split / "labels.parquet")
         out[split] = folder / split

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -39,8 +40,8 @@ class OracleDrafter(nn.Module):
     logits there: at T = 0 every draft along the greedy path is accepted. `wrong_positions` lists
     absolute positions whose draft is replaced by a different token, to force rejections where wanted;
     `sharpness` scales the drafted logits (a drafter close to the target but not equal to it).
-    It speaks the drafter interface the decoding loop uses (`encode_context`, `forward`, `block_size`,
-    `target_layer_ids`).
+    It speaks the drafter interface the engine uses (`encode_context`, `draft_blocks`, `block_size`,
+    `target_layer_ids`, `config.num_hidden_layers`).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class OracleDrafter(nn.Module):
         self.block_size = block_size
         self.target_layer_ids = [0]
         self.mask_token_id = 0
+        self.config = SimpleNamespace(num_hidden_layers=0)
         device = next(target.parameters()).device
         with torch.inference_mode():
             out = target.model(torch.tensor([list(reference)], device=device))
@@ -70,9 +72,9 @@ class OracleDrafter(nn.Module):
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> list:
         return []
 
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context_kv: list, attention_mask=None):
-        positions = (block_positions[0] - 1).clamp(0, self.hidden.shape[0] - 1)
-        return self.hidden[positions][None]
+    def draft_blocks(self, embed, context_kv, first_tokens, anchors, block_sizes, width, mask_token_id, context_rows=None):
+        positions = anchors[:, None] + torch.arange(width, device=anchors.device)
+        return self.hidden[(positions - 1).clamp(0, self.hidden.shape[0] - 1)]
 
 
 def with_drafter(models: SpeculativeModels, drafter: nn.Module) -> SpeculativeModels:

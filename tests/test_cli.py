@@ -128,8 +128,9 @@ def test_python_dash_m_entry_point(random_zoo):
     assert len(json.loads(completed.stdout)["token_ids"]) == 5
 
 
-def test_cli_verify_choices_match_the_library():
-    from blockpilot.cli import VERIFY_RULES as cli_rules
-    from blockpilot.decoding import VERIFY_RULES
-
-    assert cli_rules == VERIFY_RULES
+def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zoo, capsys):
+    base = ["generate", "--target", str(random_zoo["target"]), "--drafter", str(random_zoo["drafter"]), "--prompt", "hi"]
+    assert main([*base, "--policy", "entropy", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
+    assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2
+    assert "give one of --policy, --block-size, --predictor" in capsys.readouterr().err

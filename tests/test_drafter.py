@@ -11,12 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockpilot.models.drafter import (
-    DFlashConfig,
-    DFlashDrafter,
-    DrafterCache,
-    dflash_target_layer_ids,
-)
+from blockpilot.decoding.cache import SlotStore
+from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -141,16 +137,19 @@ def test_loading_in_bf16(target_and_drafter, tmp_path):
     assert loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
 
 
-def test_incremental_context_cache_matches_one_shot(target_and_drafter):
-    """Context keys/values appended chunk by chunk equal those computed over the whole context."""
+def test_context_written_chunk_by_chunk_into_slots_matches_one_shot(target_and_drafter):
+    """Context keys/values written into the slot cache in pieces (as decoding commits them) draft what the whole
+    context encoded at once drafts."""
     target, drafter = target_and_drafter
     features, embeds, positions, one_shot = _draft_hidden(drafter, target)
-    cache = DrafterCache()
+    store = SlotStore(drafter.config.num_hidden_layers)
+    store.reserve(1, 9)
     for start, stop in [(0, 4), (4, 5), (5, 9)]:
-        cache.extend(drafter.encode_context(features[:, start:stop], torch.arange(start, stop)[None]), stop - start)
-    assert cache.length == 9
+        where = torch.arange(start, stop)[None]
+        for layer, (k, v) in enumerate(drafter.encode_context(features[:, start:stop], where)):
+            store.write(layer, slice(0, 1), where, k, v)
     with torch.no_grad():
-        incremental = drafter(embeds, positions, cache.layers)
+        incremental = drafter(embeds, positions, store.read_all(slice(0, 1), 9))
     torch.testing.assert_close(incremental, one_shot, rtol=1e-5, atol=1e-5)
 
 
@@ -184,3 +183,74 @@ def test_config_validation_names_the_field():
     config = DFlashConfig.from_dict(json.loads((FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json").read_text()))
     with pytest.raises(ValueError, match="block_size"):
         dataclasses.replace(config, block_size=0)
+
+
+# ----------------------------------------------------------------------------- against an independent reference
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    halves = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * cos + halves * sin
+
+
+@torch.no_grad()
+def zlab_reference_logits(drafter, target, features: torch.Tensor, first_token: int, size: int) -> torch.Tensor:
+    """DFlash's drafter forward as z-lab's `DFlashDraftModel` computes it, written independently of the project's
+    modules: one block [first, MASK...] after the whole context, keys/values over [context features ; block]
+    with k_norm over both, rotary at absolute positions (context 0..C-1, block C..C+S-1), q_norm on queries,
+    no mask, the target's head on slots 1..S-1. Reads the raw weights only."""
+    cfg, w = drafter.config, drafter.state_dict()
+    heads, kv_heads, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    c = features.shape[0]
+    ids = torch.tensor([first_token] + [drafter.mask_token_id] * (size - 1))
+    x = target.get_input_embeddings().weight[ids]
+    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    all_positions = torch.arange(c + size)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = _rms((h @ w[p + "self_attn.q_proj.weight"].T).view(size, heads, d), w[p + "self_attn.q_norm.weight"], eps)
+        both = torch.cat([ctx, h])
+        k = _rms((both @ w[p + "self_attn.k_proj.weight"].T).view(c + size, kv_heads, d), w[p + "self_attn.k_norm.weight"], eps)
+        v = (both @ w[p + "self_attn.v_proj.weight"].T).view(c + size, kv_heads, d)
+        q = _rope(q.transpose(0, 1), all_positions[c:], cfg.rope_theta)
+        k = _rope(k.transpose(0, 1), all_positions, cfg.rope_theta).repeat_interleave(heads // kv_heads, dim=0)
+        v = v.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        attention = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1) @ v  # (heads, S, d)
+        x = x + attention.transpose(0, 1).reshape(size, heads * d) @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return target.get_output_embeddings()(_rms(x, w["norm.weight"], eps)[1:])
+
+
+def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
+    """Blocks at several anchors, of several sizes, in one primitive call: each block's logits equal the
+    reference's for that block alone over exactly the context before its anchor. On random weights (GQA,
+    several layers), nothing shared with the project's drafter code but the weights."""
+    shape = ModelShape(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, drafter_layers=3, init_std=0.2)
+    target = qwen3_target(80, shape, seed=3)
+    drafter = drafter_for(target, shape, mask_token_id=79, seed=4)
+    ids = torch.randint(0, 78, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hidden_states = target(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)[0]
+    anchors, sizes = torch.tensor([6, 11, 17, 23]), torch.tensor([5, 2, 8, 3])
+    with torch.no_grad():
+        context_kv = drafter.encode_context(features[None], torch.arange(24)[None])
+        hidden = drafter.draft_blocks(
+            target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width=8, mask_token_id=79
+        )
+        logits = target.get_output_embeddings()(hidden[:, 1:])
+    for row, (anchor, size) in enumerate(zip(anchors.tolist(), sizes.tolist(), strict=True)):
+        expected = zlab_reference_logits(drafter, target, features[:anchor], int(ids[0, anchor]), size)
+        torch.testing.assert_close(logits[row, : size - 1], expected, rtol=1e-4, atol=1e-4)

@@ -6,6 +6,7 @@ import pytest
 from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
 
 from blockpilot.decoding import EntropyHeuristic, FixedBlockSize, GenerationConfig, generate
+from blockpilot.decoding.resolve import resolve_policy
 
 PROMPTS = ["Count from one to ten.", "def add(a, b):", "The quick brown fox"]
 
@@ -28,14 +29,14 @@ def test_greedy_equals_target_greedy_for_fixed_block_sizes(random_models, prompt
 
 
 def test_greedy_equals_target_greedy_with_entropy_policy(random_models, prompt_ids):
+    """The entropy policy's b is what it computes from each prompt's prefill, and the output stays exact."""
     policy = EntropyHeuristic(min_block_size=2, max_block_size=10, high_entropy=6.0)
-    chosen = set()
     for ids in prompt_ids:
         expected = greedy_reference(random_models.target, ids, 40)
         result = generate(random_models, ids, policy=policy, config=GenerationConfig(max_new_tokens=40))
         assert result.token_ids == expected
-        assert 2 <= result.block_size <= 10
-        chosen.add(result.block_size)
+        assert result.block_size == policy.initial_block_size(result.prefill)
+        assert result.policy == "entropy" and result.block_sizes[0] == max(result.block_sizes) == result.block_size
         check_stats_invariants(result, 40)
 
 
@@ -46,7 +47,7 @@ def test_autoregressive_without_drafter_equals_reference(random_models, prompt_i
     result = generate(models, prompt_ids[0], config=GenerationConfig(max_new_tokens=30))
     assert result.token_ids == greedy_reference(random_models.target, prompt_ids[0], 30)
     assert result.block_size == 1 and set(result.acceptance_lengths) == {1}
-    assert result.drafter_forward_passes == 0
+    assert result.drafter_forward_passes == 0 and result.policy == "autoregressive"
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8])
@@ -209,7 +210,7 @@ def zoo_prompts(tiny_zoo, tiny_models):
 @pytest.mark.parametrize("policy", [1, 2, 4, 8, 16, "entropy"])
 def test_trained_drafter_keeps_greedy_exact(tiny_models, zoo_prompts, policy):
     """With a trained DFlash drafter (real acceptances, real drafter cache), T = 0 output stays exact."""
-    policy = EntropyHeuristic.around(tiny_models.train_block_size) if policy == "entropy" else FixedBlockSize(policy)
+    policy = resolve_policy("entropy", tiny_models) if policy == "entropy" else FixedBlockSize(policy)
     stop = tuple(tiny_models.stop_token_ids())
     accepted_any = False
     for ids in zoo_prompts:

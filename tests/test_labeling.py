@@ -11,8 +11,10 @@ import pytest
 
 from blockpilot.data.labels import LABEL_SCHEMA, deduplicate, read_label_files, read_labels, rows_to_table
 from blockpilot.data.sources import PromptRecord
+from blockpilot.blocks import best_block_size, candidates_around
 from blockpilot.labeling import Labeler, LabelSettings, summarize, task_keys, task_seed
-from blockpilot.sweep import SweepConfig, best_block_size, default_candidates, replay_sweep, sweep_prompt
+from blockpilot.sweep import SweepConfig, sweep_prompt, sweep_prompts
+from blockpilot.table import tables_from_row
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +24,27 @@ def heldout(tiny_zoo, tiny_models):
 
 
 @pytest.mark.parametrize("candidates", [(2, 3, 4, 5, 6), (1, 2, 4, 8, 14, 15, 16, 17, 18)])
-def test_replay_equals_live_at_temperature_zero(tiny_models, heldout, candidates):
-    """fp32 on the CPU: identical tau vectors and acceptance lengths, prompt by prompt."""
+def test_table_walks_equal_live_runs_at_temperature_zero(tiny_models, heldout, candidates):
+    """fp32 on the CPU: every candidate's walk through the acceptance table is its live run, cycle by cycle."""
     stop = tuple(tiny_models.stop_token_ids())
-    for ids in heldout[:12]:
-        config = dict(candidates=candidates, max_new_tokens=48, stop_token_ids=stop)
-        live = sweep_prompt(tiny_models, ids, SweepConfig(mode="live", **config))
-        replay = sweep_prompt(tiny_models, ids, SweepConfig(mode="replay", **config))
-        assert replay.acceptance_lengths == live.acceptance_lengths
-        assert replay.tau == live.tau
-        assert replay.best_block_size == live.best_block_size
+    config = dict(candidates=candidates, max_new_tokens=48, stop_token_ids=stop)
+    seeds = list(range(12))
+    live = sweep_prompts(tiny_models, heldout[:12], seeds, SweepConfig(mode="live", **config))
+    replay = sweep_prompts(tiny_models, heldout[:12], seeds, SweepConfig(mode="replay", **config))
+    for live_sweep, replay_sweep in zip(live, replay, strict=True):
+        assert replay_sweep.acceptance_lengths == live_sweep.acceptance_lengths
+        assert replay_sweep.tau == live_sweep.tau
+        assert replay_sweep.best_block_size == live_sweep.best_block_size
+        assert [table.tau() for table in replay_sweep.tables] == [replay_sweep.tau]
+
+
+def test_table_walks_equal_live_runs_on_random_models(random_models):
+    """The same on random models, whose acceptance lengths are mostly 1: the table's cap and cuts at the end."""
+    prompts = [random_models.encode_prompt(p) for p in ("hello there", "def f(x):", "one two three")]
+    config = dict(candidates=(1, 2, 4, 8, 14, 15, 16, 17, 18), max_new_tokens=30)
+    live = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="live", **config))
+    replay = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="replay", **config))
+    assert [s.acceptance_lengths for s in replay] == [s.acceptance_lengths for s in live]
 
 
 def test_replay_agrees_with_live_in_distribution_at_temperature_one(tiny_models, heldout):
@@ -43,15 +56,8 @@ def test_replay_agrees_with_live_in_distribution_at_temperature_one(tiny_models,
     for ids in heldout[:6]:
         for seed in range(20):
             for mode in ("live", "replay"):
-                config = SweepConfig(
-                    candidates,
-                    temperature=1.0,
-                    max_new_tokens=32,
-                    stop_token_ids=stop,
-                    seed=seed + (0 if mode == "live" else 10_000),
-                    mode=mode,
-                )
-                sweep = sweep_prompt(tiny_models, ids, config)
+                config = SweepConfig(candidates, temperature=1.0, max_new_tokens=32, stop_token_ids=stop, mode=mode)
+                sweep = sweep_prompt(tiny_models, ids, config, seed=seed + (0 if mode == "live" else 10_000))
                 for b, tau in zip(candidates, sweep.tau, strict=True):
                     if not math.isnan(tau):
                         samples[mode][b].append(tau)
@@ -87,17 +93,15 @@ def test_bad_sweep_configs(kwargs, message):
 def test_best_block_size_ties_go_to_the_smaller_b():
     assert best_block_size([4, 5, 6], [2.0, 2.5, 2.5]) == 5
     assert best_block_size([4, 5, 6], [float("nan"), 1.0, 0.5]) == 5
-    assert default_candidates(8) == (6, 7, 8, 9, 10)
-    assert default_candidates(2) == (1, 2, 3, 4)
+    assert candidates_around(8) == (6, 7, 8, 9, 10)
+    assert candidates_around(2) == (1, 2, 3, 4)
 
 
 def test_the_stop_token_and_the_budget_bound_what_counts(tiny_models, heldout):
     """Every candidate's walk covers exactly the tokens of the output, however b cuts it into cycles."""
     stop = tuple(tiny_models.stop_token_ids())
     for budget in (1, 2, 7, 48):
-        sweep = replay_sweep(
-            tiny_models, heldout[0], SweepConfig((1, 3, 4, 9), max_new_tokens=budget, stop_token_ids=stop)
-        )
+        sweep = sweep_prompt(tiny_models, heldout[0], SweepConfig((1, 3, 4, 9), max_new_tokens=budget, stop_token_ids=stop))
         for lengths, b in zip(sweep.acceptance_lengths, sweep.candidates, strict=True):
             assert sum(lengths) == len(sweep.token_ids) - 1
             assert all(1 <= t <= b for t in lengths)
@@ -127,6 +131,10 @@ def test_label_rows_follow_the_schema(labeler, tiny_zoo):
     assert len(row["probs_fp16"]) == len(labeler.models.tokenizer)
     assert row["seed"] == task_seed(0, "zoo:1", 0.0)
     assert row["target_id"].endswith("target") and row["sweep_mode"] == "replay"
+    # The acceptance table rides in the row and gives back the row's tau vector.
+    (table,) = tables_from_row(table.to_pylist()[0])
+    assert table.tau() == pytest.approx(row["tau"]) and table.candidates == (2, 3, 4, 5, 6)
+    assert len(row["anchor_entropy"]) == table.n - 1 and len(row["anchor_top_probs"][0]) == 4
     # The same task gives the same row: seeded per (prompt, temperature).
     assert labeler.label(record, 1.0) == labeler.label(record, 1.0)
 
@@ -188,8 +196,9 @@ def test_reading_labels_skips_broken_files_and_duplicates(labeler, tmp_path):
 def test_samples_pool_runs_at_temperature(tiny_models, heldout):
     stop = tuple(tiny_models.stop_token_ids())
     base = dict(candidates=(2, 4, 6), temperature=1.0, max_new_tokens=24, stop_token_ids=stop)
-    single = [sweep_prompt(tiny_models, heldout[1], SweepConfig(seed=seed, **base)) for seed in (7, 8)]
-    pooled = sweep_prompt(tiny_models, heldout[1], SweepConfig(seed=7, samples=2, **base))
+    single = [sweep_prompt(tiny_models, heldout[1], SweepConfig(**base), seed=seed) for seed in (7, 8)]
+    pooled = sweep_prompt(tiny_models, heldout[1], SweepConfig(samples=2, **base), seed=7)
+    assert len(pooled.tables) == 2
     for i in range(3):
         lengths = single[0].acceptance_lengths[i] + single[1].acceptance_lengths[i]
         assert pooled.acceptance_lengths[i] == lengths

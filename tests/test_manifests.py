@@ -22,6 +22,14 @@ def test_ray_job_runtime_env():
     assert "transformers" in packages and "mlflow>=3.17,<3.18" in packages
 
 
+def version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in str(text).split("."))
+
+
+def test_versions_compare_as_numbers():
+    assert version("2.60") > version("2.52") > version("2.9")
+
+
 def _gpu_group(spec: dict) -> dict:
     groups = [
         g
@@ -37,7 +45,7 @@ def test_raycluster_has_gpu_workers_and_token_auth():
     assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
     spec = cluster["spec"]
     assert spec["authOptions"]["mode"] == "token"
-    assert spec["rayVersion"] >= "2.52"
+    assert version(spec["rayVersion"]) >= (2, 52)
     assert _gpu_group(spec)["template"]["spec"]["containers"][0]["image"].startswith("rayproject/ray:2.60.0")
 
 

@@ -38,14 +38,14 @@ def test_entropy_heuristic_maps_confidence_to_longer_blocks():
     assert policy.initial_block_size(uniform) == 4
     sizes = [policy.initial_block_size(prefill_with_entropy(torch.tensor([s, 0.0, 0.0, 0.0]))) for s in (0, 1, 2, 4, 8)]
     assert sizes == sorted(sizes) and all(4 <= b <= 12 for b in sizes)
-    assert EntropyHeuristic.around(8) == EntropyHeuristic(6, 10)
-    assert EntropyHeuristic.around(2).min_block_size == 1
+
 
 
 def test_per_request_policies_keep_the_block_size_each_cycle():
     for policy in (FixedBlockSize(5), EntropyHeuristic(2, 6)):
         assert isinstance(policy, BlockSizePolicy)
-        assert policy.next_block_size(CycleState(cycle=3, block_size=5, acceptance_length=2, new_tokens=9)) == 5
+        state = CycleState(cycle=3, block_size=5, acceptance_length=2, new_tokens=9, max_new_tokens=64, temperature=0.0)
+        assert policy.next_block_size(state) == 5
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,20 @@ def test_per_request_policies_keep_the_block_size_each_cycle():
 def test_bad_policy_settings(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_the_resolver_builds_every_policy_by_name(random_models):
+    from blockpilot.decoding.resolve import PolicySpec, resolve_policy
+
+    train = random_models.train_block_size
+    assert resolve_policy("fixed", random_models) == FixedBlockSize(train)
+    assert resolve_policy("fixed:3", random_models) == FixedBlockSize(3)
+    assert resolve_policy("entropy", random_models) == EntropyHeuristic(train - 2, train + 2)
+    assert resolve_policy("autoregressive", random_models).name == "autoregressive"
+    from dataclasses import replace
+
+    assert resolve_policy("entropy", replace(random_models, drafter=None)).name == "autoregressive"
+    assert str(PolicySpec.parse("fixed:3")) == "fixed:3" and str(PolicySpec.parse("learned:models:/p@champion")) == "learned:models:/p@champion"
+    for bad, message in (("fastest", "policy must be one of"), ("fixed:x", "fixed:<integer"), ("learned", "needs a predictor"), ("entropy:2", "takes no argument")):
+        with pytest.raises(ValueError, match=message):
+            resolve_policy(bad, random_models)

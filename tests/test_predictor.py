@@ -5,27 +5,27 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
+from blockpilot.cost import CycleCost
 from blockpilot.data.labels import rows_to_table
 from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.decoding.resolve import check_predictor_fits, resolve_policy
 from blockpilot.predictor import (
     BlockSizePredictor,
     LearnedPolicy,
     PredictorConfig,
     PredictorInputs,
+    input_arrays,
     load_predictor,
 )
-from blockpilot.predictor_training import (
-    LabelArrays,
+from blockpilot.predictor.evaluation import evaluate_predictor
+from blockpilot.predictor.inputs import INPUT_COLUMNS
+from blockpilot.predictor.training import (
     PredictorTrainConfig,
-    evaluate_choices,
-    evaluate_predictor,
     fit_epochs,
     is_validation,
-    label_arrays,
     local_batches,
     make_optimizer,
     predictor_loss,
@@ -33,6 +33,7 @@ from blockpilot.predictor_training import (
     training_columns,
     valid_rows,
 )
+from blockpilot.scoring import LabelArrays, evaluate_choices, label_arrays
 
 
 def random_inputs(n: int, vocab: int, k: int, seed: int = 0) -> PredictorInputs:
@@ -86,7 +87,7 @@ def test_folder_round_trip_without_pickle(tmp_path, kind):
     [
         ({"kind": "tree"}, "kind"),
         ({"candidates": (4, 4)}, "distinct"),
-        ({"candidates": ()}, "distinct"),
+        ({"candidates": ()}, "empty"),
         ({"dropout": 1.0}, "dropout"),
         ({"hidden_size": 0}, "hidden_size"),
     ],
@@ -105,38 +106,37 @@ def test_missing_predictor_folder_and_unknown_uri(tmp_path):
         load_predictor(tmp_path / "empty")
 
 
-def test_learned_policy_plugs_into_generate(tiny_models):
+def test_learned_policy_plugs_into_generate(tiny_models, tmp_path):
+    from dataclasses import replace
+
     vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
-    model = BlockSizePredictor(
-        PredictorConfig("sparse", (2, 3, 4, 5, 6), vocab, top_k=8, hidden_size=16, train_block_size=4)
-    )
-    policy = LearnedPolicy(model)
-    policy.check_fits(vocab, 4)
+    config = PredictorConfig("sparse", (2, 3, 4, 5, 6), vocab, top_k=8, hidden_size=16, train_block_size=4)
+    model = BlockSizePredictor(config)
+    policy = resolve_policy(f"learned:{model.save(tmp_path / 'p')}", tiny_models)
+    assert isinstance(policy, LearnedPolicy) and policy.name == "learned"
     ids = tiny_models.encode_prompt("Count from 1 to 9.")
     result = generate(tiny_models, ids, policy=policy, config=GenerationConfig(max_new_tokens=20))
-    assert result.block_size in (2, 3, 4, 5, 6)
+    assert result.block_size == policy.initial_block_size(result.prefill) and result.policy == "learned"
     with pytest.raises(ValueError, match="vocabulary mismatch"):
-        policy.check_fits(vocab + 1, 4)
-    with pytest.raises(ValueError, match="B=4; this drafter has B=8"):
-        policy.check_fits(vocab, 8)
+        check_predictor_fits(replace(config, vocab_size=vocab + 1), tiny_models)
+    with pytest.raises(ValueError, match="B=8; this drafter has B=4"):
+        check_predictor_fits(replace(config, train_block_size=8), tiny_models)
 
 
 # ----------------------------------------------------------------------------- metrics and label checks
 
 
-def hand_made_arrays() -> LabelArrays:
+def hand_made_arrays(cost: CycleCost | None = None) -> LabelArrays:
     tau = np.array([[2.0, 3.0, 2.5], [3.0, 2.0, 2.0], [2.0, 2.0, 4.0], [1.0, 3.0, 2.0]], dtype=np.float32)
     return LabelArrays(
         prompt_ids=["a", "b", "c", "d"],
         sources=["x", "x", "y", "y"],
-        temperature=np.array([0, 0, 1, 1], dtype=np.float32),
-        topk_ids=np.zeros((4, 2), dtype=np.int64),
-        topk_probs=np.zeros((4, 2), dtype=np.float32),
-        entropy=np.zeros(4, dtype=np.float32),
+        inputs={"temperature": np.array([0, 0, 1, 1], dtype=np.float32)},
         tau=tau,
-        best_index=tau.argmax(1),
+        cycles=np.full((4, 3), 10.0),
         candidates=(4, 5, 6),
         train_block_size=5,
+        cost=cost or CycleCost.uniform(),
     )
 
 
@@ -150,8 +150,21 @@ def test_metrics_of_choices():
     assert metrics["gap_captured"] == pytest.approx(1.0)
     assert metrics["source/x/tau_pred"] == pytest.approx(3.0)
     assert metrics["T1/tau_oracle"] == pytest.approx(3.5)
+    # Uniform cost: throughput is tokens per cycle, here the tau of the choices.
+    assert metrics["throughput_pred"] == pytest.approx(3.25)
     fixed = evaluate_choices(np.array([1, 1, 1, 1]), arrays)
     assert fixed["gap_captured"] == pytest.approx(0.0) and fixed["accuracy"] == 0.5
+
+
+def test_throughput_prices_cycles_with_the_cost():
+    """b = 6 costs twice b = 4: the best b by throughput is not the best by tau."""
+    arrays = hand_made_arrays(CycleCost({1: {4: 1.0, 6: 2.0}}))  # b = 5 interpolates to 1.5
+    arrays.score = "throughput"
+    metrics = evaluate_choices(np.array([2, 2, 2, 2]), arrays)
+    assert metrics["throughput_pred"] == pytest.approx(2.625 / 2.0)
+    assert metrics["throughput_best_fixed_b"] == 4 and metrics["best_fixed_b"] == 6
+    # Per row argmax of tau / c(b) (rows: 2, 2, 1.25 / 3, 1.33, 1 / 2, 1.33, 2 / 1, 2, 1), ties to the smaller b.
+    assert arrays.best_index.tolist() == [0, 0, 0, 1]
 
 
 def label_rows(n: int = 40, candidates=(2, 3, 4)) -> list[dict]:
@@ -173,6 +186,7 @@ def label_rows(n: int = 40, candidates=(2, 3, 4)) -> list[dict]:
                 "candidates": list(candidates),
                 "tau": tau,
                 "best_block_size": candidates[top],
+                "cycles": [10, 10, 10],
                 "topk_ids": [top, 5, 6, 7],
                 "topk_probs": [0.7, 0.1, 0.1, 0.1],
                 "entropy": 1.0,
@@ -243,7 +257,7 @@ def test_normalized_gain_weighs_each_temperature_alike():
 
 @pytest.mark.parametrize("objective", ["ce", "expected-tau", "normalized-gain"])
 def test_training_learns_a_learnable_rule(objective):
-    arrays = label_arrays(rows_to_table(label_rows(80)))
+    arrays = label_arrays(valid_rows(rows_to_table(label_rows(80))))
     model = BlockSizePredictor(PredictorConfig("sparse", arrays.candidates, 10, top_k=4, hidden_size=32, dropout=0.0))
     config = PredictorTrainConfig(epochs=40, batch_size=16, lr=1e-2, objective=objective)
     losses = []
@@ -264,8 +278,12 @@ def test_training_columns_from_a_numpy_batch():
     table = rows_to_table(label_rows(5))
     batch = {name: np.asarray(table[name].to_pylist(), dtype=object) for name in table.column_names}
     columns = training_columns(batch)
-    assert columns["topk_ids"].shape == (5, 4) and columns["tau"].shape == (5, 3)
+    assert columns["topk_ids"].shape == (5, 4) and columns["score"].shape == (5, 3)
     assert columns["best_index"].tolist() == [r["candidates"].index(r["best_block_size"]) for r in label_rows(5)]
+    # The same columns become the same tensors whichever way they come in: one input contract.
+    from_rows = PredictorInputs.from_arrays(input_arrays(table.to_pydict(), dense=False))
+    from_batch = PredictorInputs.from_arrays(columns)
+    assert torch.equal(from_rows.topk_ids, from_batch.topk_ids) and torch.equal(from_rows.entropy, from_batch.entropy)
 
 
 # ----------------------------------------------------------------------------- as an MLflow model
@@ -279,31 +297,22 @@ def test_registered_model_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     model = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8))
     folder = model.save(tmp_path / "predictor")
-    with start_run("blockpilot-predictor", "test") as tracker:
-        first = log_predictor_model(tracker, folder)
-    with start_run("blockpilot-predictor", "test") as tracker:
-        second = log_predictor_model(tracker, folder)
-    assert (first, second) == ("1", "2")
-    loaded = load_predictor("models:/blockpilot-predictor/2")
+    versions = []
+    for throughput in (2.0, 1.5, 2.5):
+        with start_run("blockpilot-predictor", "test") as tracker:
+            versions.append(log_predictor_model(tracker, folder, heldout_throughput=throughput))
+    # The champion alias moves only to a version that beats it on held-out modeled throughput.
+    assert versions == [("1", True), ("2", False), ("3", True)]
+    assert str(mlflow.MlflowClient().get_model_version_by_alias("blockpilot-predictor", "champion").version) == "3"
     inputs = random_inputs(3, 10, k=4)
+    assert load_predictor("models:/blockpilot-predictor@champion").predict(inputs) == model.predict(inputs)
+    loaded = load_predictor("models:/blockpilot-predictor/2")
     assert loaded.predict(inputs) == model.predict(inputs)
     # MLflow's own loader runs the models-from-code script: the pyfunc predicts block sizes.
     pyfunc = mlflow.pyfunc.load_model("models:/blockpilot-predictor/1")
     import pandas as pd
 
-    frame = pd.DataFrame(
-        {
-            "topk_ids": inputs.topk_ids.tolist(),
-            "topk_probs": inputs.topk_probs.tolist(),
-            "entropy": inputs.entropy.tolist(),
-            "temperature": inputs.temperature.tolist(),
-        }
-    )
+    frame = pd.DataFrame({name: getattr(inputs, name).tolist() for name in INPUT_COLUMNS})
     assert list(pyfunc.predict(frame)) == model.predict(inputs)
     with pytest.raises(FileNotFoundError, match="could not fetch"):
         load_predictor("models:/blockpilot-predictor/99")
-
-
-def test_pyarrow_table_is_what_the_trainer_reads():
-    table = rows_to_table(label_rows(4))
-    assert isinstance(table, pa.Table) and table.num_rows == 4

@@ -87,11 +87,22 @@ def test_a_tracked_run_checkpoints_logs_and_registers(local_ray, tiny_labels, tm
     assert payload["policy"] == "learned" and payload["block_size"] in (2, 3, 4, 5, 6)
 
 
-def test_running_again_with_the_same_name_resumes(local_ray, tiny_labels, tmp_path):
+def test_resume_continues_a_named_run_of_the_same_job_only(local_ray, tiny_labels, tmp_path):
     first = run_train_job(job(tiny_labels, tmp_path, epochs=2, track=False))
     assert (first.first_epoch, first.last_epoch) == (0, 1)
-    again = run_train_job(job(tiny_labels, tmp_path, epochs=3, track=False))
+    with pytest.raises(ValueError, match="already exists.*--resume"):
+        run_train_job(job(tiny_labels, tmp_path, epochs=3, track=False))
+    with pytest.raises(ValueError, match="differing: .*hidden_size"):
+        run_train_job(job(tiny_labels, tmp_path, epochs=3, hidden_size=32, resume=True, track=False))
+    again = run_train_job(job(tiny_labels, tmp_path, epochs=3, resume=True, track=False))
     assert (again.first_epoch, again.last_epoch) == (2, 2), "the second run starts after the first run's last epoch"
+
+
+def test_runs_are_named_uniquely_unless_named(tiny_labels, tmp_path):
+    names = {TrainJob(labels=tiny_labels["train"]).name for _ in range(3)}
+    assert len(names) == 3 and all(name.startswith("sparse-ce-") for name in names)
+    with pytest.raises(ValueError, match="--resume needs --name"):
+        TrainJob(labels=tiny_labels["train"], resume=True)
 
 
 def _train_workers() -> list[psutil.Process]:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from support import OracleDrafter, greedy_reference
 
-import blockpilot.decoding.speculative as speculative
-from blockpilot.decoding import FixedBlockSize, GenerationConfig, generate
+import blockpilot.decoding.engine as engine
+from blockpilot.decoding import FixedBlockSize, GenerationConfig, GenerationRequest, generate, generate_many
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
 
@@ -23,6 +23,7 @@ VOCAB = 16
 PROMPT = [1, 2, 3, 4]
 TEMPERATURE = 0.6
 SAMPLES = 2000
+BATCH = 250
 P_VALUE_FLOOR = 1e-3
 SHAPE = ModelShape(
     hidden_size=32,
@@ -72,12 +73,15 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def sample_counts(models: SpeculativeModels, rule: str) -> tuple[torch.Tensor, float]:
-    """Counts of (x1, x2, x3) over SAMPLES seeds, and the share of drafts accepted."""
+    """Counts of (x1, x2, x3) over SAMPLES seeds, and the share of drafts accepted. The seeds run as rows of
+    batches (each row its own generator): the batched engine's per-row sampling is what is tested."""
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     accepted = drafted = 0
-    for seed in range(SAMPLES):
-        config = GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, verify=rule, seed=seed)
-        result = generate(models, PROMPT, policy=FixedBlockSize(4), config=config)
+    requests = [
+        GenerationRequest(PROMPT, GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, verify=rule, seed=seed), FixedBlockSize(4))
+        for seed in range(SAMPLES)
+    ]
+    for result in generate_many(models, requests, max_batch=BATCH):
         x1, x2, x3 = result.token_ids[:3]
         counts[x1, x2, x3] += 1
         accepted += result.acceptance_lengths[0] - 1
@@ -125,14 +129,29 @@ def test_first_tokens_follow_the_target_distribution(drafters, exact_joint, rule
 
 def test_the_check_catches_resampling_from_p_after_a_rejection(drafters, exact_joint, monkeypatch):
     """Negative control: the textbook bug (bonus from p, not from max(0, p - q)) must fail the test."""
-    exact_accept = speculative.accept
+    exact_accept = engine.accept_rejection
 
-    def biased_accept(draft_tokens, draft_probs, target_logits, config, generator):
-        accepted, _ = exact_accept(draft_tokens, draft_probs, target_logits, config, generator)
-        probs = torch.softmax(target_logits.float() / config.temperature, dim=-1)
-        bonus = int(torch.multinomial(probs[accepted], 1, generator=generator))
+    def biased_accept(draft_tokens, draft_probs, target_probs, generator):
+        accepted, _ = exact_accept(draft_tokens, draft_probs, target_probs, generator)
+        bonus = int(torch.multinomial(target_probs[accepted], 1, generator=generator))
         return accepted, bonus
 
-    monkeypatch.setattr(speculative, "accept", biased_accept)
+    monkeypatch.setattr(engine, "accept_rejection", biased_accept)
     counts, _ = sample_counts(drafters["sharp"], "rejection")
     assert chi_square_p_value(counts, exact_joint) < 1e-9
+
+
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_a_seeded_row_does_not_depend_on_the_other_rows(drafters, rule):
+    """The same seeds alone and inside mixed batches (other seeds, temperatures, block sizes) give the same tokens."""
+    models = drafters["sharp"]
+
+    def request(seed: int, temperature: float, b: int) -> GenerationRequest:
+        config = GenerationConfig(max_new_tokens=12, temperature=temperature, verify=rule, seed=seed)
+        return GenerationRequest(PROMPT, config, FixedBlockSize(b))
+
+    watched = [request(seed, TEMPERATURE, 4) for seed in range(6)]
+    alone = [generate_many(models, [r])[0].token_ids for r in watched]
+    others = [request(100 + i, 1.0 + 0.1 * i, 2 + i % 5) for i in range(10)]
+    mixed = generate_many(models, others[:5] + watched + others[5:], max_batch=7)
+    assert [r.token_ids for r in mixed[5:11]] == alone

@@ -9,7 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from blockpilot.data.sources import DATASETS_DIR_ENV, REASONING_SUFFIX, REGISTRY, load_prompt_source, load_prompts
+from blockpilot.data.sources import (
+    DATASETS_DIR_ENV,
+    REASONING_SUFFIX,
+    REGISTRY,
+    content_id,
+    load_prompt_source,
+    load_prompts,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "datasets"
 
@@ -103,7 +110,7 @@ def test_local_files(tmp_path):
         + "{not json\n"
     )
     records = load_prompt_source(f"jsonl:{tmp_path / 'a.jsonl'}")
-    assert [r.id for r in records] == ["a:x1", "a:1", "a:2", "a:line4"]
+    assert [r.id for r in records] == ["a:x1", f"a:{content_id(('one', 'two'))}", "a:row3", "a:line4"]
     assert records[1].turns == ("one", "two")
     assert records[2].error and "neither 'prompt' nor 'turns'" in records[2].error
     assert records[3].error and "line 4" in records[3].error
@@ -111,11 +118,15 @@ def test_local_files(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"first prompt\n\nsecond \xff\xfe prompt\nthird\n")
     txt = load_prompt_source(f"txt:{tmp_path / 'b.txt'}")
     assert [(r.id, r.turns, r.error is not None) for r in txt] == [
-        ("b:1", ("first prompt",), False),
-        ("b:3", (), True),
-        ("b:4", ("third",), False),
+        (f"b:{content_id(('first prompt',))}", ("first prompt",), False),
+        ("b:line3", (), True),
+        (f"b:{content_id(('third',))}", ("third",), False),
     ]
     assert "not valid UTF-8" in txt[1].error
+    # Ids come from the content: a line added on top shifts no id, a repeated prompt is one record.
+    (tmp_path / "b.txt").write_bytes(b"new first\nfirst prompt\nthird\nthird\n")
+    again = load_prompt_source(f"txt:{tmp_path / 'b.txt'}")
+    assert [r.id for r in again][1:] == [txt[0].id, txt[2].id]
 
     pq.write_table(pa.table({"id": ["p", "q"], "prompt": ["alpha", ""]}), tmp_path / "c.parquet")
     parquet = load_prompt_source(f"parquet:{tmp_path / 'c.parquet'}")
@@ -137,7 +148,7 @@ def test_several_sources_limit_and_unique_ids(local_datasets, tmp_path):
     records = load_prompts("gsm8k, alpaca", limit=1)
     assert [r.id for r in records] == ["gsm8k:0", "alpaca:0"]
     (tmp_path / "gsm8k.txt").write_text("a\nb\n")
-    with pytest.raises(ValueError, match="limit must be >= 1"):
+    with pytest.raises(ValueError, match="limit must be an integer >= 1"):
         load_prompts("gsm8k", limit=0)
     with pytest.raises(ValueError, match="appears twice"):
         load_prompts([f"txt:{tmp_path / 'gsm8k.txt'}", f"txt:{tmp_path / 'gsm8k.txt'}"])
