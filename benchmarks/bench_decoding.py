@@ -1,12 +1,14 @@
-"""Decode speed: autoregressive vs fixed block sizes (and the entropy policy), same prompts, same models.
+"""Decode speed of policies, at batch 1 and batched: same prompts, same models, one engine.
 
     python benchmarks/bench_decoding.py [--target DIR --drafter DIR] [--device cpu] [--max-new-tokens 128]
-    python benchmarks/bench_decoding.py --target $ZOO/target --drafter $ZOO/drafter \
-        --prompts $ZOO/prompts/heldout.jsonl --block-sizes 4,6,8 [--predictor DIR_OR_URI]
+    python benchmarks/bench_decoding.py --target $ZOO/target --drafter $ZOO/drafter \\
+        --prompts $ZOO/prompts/heldout.jsonl --policies autoregressive,fixed:4,fixed:8,entropy --batches 1,8
 
 Without --target/--drafter it writes and uses the random tiny zoo (tau near 1 by construction, so what
-this shows there is the cost of a cycle, not a speedup). Prints decode tokens/s, mean tau, and the
-speedup over autoregressive decoding, averaged over the prompts after one warm-up pass.
+this shows there is the cost of a cycle, not a speedup). Each policy spec goes through the one resolver
+(`blockpilot.decoding.resolve`), so the names printed are the names every surface reports. Prints generated
+tokens per second of wall time over all prompts (batch 1: one after another; batch N: N rows in one engine),
+mean tau, and the speedup over the first policy at the same batch, after one warm-up pass.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import argparse
 import json
 import statistics
 import tempfile
-from dataclasses import replace
+import time
 from pathlib import Path
 
 import torch
 
-from blockpilot.decoding import EntropyHeuristic, FixedBlockSize, GenerationConfig, generate
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.models import load_models
 
 PROMPTS = [
@@ -31,16 +34,15 @@ PROMPTS = [
 ]
 
 
-def measure(models, prompts_ids, policy, config) -> tuple[float, float]:
-    tokens = seconds = 0.0
-    taus = []
-    for ids in prompts_ids:
-        result = generate(models, ids, policy=policy, config=config)
-        tokens += len(result.token_ids) - 1
-        seconds += result.decode_time_s
-        if result.cycles:
-            taus.append(result.tau)
-    return tokens / seconds, statistics.fmean(taus) if taus else float("nan")
+def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int) -> tuple[str, float, float]:
+    """(policy name, generated tokens per wall second, mean tau) of `prompts_ids` at `batch` rows at a time."""
+    requests = [GenerationRequest(ids, config, resolve_policy(spec, models)) for ids in prompts_ids]
+    started = time.perf_counter()
+    results = generate_many(models, requests, max_batch=batch)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.token_ids) for r in results)
+    taus = [r.tau for r in results if r.cycles]
+    return results[0].policy, tokens / seconds, statistics.fmean(taus) if taus else float("nan")
 
 
 def main() -> None:
@@ -49,10 +51,11 @@ def main() -> None:
     parser.add_argument("--drafter")
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--block-sizes", default="2,4,8,16")
+    parser.add_argument("--policies", default="autoregressive,fixed:2,fixed:4,fixed:8,fixed:16,entropy")
+    parser.add_argument("--batches", default="1", help="comma-separated batch sizes, e.g. 1,8")
     parser.add_argument("--prompts", type=Path, default=None, help="a prompts .jsonl (e.g. a zoo's heldout.jsonl)")
     parser.add_argument("--limit", type=int, default=16, help="prompts taken from --prompts")
-    parser.add_argument("--predictor", default=None, help="also time the learned policy (folder or models:/ URI)")
+    parser.add_argument("--predictor", default=None, help="also time learned:PREDICTOR (folder or models:/ URI)")
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -64,7 +67,6 @@ def main() -> None:
         paths = write_random_zoo(Path(tempfile.mkdtemp()) / "zoo")
         args.target, args.drafter = paths["target"], paths["drafter"]
     models = load_models(args.target, args.drafter, device=args.device)
-    autoregressive = replace(models, drafter=None, mask_token_id=None)
     if args.prompts is None:
         prompts = PROMPTS
         # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
@@ -75,25 +77,21 @@ def main() -> None:
         # Real answers end at a stop token; at T = 0 every policy produces the same tokens anyway.
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(models.stop_token_ids()))
     prompts_ids = [models.encode_prompt(p) for p in prompts]
+    specs = args.policies.split(",") + ([f"learned:{args.predictor}"] if args.predictor else [])
+    batches = [int(b) for b in args.batches.split(",")]
     print(
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
         f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T=0"
     )
-
-    runs = [("autoregressive", autoregressive, None)]
-    runs += [(f"fixed b={b}", models, FixedBlockSize(int(b))) for b in args.block_sizes.split(",")]
-    runs += [("entropy policy", models, EntropyHeuristic.around(models.train_block_size))]
-    if args.predictor:
-        from blockpilot.predictor import LearnedPolicy, load_predictor
-
-        runs += [("learned policy", models, LearnedPolicy(load_predictor(args.predictor)))]
-    measure(models, prompts_ids[:1], FixedBlockSize(2), config)  # warm-up
-    baseline = None
-    print(f"{'policy':<16} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")
-    for name, run_models, policy in runs:
-        rate, tau = measure(run_models, prompts_ids, policy, config)
-        baseline = baseline or rate
-        print(f"{name:<16} {rate:>10.1f} {tau:>6.2f} {rate / baseline:>7.2f}x")
+    measure(models, prompts_ids[:2], "fixed:2", config, 2)  # warm-up
+    print(f"{'batch':>5} {'policy':<22} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")
+    for batch in batches:
+        baseline = None
+        for spec in specs:
+            name, rate, tau = measure(models, prompts_ids, spec, config, batch)
+            baseline = baseline or rate
+            label = spec if spec.startswith(name) else f"{spec} ({name})"
+            print(f"{batch:>5} {label:<22} {rate:>10.1f} {tau:>6.2f} {rate / baseline:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from blockpilot.decoding.policies import PrefillState
+from blockpilot.files import WEIGHTS_NAME
 from blockpilot.predictor import (
-    WEIGHTS_NAME,
     BlockSizePredictor,
     LearnedPolicy,
     PredictorConfig,

@@ -1,10 +1,11 @@
-"""Sweep throughput: prompts/s of the live and the replay sweep on the same prompts.
+"""Sweep throughput: prompts/s of the live sweep (one generation per block size) and of the acceptance-table
+sweep (one reference generation, then every block size walked on its table), on the same prompts.
 
-    python benchmarks/bench_sweep.py --zoo ~/.cache/blockpilot/zoo/small-seed0-v1-py311 [--prompts 40]
+    python benchmarks/bench_sweep.py --zoo ~/.cache/blockpilot/zoo/small-seed0-v3-py311 [--prompts 40] [--batch 8]
 
-Runs both modes with the 5 candidates B-2..B+2 and with the BlockPilot code's 9 ({1,2,4,8,14..18}),
-one prompt at a time in this process (no Ray: this measures the sweep itself), and prints prompts/s, the
-replay/live ratio, and how many prompts gave identical tau vectors (all of them, at T = 0).
+Runs both modes with the 5 candidates B-2..B+2 and with the BlockPilot code's 9 ({1,2,4,8,14..18}), in this
+process (no Ray: this measures the sweep itself), `--batch` prompts per engine, and prints prompts/s, the
+table/live ratio, and how many prompts gave identical tau vectors (all of them, at T = 0).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from blockpilot.blocks import candidates_around
 from blockpilot.models import load_models
-from blockpilot.sweep import SweepConfig, default_candidates, sweep_prompt
+from blockpilot.sweep import SweepConfig, sweep_prompts
 
 BLOCKPILOT_CANDIDATES = (1, 2, 4, 8, 14, 15, 16, 17, 18)
 
@@ -30,6 +32,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per engine (batched generations)")
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -41,10 +44,10 @@ def main() -> None:
     stop = tuple(models.stop_token_ids())
     print(
         f"device={models.device} threads={torch.get_num_threads()} prompts={len(prompts)} "
-        f"max_new_tokens={args.max_new_tokens} T={args.temperature} B={models.train_block_size}"
+        f"max_new_tokens={args.max_new_tokens} T={args.temperature} B={models.train_block_size} batch={args.batch}"
     )
-    print(f"{'candidates':<34} {'live p/s':>9} {'replay p/s':>11} {'ratio':>6} {'same tau':>9}")
-    for candidates in (default_candidates(models.train_block_size), BLOCKPILOT_CANDIDATES):
+    print(f"{'candidates':<34} {'live p/s':>9} {'table p/s':>11} {'ratio':>6} {'same tau':>9}")
+    for candidates in (candidates_around(models.train_block_size), BLOCKPILOT_CANDIDATES):
         configs = {
             mode: SweepConfig(
                 candidates,
@@ -57,13 +60,15 @@ def main() -> None:
         }
         seconds, taus = {"live": 0.0, "replay": 0.0}, {"live": [], "replay": []}
         for config in configs.values():
-            sweep_prompt(models, prompts[0], config)  # warm-up
-        # Modes alternate prompt by prompt (and which goes first), so drift in the machine's speed hits both.
-        for index, ids in enumerate(prompts):
-            for mode in ("live", "replay") if index % 2 == 0 else ("replay", "live"):
+            sweep_prompts(models, prompts[:1], [0], config, max_batch=1)  # warm-up
+        # Modes alternate chunk by chunk (and which goes first), so drift in the machine's speed hits both.
+        for index in range(0, len(prompts), args.batch):
+            chunk = prompts[index : index + args.batch]
+            for mode in ("live", "replay") if (index // args.batch) % 2 == 0 else ("replay", "live"):
                 started = time.perf_counter()
-                taus[mode].append(sweep_prompt(models, ids, configs[mode]).tau)
+                sweeps = sweep_prompts(models, chunk, [0] * len(chunk), configs[mode], max_batch=args.batch)
                 seconds[mode] += time.perf_counter() - started
+                taus[mode] += [sweep.tau for sweep in sweeps]
         same = sum(a == b for a, b in zip(taus["live"], taus["replay"], strict=True))
         live, replay = len(prompts) / seconds["live"], len(prompts) / seconds["replay"]
         print(f"{str(candidates):<34} {live:>9.2f} {replay:>11.2f} {replay / live:>5.2f}x {same:>4}/{len(prompts)}")
