@@ -126,6 +126,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_step(args: argparse.Namespace) -> int:
+    from pipelines.train_step_policy import StepTrainJob, run_step_train_job
+
+    run_step_train_job(from_args(StepTrainJob, args))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pipelines.serve import ServeJob, run_serve_job
 
@@ -151,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.label import LabelJob
     from pipelines.serve import ServeJob
     from pipelines.train_predictor import TrainJob
+    from pipelines.train_step_policy import StepTrainJob
 
     parser = argparse.ArgumentParser(prog="blockpilot", description="Adaptive-block speculative decoding on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -206,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="fit the block-size predictor on labels, on Ray Train, tracked in MLflow")
     add_options(train, TrainJob)
     train.set_defaults(handler=cmd_train)
+
+    step = commands.add_parser("train-step", help="fit the per-step block-size model on labels' acceptance tables")
+    add_options(step, StepTrainJob)
+    step.set_defaults(handler=cmd_train_step)
 
     srv = commands.add_parser("serve", help="the adaptive decoder behind an OpenAI-style endpoint on Ray Serve")
     add_options(srv, ServeJob)

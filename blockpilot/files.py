@@ -49,3 +49,31 @@ def atomic_folder(target: str | Path) -> Iterator[Path]:
             os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_weights_folder(directory: str | Path, config: dict, state: dict) -> Path:
+    """A model folder (`CONFIG_NAME` + `WEIGHTS_NAME`), written whole; refuses non-finite weights."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if not all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
+        raise ValueError(f"refusing to save non-finite weights to {str(directory)!r}")
+    with atomic_folder(directory) as staging:
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
+    return Path(directory)
+
+
+def load_weights_folder(directory: str | Path, what: str) -> tuple[dict, dict]:
+    """(config, state dict) of a folder written by `save_weights_folder`; `what` names it in errors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"{str(directory)!r} is not a {what} folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+    return json.loads((directory / CONFIG_NAME).read_text()), load_file(directory / WEIGHTS_NAME)

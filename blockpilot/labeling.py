@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from blockpilot.checks import check_fits_context, distinct_block_sizes, positive_int
-from blockpilot.data.labels import LABEL_SCHEMA, label_key
+from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list
 from blockpilot.sweep import SWEEP_MODES
@@ -267,7 +267,7 @@ class Labeler:
             "best_block_size": sweep.best_block_size,
             **table_columns(sweep.tables),
             "anchor_entropy": None if sweep.anchor_entropy is None else sweep.anchor_entropy.tolist(),
-            "anchor_top_probs": None if sweep.anchor_top_probs is None else sweep.anchor_top_probs[:, :4].tolist(),
+            "anchor_top_probs": None if sweep.anchor_top_probs is None else sweep.anchor_top_probs[:, :ANCHOR_TOP_K].tolist(),
             "topk_ids": ids.tolist(),
             "topk_probs": probs.tolist(),
             "entropy": sweep.prefill.entropy,

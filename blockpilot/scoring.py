@@ -15,6 +15,7 @@ Metrics of a set of label rows under per-row choices (each row's tau vector is r
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +218,12 @@ def format_metrics(title: str, metrics: dict[str, float], prediction: bool = Tru
         columns.insert(2, ("chosen", "pred"))
         title += f": accuracy {metrics['accuracy']:.3f}, gap captured {metrics['gap_captured']:.2f} (tau), "
         title += f"{metrics['throughput_gap_captured']:.2f} (throughput)"
+    return format_table(title, metrics, columns)
+
+
+def format_table(title: str, metrics: dict[str, float], columns: Sequence[tuple[str, str]]) -> str:
+    """`metrics` as a table: a line per group (all, each temperature) and measure (tau, throughput), a column
+    per (header, metric key) of `columns`; missing values print as nan."""
     lines = [title, f"  {'group':<6} {'':>10} " + " ".join(f"{header:>8}" for header, _ in columns)]
     groups = [""] + sorted({k.split("/", 1)[0] + "/" for k in metrics if k.startswith("T")})
     for group in groups:

@@ -173,3 +173,30 @@ def test_bad_labels_stop_before_training(tiny_labels, tmp_path):
     pq.write_table(other, tmp_path / "other.parquet")
     with pytest.raises(ValueError, match="mismatched candidates"):
         run_train_job(job(tiny_labels, tmp_path, val=tmp_path / "other.parquet"))
+
+
+def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_labels, tmp_path, mlflow_store, tiny_models):
+    import mlflow
+
+    from blockpilot.decoding import GenerationConfig, generate
+    from blockpilot.decoding.resolve import resolve_policy
+    from pipelines.train_step_policy import StepTrainJob, run_step_train_job
+
+    outcome = run_step_train_job(
+        StepTrainJob(
+            labels=tiny_labels["train"], eval=tiny_labels["heldout"], epochs=2, storage=tmp_path / "ray",
+            out=tmp_path / "step", name="step-tiny",
+        )
+    )
+    for group in ("", "T0/", "T1/"):
+        assert outcome.metrics[f"{group}throughput_step"] <= outcome.metrics[f"{group}throughput_step_oracle"] + 1e-9
+        assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle"} <= set(outcome.metrics)
+    mlflow.set_tracking_uri(mlflow_store)
+    client = mlflow.MlflowClient()
+    assert sorted(m.step for m in client.get_metric_history(outcome.run_id, "train/expected_regret")) == [0, 1]
+    assert "eval/T0/throughput_step" in client.get_run(outcome.run_id).data.metrics
+
+    prompt = tiny_models.encode_prompt("Count from 1 to 9.")
+    policy = resolve_policy(f"learned-step:{outcome.model_dir}", tiny_models)
+    result = generate(tiny_models, prompt, policy=policy, config=GenerationConfig(max_new_tokens=16))
+    assert result.policy == "learned-step" and len(result.block_sizes) == result.cycles

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 KEY_COLUMNS = ("prompt_id", "temperature")
 
+# Top probabilities of the target's distribution at each anchor that a label row keeps (`anchor_top_probs`).
+ANCHOR_TOP_K = 4
+
 LABEL_SCHEMA = pa.schema(
     [
         pa.field("prompt_id", pa.string(), nullable=False),

@@ -7,9 +7,11 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
     entropy           the training-free heuristic over B-2 .. B+2
     learned:PATH      the trained per-request predictor (a folder, or an MLflow URI such as
                       models:/blockpilot-predictor@champion)
+    learned-step:PATH the per-step model (`blockpilot.predictor.step`, a folder): b before every cycle
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
-The policy's `name` ("fixed", "entropy", "learned", "autoregressive") is what every surface reports.
+The policy's `name` ("fixed", "entropy", "learned", "learned-step", "autoregressive") is what every surface
+reports.
 """
 
 from __future__ import annotations
@@ -21,22 +23,23 @@ from blockpilot.blocks import candidates_around
 from blockpilot.checks import positive_int
 from blockpilot.decoding.policies import Autoregressive, BlockSizePolicy, EntropyHeuristic, FixedBlockSize
 
-POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "autoregressive")
+POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "autoregressive")
+LEARNED_KINDS = ("learned", "learned-step")
 
 
 @dataclass(frozen=True)
 class PolicySpec:
     kind: str = "fixed"
     block_size: int | None = None  # fixed: None means the drafter's training block size
-    predictor: str | None = None  # learned: a predictor folder or MLflow model URI
+    predictor: str | None = None  # learned: a predictor folder or MLflow model URI; learned-step: a folder
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
             raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.decoding.resolve), got {self.kind!r}")
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
-        if self.kind == "learned" and not self.predictor:
-            raise ValueError("the learned policy needs a predictor: learned:FOLDER or learned:models:/NAME@ALIAS")
+        if self.kind in LEARNED_KINDS and not self.predictor:
+            raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:FOLDER (learned also models:/NAME@ALIAS)")
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -47,8 +50,8 @@ class PolicySpec:
                 return cls("fixed", block_size=int(argument))
             except ValueError:
                 raise ValueError(f"policy {text!r}: expected fixed:<integer block size>") from None
-        if kind == "learned":
-            return cls("learned", predictor=argument or None)
+        if kind in LEARNED_KINDS:
+            return cls(kind, predictor=argument or None)
         if argument:
             raise ValueError(f"policy {text!r}: {kind!r} takes no argument")
         return cls(kind)
@@ -56,8 +59,8 @@ class PolicySpec:
     def __str__(self) -> str:
         if self.kind == "fixed" and self.block_size is not None:
             return f"fixed:{self.block_size}"
-        if self.kind == "learned":
-            return f"learned:{self.predictor}"
+        if self.kind in LEARNED_KINDS:
+            return f"{self.kind}:{self.predictor}"
         return self.kind
 
 
@@ -74,6 +77,12 @@ def resolve_policy(spec: PolicySpec | str, models: Any, *, predictor: Any | None
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
+    if spec.kind == "learned-step":
+        from blockpilot.predictor.step import StepModel, StepPolicy
+
+        model = predictor or StepModel.load(spec.predictor)
+        check_predictor_fits(model.config, models)
+        return StepPolicy(model)
     from blockpilot.predictor.policy import LearnedPolicy
     from blockpilot.predictor.store import load_predictor
 
@@ -85,7 +94,7 @@ def resolve_policy(spec: PolicySpec | str, models: Any, *, predictor: Any | None
 def check_predictor_fits(config: Any, models: Any) -> None:
     """Fail early, naming the mismatch, when a predictor was made for another target or drafter."""
     vocab = models.target.get_output_embeddings().weight.shape[0]
-    if config.vocab_size != vocab:
+    if getattr(config, "vocab_size", vocab) != vocab:  # a step model reads no token ids
         raise ValueError(f"predictor vocabulary mismatch: predictor vocab_size={config.vocab_size}, target has {vocab}")
     train = models.train_block_size
     if config.train_block_size is not None and train is not None and config.train_block_size != train:

@@ -15,7 +15,6 @@ It plugs into decoding as `LearnedPolicy` (`blockpilot.predictor.policy`), a per
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.checks import distinct_block_sizes, positive_int
-from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME, atomic_folder
+from blockpilot.files import load_weights_folder, save_weights_folder
 from blockpilot.predictor.inputs import PredictorInputs
 
 PredictorKind = Literal["dense", "sparse"]
@@ -117,25 +116,11 @@ class BlockSizePredictor(nn.Module):
 
     def save(self, directory: str | Path) -> Path:
         """Write the folder whole (staged, then renamed into place): readers never see half a predictor."""
-        from safetensors.torch import save_file
-
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if not all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
-            raise ValueError("refusing to save a predictor with non-finite weights")
-        with atomic_folder(directory) as staging:
-            (staging / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-            save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        return Path(directory)
+        return save_weights_folder(directory, self.config.to_dict(), self.state_dict())
 
     @classmethod
     def load(cls, directory: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(
-                f"{str(directory)!r} is not a predictor folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})"
-            )
-        model = cls(PredictorConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text())))
-        model.load_state_dict(load_file(directory / WEIGHTS_NAME))
+        config, state = load_weights_folder(directory, "predictor")
+        model = cls(PredictorConfig.from_dict(config))
+        model.load_state_dict(state)
         return model.to(device).eval()

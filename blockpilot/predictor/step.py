@@ -1,0 +1,291 @@
+"""The per-step block-size model: before every cycle, one of the candidate block sizes, from what the last
+verify pass already computed.
+
+Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing extra is computed for them):
+the target's distribution that produced g_{i-1} (its entropy and top-`ANCHOR_TOP_K` probabilities; at the
+first cycle that is the prefill's distribution), the sampling temperature, and log(1 + i). They do not
+depend on the path that led to cursor i, so every anchor of a label row's acceptance table is a training
+example, and a model that picks argmin_b Q(i, b) at every cursor walks exactly the per-step oracle.
+
+Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
+is maximized). Training minimizes the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1).
+Evaluation walks each held-out table with the model's choices (`walk_policy`) beside fixed B, the best
+fixed b, the static oracle and the per-step oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockpilot.checks import distinct_block_sizes, positive_int
+from blockpilot.cost import CycleCost
+from blockpilot.data.labels import ANCHOR_TOP_K
+from blockpilot.decoding.policies import CycleState, PrefillState, distribution_summary
+from blockpilot.files import load_weights_folder, save_weights_folder
+from blockpilot.scoring import format_table
+from blockpilot.table import AcceptanceTable, tables_from_row
+
+STEP_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "temperature", "log_cursor")
+STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens"]
+STEP_COLUMNS += ["table_commits", "table_anchors", "anchor_entropy", "anchor_top_probs"]
+
+
+def step_features(
+    entropy: np.ndarray, top_probs: np.ndarray, temperature: float | np.ndarray, cursor: np.ndarray
+) -> np.ndarray:
+    """(N, F) features of N cycles: entropy (N,), top probabilities (N, >= ANCHOR_TOP_K), cursor (N,)."""
+    entropy = np.asarray(entropy, dtype=np.float32)
+    return np.column_stack(
+        [
+            entropy,
+            np.asarray(top_probs, dtype=np.float32)[:, :ANCHOR_TOP_K],
+            np.broadcast_to(np.asarray(temperature, dtype=np.float32), entropy.shape),
+            np.log1p(np.asarray(cursor, dtype=np.float32)),
+        ]
+    ).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class StepModelConfig:
+    candidates: tuple[int, ...]
+    hidden_size: int = 64
+    train_block_size: int | None = None
+    target_id: str = ""
+    drafter_id: str = ""
+    features: tuple[str, ...] = STEP_FEATURES
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
+        positive_int(self.hidden_size, "hidden_size")
+        if tuple(self.features) != STEP_FEATURES:
+            raise ValueError(f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "candidates": list(self.candidates), "features": list(self.features), "kind": "step"}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StepModelConfig:
+        raw = {k: v for k, v in raw.items() if k != "kind"}
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"step model config: unknown fields {sorted(unknown)}")
+        return cls(**{**raw, "candidates": tuple(raw["candidates"]), "features": tuple(raw["features"])})
+
+
+class StepModel(nn.Module):
+    """(N, F) features -> (N, K) logits over the candidates; an MLP with one hidden layer."""
+
+    def __init__(self, config: StepModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.net = nn.Sequential(
+            nn.Linear(len(STEP_FEATURES), config.hidden_size),
+            nn.ReLU(),
+            nn.Linear(config.hidden_size, len(config.candidates)),
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features)
+
+    @torch.no_grad()
+    def choose(self, features: np.ndarray) -> np.ndarray:
+        """(N,) chosen candidate index per row of `features`."""
+        return self(torch.as_tensor(features, dtype=torch.float32)).argmax(dim=-1).numpy()
+
+    def save(self, directory: str | Path) -> Path:
+        return save_weights_folder(directory, self.config.to_dict(), self.state_dict())
+
+    @classmethod
+    def load(cls, directory: str | Path) -> StepModel:
+        config, state = load_weights_folder(directory, "step model")
+        if config.get("kind") != "step":
+            raise ValueError(f"{str(directory)!r} holds a {config.get('kind', 'per-request')!r} model, not a step model")
+        model = cls(StepModelConfig.from_dict(config))
+        model.load_state_dict(state)
+        return model.eval()
+
+
+class StepPolicy:
+    """b at every cycle from the step model; the first cycle from the prefill's distribution."""
+
+    name = "learned-step"
+
+    def __init__(self, model: StepModel) -> None:
+        self.model = model
+        self.candidates = model.config.candidates
+
+    def _choose(self, logits: torch.Tensor, temperature: float, cursor: int) -> int:
+        entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
+        features = step_features(
+            np.asarray([float(entropy)]), top_probs.float().cpu().numpy()[None], temperature, np.asarray([cursor])
+        )
+        return self.candidates[int(self.model.choose(features)[0])]
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self._choose(prefill.next_token_logits, prefill.temperature, 1)
+
+    def next_block_size(self, cycle: CycleState) -> int:
+        if cycle.anchor_logits is None:
+            return cycle.block_size
+        # After this cycle the row holds `new_tokens` tokens: the next block's cursor.
+        return self._choose(cycle.anchor_logits, cycle.temperature, cycle.new_tokens)
+
+
+# ----------------------------------------------------------------------------- data from label rows
+
+
+@dataclass
+class StepRow:
+    """One label row's tables with the features of every anchor (samples in table order)."""
+
+    prompt_id: str
+    temperature: float
+    tables: list[AcceptanceTable]
+    features: list[np.ndarray]  # per table, (n - 1, F): row i - 1 is cursor i
+
+
+def step_rows(table: pa.Table) -> list[StepRow]:
+    """Label rows with acceptance tables and anchor features as `StepRow`s; rows without them are skipped."""
+    missing = [c for c in STEP_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"labels lack the columns a step model needs: {missing} (relabel with this version)")
+    out = []
+    for row in table.select(STEP_COLUMNS).to_pylist():
+        tables = tables_from_row(row)
+        if not tables or row["anchor_entropy"] is None:
+            continue
+        entropy = np.asarray(row["anchor_entropy"], dtype=np.float32)
+        top = np.asarray(row["anchor_top_probs"], dtype=np.float32).reshape(len(entropy), -1)
+        features, start = [], 0
+        for t in tables:
+            span = slice(start, start + t.n - 1)
+            features.append(step_features(entropy[span], top[span], row["temperature"], np.arange(1, t.n)))
+            start += t.n - 1
+        if start != len(entropy):
+            raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
+        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, features))
+    if not out:
+        raise ValueError("no label row carries an acceptance table with anchor features (label with --mode replay)")
+    return out
+
+
+def regret_dataset(rows: list[StepRow], cost: CycleCost) -> tuple[np.ndarray, np.ndarray]:
+    """(X (M, F), R (M, K)): every anchor's features and the relative regret of choosing each candidate there."""
+    features, regrets = [], []
+    for row in rows:
+        for t, x in zip(row.tables, row.features, strict=True):
+            if t.n < 2:
+                continue
+            _, q = t.cost_to_go(cost)  # (K, n - 1)
+            features.append(x)
+            regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T)
+    return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
+
+
+def expected_regret(logits: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the regret expected under the predicted distribution over candidates."""
+    return (F.softmax(logits, dim=-1) * regret).sum(dim=-1).mean()
+
+
+def fit_step_model(
+    model: StepModel,
+    features: np.ndarray,
+    regret: np.ndarray,
+    *,
+    epochs: int = 20,
+    batch_size: int = 256,
+    lr: float = 3e-3,
+    seed: int = 0,
+    on_epoch: Any = None,
+) -> StepModel:
+    """Minimize `expected_regret` with AdamW; `on_epoch(epoch, loss)` after each epoch. A NaN loss stops."""
+    generator = torch.Generator().manual_seed(seed)
+    x, r = torch.as_tensor(features), torch.as_tensor(regret)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for epoch in range(epochs):
+        order, total = torch.randperm(len(x), generator=generator), 0.0
+        for start in range(0, len(x), batch_size):
+            index = order[start : start + batch_size]
+            loss = expected_regret(model(x[index]), r[index])
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step model loss is {loss.item()} at epoch {epoch}")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(index)
+        if on_epoch is not None:
+            on_epoch(epoch, total / len(x))
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- evaluation on tables
+
+
+def evaluate_step_model(model: StepModel | None, rows: list[StepRow], cost: CycleCost) -> dict[str, float]:
+    """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
+    per unit cost) of fixed B, the best fixed b, the static oracle, the step model (`step`, when given) and
+    the per-step oracle, each walked on the same tables."""
+    candidates = rows[0].tables[0].candidates
+    if model is not None and model.config.candidates != candidates:
+        raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
+    metrics: dict[str, float] = {}
+    groups = {"": rows} | {f"T{t:g}/": [r for r in rows if r.temperature == t] for t in sorted({r.temperature for r in rows})}
+    train = model.config.train_block_size if model is not None else None
+    for prefix, members in groups.items():
+        tokens = 0.0
+        per_b_cycles, per_b_cost = np.zeros(len(candidates)), np.zeros(len(candidates))
+        static_cycles = static_cost = oracle_cycles = oracle_cost = step_cycles = step_cost = 0.0
+        for row in members:
+            row_cycles, row_cost = np.zeros(len(candidates)), np.zeros(len(candidates))
+            for t, x in zip(row.tables, row.features, strict=True):
+                tokens += t.n - 1
+                for k, b in enumerate(candidates):
+                    walk = t.walk(b)
+                    row_cycles[k] += len(walk)
+                    row_cost[k] += t.walk_cost([b] * len(walk), cost=cost)
+                best, _ = t.cost_to_go(cost)
+                unit, _ = t.cost_to_go(CycleCost.uniform())
+                oracle_cost, oracle_cycles = oracle_cost + best[1], oracle_cycles + unit[1]
+                if model is not None:
+                    choices = model.choose(x)
+                    sizes, _ = t.walk_policy(lambda cursor, *_: candidates[int(choices[cursor - 1])])
+                    step_cycles += len(sizes)
+                    step_cost += t.walk_cost(sizes, cost=cost)
+            per_b_cycles += row_cycles
+            per_b_cost += row_cost
+            # The static oracle: each row's best single b under the cost (ties to the smaller b).
+            k = int(np.argmin(row_cost + 1e-9 * np.arange(len(candidates))))
+            static_cycles, static_cost = static_cycles + row_cycles[k], static_cost + row_cost[k]
+
+        def put(name: str, spent_cycles: float, spent_cost: float) -> None:
+            metrics[f"{prefix}tau_{name}"] = tokens / spent_cycles if spent_cycles else math.nan
+            metrics[f"{prefix}throughput_{name}"] = tokens / spent_cost if spent_cost else math.nan
+
+        if train in candidates:
+            put("B", per_b_cycles[candidates.index(train)], per_b_cost[candidates.index(train)])
+        best_fixed = int(np.argmin(per_b_cost))
+        put("best_fixed", per_b_cycles[best_fixed], per_b_cost[best_fixed])
+        metrics[f"{prefix}best_fixed_b"] = float(candidates[best_fixed])
+        put("oracle", static_cycles, static_cost)
+        if model is not None:
+            put("step", step_cycles, step_cost)
+        put("step_oracle", oracle_cycles, oracle_cost)
+    return metrics
+
+
+STEP_REPORT_COLUMNS = (("fixed B", "B"), ("best b", "best_fixed"), ("static", "oracle"), ("step", "step"), ("oracle", "step_oracle"))
+
+
+def format_step_metrics(title: str, metrics: dict[str, float]) -> str:
+    return format_table(title, metrics, STEP_REPORT_COLUMNS)

@@ -1,0 +1,174 @@
+"""The per-step block-size model on Ray Train, tracked in MLflow.
+
+    ray job submit --runtime-env ray_job.yaml -- python -m pipelines.train_step_policy --labels /data/labels \\
+        --eval /data/heldout --cost /data/cost.json
+    blockpilot train-step --labels labels/train --eval labels/heldout [--cost cost.json]   # locally
+
+prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the
+driver (`blockpilot.predictor.step`); rows without tables stop the job here. fit: a `TorchTrainer` worker
+reads them as a Ray Dataset and minimizes the expected regret, reporting each epoch (and to the MLflow
+run). report: the driver walks the held-out tables with the model's choices and prints, per temperature,
+tau and modeled throughput of fixed B, the best fixed b, the static oracle, the model and the per-step
+oracle; the folder (`learned-step:FOLDER` for generate and serve) and the metrics go to MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from blockpilot.home import blockpilot_home
+from blockpilot.options import add_options, from_args, option, positive_float_arg, positive_int_arg
+
+
+@dataclass(frozen=True)
+class StepTrainJob:
+    labels: Path = option(type=Path, help="label Parquet file or folder (replay labels: they carry the tables)")
+    eval: Path | None = option(None, type=Path, help="held-out labels for the report (default: --labels)")
+    cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate); default: every cycle costs 1")
+    hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
+    epochs: int = option(20, type=positive_int_arg, help="training epochs")
+    batch_size: int = option(256, type=positive_int_arg, help="anchors per step")
+    lr: float = option(3e-3, type=positive_float_arg, help="AdamW learning rate")
+    seed: int = option(0, type=int, help="seed of the weights and the shuffles")
+    name: str | None = option(None, help="run name (default: unique)")
+    storage: Path | None = option(None, type=Path, help="Ray Train storage (default under the home folder)")
+    out: Path | None = option(None, type=Path, help="where the step model folder goes")
+    track: bool = option(True, flag="--no-track", help="do not log to MLflow")
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            object.__setattr__(self, "name", f"step-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+
+
+@dataclass
+class StepOutcome:
+    model_dir: Path
+    metrics: dict[str, float]
+    run_id: str | None
+
+
+def _worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: the step model fitted on its shard of anchors, a report per epoch."""
+    import numpy as np
+    import ray.train
+    import torch
+
+    from blockpilot.predictor.step import StepModel, StepModelConfig, fit_step_model
+
+    torch.manual_seed(config["seed"])
+    rows = list(ray.train.get_dataset_shard("train").iter_batches(batch_size=None, batch_format="numpy"))
+    features = np.concatenate([b["features"] for b in rows]).astype(np.float32)
+    regret = np.concatenate([b["regret"] for b in rows]).astype(np.float32)
+    model = StepModel(StepModelConfig.from_dict(config["model"]))
+    rank = ray.train.get_context().get_world_rank()
+
+    def on_epoch(epoch: int, loss: float) -> None:
+        metrics = {"epoch": epoch, "train/expected_regret": loss}
+        if rank == 0 and config["run_id"]:
+            from blockpilot.tracking import log_epoch_metrics
+
+            log_epoch_metrics(config["run_id"], {"train/expected_regret": loss}, epoch, config["tracking_uri"])
+        if epoch < config["epochs"] - 1:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            if rank == 0:
+                model.save(Path(directory) / "step")
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory) if rank == 0 else None)
+
+    fit_step_model(
+        model, features, regret, epochs=config["epochs"], batch_size=config["batch_size"], lr=config["lr"],
+        seed=config["seed"], on_epoch=on_epoch,
+    )
+
+
+def run_step_train_job(job: StepTrainJob) -> StepOutcome:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from blockpilot.cost import load_cost
+    from blockpilot.data.labels import read_labels
+    from blockpilot.predictor.step import (
+        StepModel,
+        StepModelConfig,
+        evaluate_step_model,
+        format_step_metrics,
+        regret_dataset,
+        step_rows,
+    )
+    from blockpilot.tracking import start_run, tracking_uri
+    from pipelines.ray_runtime import ensure_ray, quiet_ray_data
+
+    cost = load_cost(job.cost)
+    train_table = read_labels(job.labels)
+    train_rows = step_rows(train_table)
+    eval_rows = step_rows(read_labels(job.eval)) if job.eval else train_rows
+    features, regret = regret_dataset(train_rows, cost)
+    first = train_table.slice(0, 1).to_pylist()[0]
+    config = StepModelConfig(
+        candidates=train_rows[0].tables[0].candidates,
+        hidden_size=job.hidden_size,
+        train_block_size=first["train_block_size"],
+        target_id=first["target_id"] or "",
+        drafter_id=first["drafter_id"] or "",
+        extra={"labels": str(job.labels), "cost": cost.describe()},
+    )
+    print(
+        f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} anchors, candidates {list(config.candidates)}, "
+        f"cost {cost.describe()}",
+        flush=True,
+    )
+    with start_run("blockpilot-step-policy", job.name, enabled=job.track, tags={"stage": "train-step"}) as tracker:
+        tracker.log_params({**asdict(job), "anchors": len(features), "candidates": list(config.candidates)})
+        ensure_ray()
+        quiet_ray_data()
+        trainer = TorchTrainer(
+            _worker,
+            train_loop_config={
+                "model": config.to_dict(),
+                "epochs": job.epochs,
+                "batch_size": job.batch_size,
+                "lr": job.lr,
+                "seed": job.seed,
+                "run_id": tracker.run_id,
+                "tracking_uri": tracking_uri() if tracker.run_id else None,
+            },
+            scaling_config=ScalingConfig(num_workers=1),
+            run_config=RunConfig(name=job.name, storage_path=str(job.storage or blockpilot_home() / "ray_results" / "step")),
+            datasets={"train": ray.data.from_items([{"features": x, "regret": r} for x, r in zip(features, regret)])},
+        )
+        result = trainer.fit()
+        with result.checkpoint.as_directory() as directory:
+            model = StepModel.load(Path(directory) / "step")
+        out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
+        metrics = evaluate_step_model(model, eval_rows, cost)
+        tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
+        tracker.log_artifact(out, "step_model")
+    print(format_step_metrics(f"[step] held-out ({'--eval' if job.eval else 'training labels'})", metrics))
+    print(f"[step] saved to {out}; use it with --policy learned-step:{out}")
+    return StepOutcome(out, metrics, tracker.run_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.train_step_policy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_options(parser, StepTrainJob)
+    try:
+        run_step_train_job(from_args(StepTrainJob, parser.parse_args(argv)))
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:
+        print(f"train-step: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

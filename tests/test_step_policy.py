@@ -1,0 +1,159 @@
+"""The per-step block-size model: lossless in the engine, the same choices live as on the acceptance table,
+training data from label rows, evaluation invariants, folder format, the resolver. Properties for any weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from blockpilot.cost import CycleCost
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
+from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.predictor.step import (
+    STEP_FEATURES,
+    StepModel,
+    StepModelConfig,
+    StepPolicy,
+    evaluate_step_model,
+    expected_regret,
+    fit_step_model,
+    regret_dataset,
+    step_features,
+    step_rows,
+)
+from blockpilot.sweep import SweepConfig, sweep_prompt
+from blockpilot.table import AcceptanceTable
+from support import check_stats_invariants, greedy_reference
+
+CANDIDATES = (1, 2, 3, 4, 5, 6)
+
+
+def random_step_model(seed: int, candidates=CANDIDATES, train_block_size: int | None = 4) -> StepModel:
+    torch.manual_seed(seed)
+    model = StepModel(StepModelConfig(candidates, hidden_size=16, train_block_size=train_block_size))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(8.0)  # spread the choices over the candidates
+    return model.eval()
+
+
+def growing_step_model() -> StepModel:
+    """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's entropy and top
+    probability, so the choices change within one generation whatever the target's weights."""
+    model = StepModel(StepModelConfig(CANDIDATES, hidden_size=3, train_block_size=4))
+    first, out = model.net[0], model.net[2]
+    with torch.no_grad():
+        first.weight.zero_()
+        first.weight[:, STEP_FEATURES.index("log_cursor")] = 1.0
+        first.weight[:, STEP_FEATURES.index("entropy")] = 0.05
+        first.weight[:, STEP_FEATURES.index("top1")] = 0.05
+        first.bias.copy_(-torch.log1p(torch.tensor([2.0, 6.0, 14.0])))
+        k = torch.arange(len(CANDIDATES), dtype=torch.float32)
+        out.weight.copy_(k[:, None].expand(-1, 3))  # logit_k = k * H - 0.3 k^2: argmax grows with H
+        out.bias.copy_(-0.3 * k**2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_step_policy_is_lossless_and_changes_b(tiny_models, seed):
+    prompt = tiny_models.encode_prompt("Count from 1 to 9.")
+    config = GenerationConfig(max_new_tokens=32)
+    result = generate(tiny_models, prompt, policy=StepPolicy(random_step_model(seed)), config=config)
+    assert result.token_ids == greedy_reference(tiny_models.target, prompt, 32)
+    check_stats_invariants(result, 32)
+    assert set(result.block_sizes) <= set(CANDIDATES) and result.policy == "learned-step"
+
+
+def test_step_policies_batched_beside_other_rows_keep_their_outputs(tiny_models):
+    prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Spell cat.")]
+    config = GenerationConfig(max_new_tokens=24)
+    policies = [StepPolicy(random_step_model(3)), resolve_policy("fixed:3", tiny_models), StepPolicy(random_step_model(4))]
+    batched = generate_many(tiny_models, [GenerationRequest(p, config, q) for p, q in zip(prompts, policies)])
+    for prompt, policy, result in zip(prompts, policies, batched, strict=True):
+        alone = generate(tiny_models, prompt, policy=policy, config=config)
+        assert result.token_ids == alone.token_ids == greedy_reference(tiny_models.target, prompt, 24)
+        assert result.block_sizes == alone.block_sizes
+
+
+def test_the_live_choices_are_the_table_walk_of_the_same_model(tiny_models):
+    """The features the engine computes before a cycle are the ones labels keep for that anchor."""
+    model = growing_step_model()
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
+    (table,) = sweep.tables
+    features = step_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
+    choices = model.choose(features)
+    sizes, lengths = table.walk_policy(lambda cursor, *_: CANDIDATES[int(choices[cursor - 1])])
+    live = generate(tiny_models, prompt, policy=StepPolicy(model), config=GenerationConfig(max_new_tokens=40))
+    assert live.token_ids == sweep.token_ids
+    cursors = np.cumsum([1, *lengths[:-1]])
+    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]  # live runs record the cut size
+    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    assert len(set(sizes)) > 1, "a model that never changes b would not test the per-step hook"
+
+
+def test_regret_is_zero_at_the_per_step_oracle_and_evaluation_orders_policies(tiny_labels):
+    rows = step_rows(pq.read_table(tiny_labels["train"]))
+    cost = CycleCost.uniform()
+    features, regret = regret_dataset(rows, cost)
+    assert features.shape[1] == len(STEP_FEATURES) and features.shape[0] == regret.shape[0]
+    assert (regret >= -1e-6).all() and np.allclose(regret.min(axis=1), 0.0)
+
+    with pytest.raises(ValueError, match="candidates"):
+        evaluate_step_model(random_step_model(6), rows, cost)
+    metrics = evaluate_step_model(random_step_model(6, rows[0].tables[0].candidates), rows, cost)
+    for group in ("", "T0/", "T1/"):
+        step_oracle = metrics[f"{group}tau_step_oracle"]
+        assert metrics[f"{group}tau_oracle"] <= step_oracle + 1e-9
+        assert metrics[f"{group}tau_best_fixed"] <= metrics[f"{group}tau_oracle"] + 1e-9
+        assert 1.0 <= metrics[f"{group}tau_step"] <= step_oracle + 1e-9
+
+
+def test_a_model_that_follows_the_oracle_walks_it():
+    """On a hand-made table, choosing argmin Q at every cursor reaches the per-step oracle's cost."""
+    commits = np.asarray([[1, 1, 1, 1, 1, 1, 1], [2, 1, 2, 2, 1, 2, 1], [3, 1, 1, 1, 2, 2, 1]], dtype=np.int16)
+    table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8)
+    cost = CycleCost.uniform()
+    best, q = table.cost_to_go(cost)
+    sizes, _ = table.walk_policy(lambda cursor, *_: (1, 2, 3)[int(np.argmin(q[:, cursor - 1]))])
+    assert table.walk_cost(sizes, cost=cost) == pytest.approx(best[1])
+    assert best[1] < min(len(table.walk(b)) for b in (1, 2, 3))
+
+
+def test_training_lowers_the_expected_regret(tiny_labels):
+    rows = step_rows(pq.read_table(tiny_labels["train"]))
+    features, regret = regret_dataset(rows, CycleCost.uniform())
+    model = random_step_model(7, rows[0].tables[0].candidates)
+    x, r = torch.as_tensor(features), torch.as_tensor(regret)
+    with torch.no_grad():
+        before = float(expected_regret(model(x), r))
+    losses = []
+    fit_step_model(model, features, regret, epochs=5, on_epoch=lambda epoch, loss: losses.append(loss))
+    with torch.no_grad():
+        after = float(expected_regret(model(x), r))
+    assert len(losses) == 5 and after < before
+
+
+def test_folder_round_trip_and_refusals(tmp_path, tiny_models):
+    model = random_step_model(8)
+    model.save(tmp_path / "step")
+    loaded = StepModel.load(tmp_path / "step")
+    x = torch.randn(5, len(STEP_FEATURES))
+    assert torch.equal(model(x), loaded(x)) and loaded.config == model.config
+    policy = resolve_policy(f"learned-step:{tmp_path / 'step'}", tiny_models)
+    assert policy.name == "learned-step"
+
+    with torch.no_grad():
+        model.net[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        model.save(tmp_path / "broken")
+    assert not (tmp_path / "broken").exists()
+
+    other = random_step_model(9, train_block_size=tiny_models.train_block_size + 1)
+    other.save(tmp_path / "other")
+    with pytest.raises(ValueError, match="trained for a drafter with B="):
+        resolve_policy(f"learned-step:{tmp_path / 'other'}", tiny_models)
+    with pytest.raises(ValueError, match="needs a model"):
+        resolve_policy("learned-step", tiny_models)
