@@ -21,24 +21,22 @@ _NESTED = "blockpilot.nested"
 # ----------------------------------------------------------------------------- argument types
 
 
-def positive_int_arg(text: str) -> int:
+def _integer_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
     return value
+
+
+def positive_int_arg(text: str) -> int:
+    return _integer_at_least(text, 1)
 
 
 def non_negative_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _integer_at_least(text, 0)
 
 
 def non_negative_float_arg(text: str) -> float:
