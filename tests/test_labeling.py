@@ -53,14 +53,14 @@ def test_replay_agrees_with_live_in_distribution_at_temperature_one(tiny_models,
     stop = tuple(tiny_models.stop_token_ids())
     candidates = (3, 4, 5)
     samples = {"live": {b: [] for b in candidates}, "replay": {b: [] for b in candidates}}
-    for ids in heldout[:6]:
-        for seed in range(20):
-            for mode in ("live", "replay"):
-                config = SweepConfig(candidates, temperature=1.0, max_new_tokens=32, stop_token_ids=stop, mode=mode)
-                sweep = sweep_prompt(tiny_models, ids, config, seed=seed + (0 if mode == "live" else 10_000))
-                for b, tau in zip(candidates, sweep.tau, strict=True):
-                    if not math.isnan(tau):
-                        samples[mode][b].append(tau)
+    prompts = [ids for ids in heldout[:6] for _ in range(20)]
+    for mode, offset in (("live", 0), ("replay", 10_000)):
+        config = SweepConfig(candidates, temperature=1.0, max_new_tokens=32, stop_token_ids=stop, mode=mode)
+        seeds = [offset + seed for _ in heldout[:6] for seed in range(20)]
+        for sweep in sweep_prompts(tiny_models, prompts, seeds, config, max_batch=40):
+            for b, tau in zip(candidates, sweep.tau, strict=True):
+                if not math.isnan(tau):
+                    samples[mode][b].append(tau)
     for b in candidates:
         live, replay = samples["live"][b], samples["replay"][b]
         standard_error = math.sqrt(statistics.variance(live) / len(live) + statistics.variance(replay) / len(replay))
