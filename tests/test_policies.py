@@ -74,6 +74,6 @@ def test_the_resolver_builds_every_policy_by_name(random_models):
 
     assert resolve_policy("entropy", replace(random_models, drafter=None)).name == "autoregressive"
     assert str(PolicySpec.parse("fixed:3")) == "fixed:3" and str(PolicySpec.parse("learned:models:/p@champion")) == "learned:models:/p@champion"
-    for bad, message in (("fastest", "policy must be one of"), ("fixed:x", "fixed:<integer"), ("learned", "needs a predictor"), ("entropy:2", "takes no argument")):
+    for bad, message in (("fastest", "policy must be one of"), ("fixed:x", "fixed:<integer"), ("learned", "learned policy needs a model"), ("entropy:2", "takes no argument")):
         with pytest.raises(ValueError, match=message):
             resolve_policy(bad, random_models)
