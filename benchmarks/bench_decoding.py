@@ -36,7 +36,8 @@ PROMPTS = [
 
 def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int) -> tuple[str, float, float]:
     """(policy name, generated tokens per wall second, mean tau) of `prompts_ids` at `batch` rows at a time."""
-    requests = [GenerationRequest(ids, config, resolve_policy(spec, models)) for ids in prompts_ids]
+    policy = resolve_policy(spec, models)  # policies keep no per-request state: one serves every row
+    requests = [GenerationRequest(ids, config, policy) for ids in prompts_ids]
     started = time.perf_counter()
     results = generate_many(models, requests, max_batch=batch)
     seconds = time.perf_counter() - started

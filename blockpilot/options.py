@@ -76,12 +76,16 @@ def model_ref(text: str) -> str:
     return text
 
 
+def _comma_list(text: str, convert: type, what: str) -> tuple:
+    try:
+        return tuple(convert(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+
+
 def block_size_list(text: str) -> tuple[int, ...]:
     """Comma-separated distinct integers >= 1."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = _comma_list(text, int, "integers")
     if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected distinct integers >= 1, got {text!r}")
     return values
@@ -89,10 +93,7 @@ def block_size_list(text: str) -> tuple[int, ...]:
 
 def temperature_list(text: str) -> tuple[float, ...]:
     """Comma-separated finite numbers >= 0."""
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    values = _comma_list(text, float, "numbers")
     if not values or any(not math.isfinite(v) or v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected finite numbers >= 0, got {text!r}")
     return values

@@ -41,6 +41,10 @@ class Schedule:
     grad_clip: float = 1.0
     log_every: int = 25
 
+    def per_worker(self, world: int) -> Schedule:
+        """The same run split over `world` data-parallel workers: each takes its share of the global batch."""
+        return replace(self, batch_size=max(1, self.batch_size // world))
+
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 10% of `lr`."""
         if step < self.warmup_steps:
@@ -189,7 +193,7 @@ class TargetFit:
             self,
             sequences=self.sequences[rank::world],
             loss_from=None if self.loss_from is None else self.loss_from[rank::world],
-            schedule=replace(self.schedule, batch_size=max(1, self.schedule.batch_size // world)),
+            schedule=self.schedule.per_worker(world),
             seed=self.seed + rank,
         )
 
@@ -207,7 +211,7 @@ class DrafterFit:
         return replace(
             self,
             rows=self.rows[rank::world],
-            schedule=replace(self.schedule, batch_size=max(1, self.schedule.batch_size // world)),
+            schedule=self.schedule.per_worker(world),
             seed=self.seed + rank,
         )
 
