@@ -232,6 +232,38 @@ def fit_step_model(
 # ----------------------------------------------------------------------------- evaluation on tables
 
 
+@dataclass
+class _RowWalks:
+    """One label row's walks summed over its tables: committed tokens, and cycles and cost of each walk."""
+
+    tokens: float
+    fixed_cycles: np.ndarray  # (K,) each candidate's fixed-b walk
+    fixed_cost: np.ndarray  # (K,)
+    oracle_cycles: float  # the per-step oracle: fewest cycles, and lowest cost
+    oracle_cost: float
+    step_cycles: float = 0.0  # the step model's walk
+    step_cost: float = 0.0
+
+
+def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWalks:
+    candidates = row.tables[0].candidates
+    walks = _RowWalks(0.0, np.zeros(len(candidates)), np.zeros(len(candidates)), 0.0, 0.0)
+    for t, x in zip(row.tables, row.features, strict=True):
+        walks.tokens += t.n - 1
+        for k, b in enumerate(candidates):
+            cycles = len(t.walk(b))
+            walks.fixed_cycles[k] += cycles
+            walks.fixed_cost[k] += t.walk_cost([b] * cycles, cost=cost)
+        walks.oracle_cost += t.cost_to_go(cost)[0][1]
+        walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
+        if model is not None:
+            choices = model.choose(x)
+            sizes, _ = t.walk_policy(lambda cursor, *_: candidates[int(choices[cursor - 1])])
+            walks.step_cycles += len(sizes)
+            walks.step_cost += t.walk_cost(sizes, cost=cost)
+    return walks
+
+
 def evaluate_step_model(model: StepModel | None, rows: list[StepRow], cost: CycleCost) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
     per unit cost) of fixed B, the best fixed b, the static oracle, the step model (`step`, when given) and
@@ -239,48 +271,35 @@ def evaluate_step_model(model: StepModel | None, rows: list[StepRow], cost: Cycl
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
-    metrics: dict[str, float] = {}
-    groups = {"": rows} | {f"T{t:g}/": [r for r in rows if r.temperature == t] for t in sorted({r.temperature for r in rows})}
+    walked = [_walk_row(row, model, cost) for row in rows]
     train = model.config.train_block_size if model is not None else None
+    metrics: dict[str, float] = {}
+    groups = {"": walked} | {
+        f"T{t:g}/": [w for w, r in zip(walked, rows) if r.temperature == t] for t in sorted({r.temperature for r in rows})
+    }
     for prefix, members in groups.items():
-        tokens = 0.0
-        per_b_cycles, per_b_cost = np.zeros(len(candidates)), np.zeros(len(candidates))
-        static_cycles = static_cost = oracle_cycles = oracle_cost = step_cycles = step_cost = 0.0
-        for row in members:
-            row_cycles, row_cost = np.zeros(len(candidates)), np.zeros(len(candidates))
-            for t, x in zip(row.tables, row.features, strict=True):
-                tokens += t.n - 1
-                for k, b in enumerate(candidates):
-                    walk = t.walk(b)
-                    row_cycles[k] += len(walk)
-                    row_cost[k] += t.walk_cost([b] * len(walk), cost=cost)
-                best, _ = t.cost_to_go(cost)
-                unit, _ = t.cost_to_go(CycleCost.uniform())
-                oracle_cost, oracle_cycles = oracle_cost + best[1], oracle_cycles + unit[1]
-                if model is not None:
-                    choices = model.choose(x)
-                    sizes, _ = t.walk_policy(lambda cursor, *_: candidates[int(choices[cursor - 1])])
-                    step_cycles += len(sizes)
-                    step_cost += t.walk_cost(sizes, cost=cost)
-            per_b_cycles += row_cycles
-            per_b_cost += row_cost
-            # The static oracle: each row's best single b under the cost (ties to the smaller b).
-            k = int(np.argmin(row_cost + 1e-9 * np.arange(len(candidates))))
-            static_cycles, static_cost = static_cycles + row_cycles[k], static_cost + row_cost[k]
+        tokens = sum(w.tokens for w in members)
 
         def put(name: str, spent_cycles: float, spent_cost: float) -> None:
             metrics[f"{prefix}tau_{name}"] = tokens / spent_cycles if spent_cycles else math.nan
             metrics[f"{prefix}throughput_{name}"] = tokens / spent_cost if spent_cost else math.nan
 
+        fixed_cycles, fixed_cost = sum(w.fixed_cycles for w in members), sum(w.fixed_cost for w in members)
         if train in candidates:
-            put("B", per_b_cycles[candidates.index(train)], per_b_cost[candidates.index(train)])
-        best_fixed = int(np.argmin(per_b_cost))
-        put("best_fixed", per_b_cycles[best_fixed], per_b_cost[best_fixed])
+            put("B", fixed_cycles[candidates.index(train)], fixed_cost[candidates.index(train)])
+        best_fixed = int(np.argmin(fixed_cost))
+        put("best_fixed", fixed_cycles[best_fixed], fixed_cost[best_fixed])
         metrics[f"{prefix}best_fixed_b"] = float(candidates[best_fixed])
-        put("oracle", static_cycles, static_cost)
+        # The static oracle: each row's best single b under the cost (ties to the smaller b).
+        static = [int(np.argmin(w.fixed_cost + 1e-9 * np.arange(len(candidates)))) for w in members]
+        put(
+            "oracle",
+            sum(w.fixed_cycles[k] for w, k in zip(members, static)),
+            sum(w.fixed_cost[k] for w, k in zip(members, static)),
+        )
         if model is not None:
-            put("step", step_cycles, step_cost)
-        put("step_oracle", oracle_cycles, oracle_cost)
+            put("step", sum(w.step_cycles for w in members), sum(w.step_cost for w in members))
+        put("step_oracle", sum(w.oracle_cycles for w in members), sum(w.oracle_cost for w in members))
     return metrics
 
 
