@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -50,3 +50,8 @@ def mean_or_nan(values: Iterable[float]) -> float:
     """The mean, or NaN for no values (a prompt with no draft/verify cycle has no tau)."""
     values = list(values)
     return sum(values) / len(values) if values else math.nan
+
+
+def differing_fields(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """The keys of two flat fingerprints whose values differ (or that only one has), sorted."""
+    return sorted(key for key in {*found, *wanted} if found.get(key) != wanted.get(key))

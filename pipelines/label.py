@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blockpilot.checks import differing_fields
 from blockpilot.data.labels import labeled_keys, read_label_files
 from blockpilot.data.sources import PromptRecord, load_prompts
 from blockpilot.files import write_text_atomic
@@ -76,8 +77,8 @@ class LabelJob:
     track: bool = option(True, flag="--no-track", help="do not log to MLflow")
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must match for rows of two runs to sit in one folder."""
-        return {"target": self.target, "drafter": self.drafter, "settings": self.settings.fingerprint()}
+        """What must match for rows of two runs to sit in one folder (flat: the settings beside the models)."""
+        return {"target": self.target, "drafter": self.drafter, **self.settings.fingerprint()}
 
 
 class SweepActor:
@@ -137,21 +138,12 @@ def check_fingerprint(job: LabelJob) -> None:
     if path.is_file():
         found = json.loads(path.read_text())
         if found != wanted:
-            differing = sorted(
-                key
-                for key in {*found, *wanted, *found.get("settings", {}), *wanted.get("settings", {})} - {"settings"}
-                if _field(found, key) != _field(wanted, key)
-            )
             raise ValueError(
-                f"{str(job.out)!r} holds labels of another job (differing: {', '.join(differing)}); "
+                f"{str(job.out)!r} holds labels of another job (differing: {', '.join(differing_fields(found, wanted))}); "
                 f"label into a new --out, or remove {FINGERPRINT_FILE} there to start over"
             )
         return
     write_text_atomic(path, json.dumps(wanted, indent=2) + "\n")
-
-
-def _field(fingerprint: dict[str, Any], key: str) -> Any:
-    return fingerprint.get(key, fingerprint.get("settings", {}).get(key))
 
 
 def run_label_job(job: LabelJob) -> LabelSummary:

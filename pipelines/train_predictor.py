@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blockpilot.checks import differing_fields
 from blockpilot.home import blockpilot_home
 from blockpilot.predictor.model import PREDICTOR_KINDS
 from blockpilot.predictor.training import OBJECTIVES
@@ -172,7 +173,7 @@ def _check_run_folder(job: TrainJob, prepared: Prepared, storage: Path) -> None:
             raise ValueError(f"no run {job.name!r} to resume under {storage}")
         found = json.loads(recorded.read_text())
         if found != prepared.fingerprint:
-            differing = sorted(k for k in {*found, *prepared.fingerprint} if found.get(k) != prepared.fingerprint.get(k))
+            differing = differing_fields(found, prepared.fingerprint)
             raise ValueError(
                 f"run {job.name!r} was another job (differing: {', '.join(differing)}); it cannot be resumed with "
                 "these labels and settings"
