@@ -413,10 +413,12 @@ def build_app(
 ) -> Any:
     """The Serve application: the decoder deployment bound to `loader`; autoscaling settings pass through.
 
-    A replica takes up to `max_batch + max_queue` requests at once (its own rows and queue); Serve holds at
-    most `max_queued_requests` more before answering 503 itself."""
+    A replica decodes `max_batch` requests and queues `max_queue`; by default Serve routes it twice that many,
+    so that a burst beyond its capacity reaches the replica and is refused there at once, with Retry-After.
+    Serve's own refusal (beyond `max_queued_requests` waiting in its router) is a bare 503 without that header,
+    and the router's count of in-flight requests lags, so it must not be the limit a client meets first."""
     limits = getattr(loader, "limits", ServeLimits())
-    ongoing = max_ongoing_requests or limits.max_batch + limits.max_queue
+    ongoing = max_ongoing_requests or 2 * (limits.max_batch + limits.max_queue)
     options: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": num_cpus},
         "max_ongoing_requests": ongoing,
