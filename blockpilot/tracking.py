@@ -6,8 +6,9 @@ switched off, `start_run` yields a `NullTracker` and the work goes on untracked:
 place that says whether a run is being tracked.
 
 Experiments are marked as model-training experiments, so the MLflow UI opens on their runs table. The
-predictor is registered as `blockpilot-predictor`; its `champion` alias moves to a new version only when
-that version beats the current champion on held-out modeled throughput.
+per-request predictor is registered as `blockpilot-predictor`, the per-step model as `blockpilot-step-policy`;
+each one's `champion` alias moves to a new version only when that version beats the current champion on
+held-out modeled throughput.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from blockpilot.home import blockpilot_home
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 PREDICTOR_MODEL_NAME = "blockpilot-predictor"
+STEP_MODEL_NAME = "blockpilot-step-policy"
 CHAMPION_ALIAS = "champion"
 CHAMPION_METRIC_TAG = "heldout_throughput"
 # The UI's experiment type: model training (its runs table), not GenAI (its traces overview).
@@ -196,14 +198,22 @@ def log_epoch_metrics(run_id: str, metrics: Mapping[str, float], step: int, uri:
     mlflow.MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in _finite(metrics).items()])
 
 
+def log_label_set(tracker: Tracker, source: str | Path, table: Any, context: str) -> None:
+    """Record a label set (a pyarrow table read from `source`) as the run's `context` dataset input: the
+    lineage labels -> model -> registered version, one row per label (prompt, temperature, B*, tau)."""
+    frame = table.select(["prompt_id", "source", "temperature", "best_block_size", "tau"]).to_pandas()
+    tracker.log_dataset(source, frame, name=f"labels/{Path(source).name}/{context}", context=context)
+
+
 # ----------------------------------------------------------------------------- the predictor as an MLflow model
 
 
 def log_predictor_model(
     tracker: Tracker, predictor_dir: str | Path, heldout_throughput: float, registered_name: str = PREDICTOR_MODEL_NAME
 ) -> tuple[str | None, bool]:
-    """Log the predictor folder as a pyfunc (models-from-code: nothing pickled), register a new version, and
-    move the `champion` alias to it when its held-out modeled throughput beats the current champion's.
+    """Log a predictor folder (per-request or per-step: its config says which) as a pyfunc (models-from-code:
+    nothing pickled), register a new version of `registered_name`, and move its `champion` alias to it when its
+    held-out modeled throughput beats the current champion's.
 
     Returns (version, became champion); (None, False) when tracking is off. The folder rides as the model's
     artifact `predictor`; `download_model_folder` gives it back from `models:/NAME/VERSION` or `@champion`.
@@ -217,7 +227,7 @@ def log_predictor_model(
         python_model=str(_MODEL_CODE),
         artifacts={"predictor": str(predictor_dir)},
         code_paths=[str(Path(__file__).parent)],
-        pip_requirements=["torch", "safetensors"],
+        pip_requirements=["torch", "safetensors", "numpy", "pandas", "pyarrow"],
         registered_model_name=registered_name,
     )
     version = getattr(info, "registered_model_version", None)
@@ -267,7 +277,20 @@ def download_model_folder(uri: str, artifact: str) -> Path:
             raise FileNotFoundError(
                 f"could not fetch {uri!r} from the MLflow store at {uri_of_store}: {error}"
             ) from error
-    matches = sorted(p.parent for p in target.rglob("config.json") if p.parent.name == artifact)
-    if not matches:
-        raise FileNotFoundError(f"{uri!r} has no '{artifact}' folder with a config.json")
-    return matches[0]
+    return _artifact_folder(target, uri, artifact)
+
+
+def _artifact_folder(model_dir: Path, uri: str, artifact: str) -> Path:
+    """Where the pyfunc model downloaded to `model_dir` keeps its artifact `artifact`: MLflow names that folder
+    after the logged source folder, and its MLmodel file says which it is."""
+    import yaml
+
+    folder = None
+    for mlmodel in sorted(model_dir.rglob("MLmodel")):
+        artifacts = yaml.safe_load(mlmodel.read_text()).get("flavors", {}).get("python_function", {}).get("artifacts", {})
+        if artifact in artifacts:
+            folder = mlmodel.parent / artifacts[artifact]["path"]
+            break
+    if folder is None or not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{uri!r} has no artifact {artifact!r} with a config.json (is it a blockpilot model?)")
+    return folder

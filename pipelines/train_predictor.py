@@ -315,7 +315,7 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
     """Score, save and log the trained predictor; register it (and maybe crown it champion)."""
     from blockpilot.predictor.evaluation import evaluate_predictor, predictor_figures
     from blockpilot.scoring import format_metrics, label_arrays
-    from blockpilot.tracking import log_figures, log_predictor_model
+    from blockpilot.tracking import log_figures, log_label_set, log_predictor_model
 
     dense = job.kind == "dense"
     out = job.out or blockpilot_home() / "predictors" / job.name
@@ -330,8 +330,7 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
     for name, table in (("train", prepared.train), ("validation", prepared.val), ("evaluation", prepared.evaluation)):
         if table is not None:
             source = job.eval if name == "evaluation" else job.val if name == "validation" and job.val else job.labels
-            frame = table.select(["prompt_id", "source", "temperature", "best_block_size", "tau"]).to_pandas()
-            tracker.log_dataset(source, frame, name=f"labels/{Path(source).name}/{name}", context=name)
+            log_label_set(tracker, source, table, name)
     if tracker.enabled:
         log_figures(tracker, predictor_figures(predictor, eval_arrays or val_arrays))
     tracker.log_artifact(out, "predictor")

@@ -9,7 +9,9 @@ driver (`blockpilot.predictor.step`); rows without tables stop the job here. fit
 reads them as a Ray Dataset and minimizes the expected regret, reporting each epoch (and to the MLflow
 run). report: the driver walks the held-out tables with the model's choices and prints, per temperature,
 tau and modeled throughput of fixed B, the best fixed b, the static oracle, the model and the per-step
-oracle; the folder (`learned-step:FOLDER` for generate and serve) and the metrics go to MLflow.
+oracle; the folder and the metrics go to MLflow, the label sets as the run's dataset inputs, and the model is
+registered as `blockpilot-step-policy` (its `champion` alias moves when a version beats the champion's held-out
+modeled throughput). Generate and serve take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
 """
 
 from __future__ import annotations
@@ -104,13 +106,14 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         regret_dataset,
         step_rows,
     )
-    from blockpilot.tracking import start_run, tracking_uri
+    from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data
 
     cost = load_cost(job.cost)
     train_table = read_labels(job.labels)
     train_rows = step_rows(train_table)
-    eval_rows = step_rows(read_labels(job.eval)) if job.eval else train_rows
+    eval_table = read_labels(job.eval) if job.eval else None
+    eval_rows = step_rows(eval_table) if eval_table is not None else train_rows
     features, regret = regret_dataset(train_rows, cost)
     first = train_table.slice(0, 1).to_pylist()[0]
     config = StepModelConfig(
@@ -151,9 +154,15 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         metrics = evaluate_step_model(model, eval_rows, cost)
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
+        for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):
+            if table is not None:
+                log_label_set(tracker, source, table, name)
         tracker.log_artifact(out, "step_model")
+        version, champion = log_predictor_model(tracker, out, metrics["throughput_step"], STEP_MODEL_NAME)
     print(format_step_metrics(f"[step] held-out ({'--eval' if job.eval else 'training labels'})", metrics))
-    print(f"[step] saved to {out}; use it with --policy learned-step:{out}")
+    registered = f"; registered as models:/{STEP_MODEL_NAME}/{version}" if version else ""
+    crowned = " (the new champion)" if champion else ""
+    print(f"[step] saved to {out}{registered}{crowned}; use it with --policy learned-step:{out}")
     return StepOutcome(out, metrics, tracker.run_id)
 
 

@@ -296,7 +296,7 @@ def test_registered_model_round_trip(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     model = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8))
-    folder = model.save(tmp_path / "predictor")
+    folder = model.save(tmp_path / "run-7")  # MLflow names the artifact's folder after it, not "predictor"
     versions = []
     for throughput in (2.0, 1.5, 2.5):
         with start_run("blockpilot-predictor", "test") as tracker:

@@ -194,9 +194,26 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     mlflow.set_tracking_uri(mlflow_store)
     client = mlflow.MlflowClient()
     assert sorted(m.step for m in client.get_metric_history(outcome.run_id, "train/expected_regret")) == [0, 1]
-    assert "eval/T0/throughput_step" in client.get_run(outcome.run_id).data.metrics
+    run = client.get_run(outcome.run_id)
+    assert "eval/T0/throughput_step" in run.data.metrics
+    assert {i.dataset.name for i in run.inputs.dataset_inputs} == {"labels/train/train", "labels/heldout/evaluation"}
+    champion = client.get_model_version_by_alias("blockpilot-step-policy", "champion")
+    assert champion.run_id == outcome.run_id
 
     prompt = tiny_models.encode_prompt("Count from 1 to 9.")
-    policy = resolve_policy(f"learned-step:{outcome.model_dir}", tiny_models)
-    result = generate(tiny_models, prompt, policy=policy, config=GenerationConfig(max_new_tokens=16))
-    assert result.policy == "learned-step" and len(result.block_sizes) == result.cycles
+    config = GenerationConfig(max_new_tokens=16)
+    from_folder = generate(tiny_models, prompt, policy=resolve_policy(f"learned-step:{outcome.model_dir}", tiny_models), config=config)
+    assert from_folder.policy == "learned-step" and len(from_folder.block_sizes) == from_folder.cycles
+    registered = resolve_policy("learned-step:models:/blockpilot-step-policy@champion", tiny_models)
+    assert generate(tiny_models, prompt, policy=registered, config=config).block_sizes == from_folder.block_sizes
+    # MLflow's own loader: the pyfunc picks, per row of step features, the block size the model picks.
+    import numpy as np
+    import pandas as pd
+
+    from blockpilot.predictor.step import STEP_FEATURES, StepModel
+
+    features = np.random.default_rng(0).random((16, len(STEP_FEATURES)), dtype=np.float32) * 3
+    model = StepModel.load(outcome.model_dir)
+    pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")
+    expected = [model.config.candidates[k] for k in model.choose(features)]
+    assert list(pyfunc.predict(pd.DataFrame(features, columns=list(STEP_FEATURES)))) == expected

@@ -7,7 +7,8 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
     entropy           the training-free heuristic over B-2 .. B+2
     learned:PATH      the trained per-request predictor (a folder, or an MLflow URI such as
                       models:/blockpilot-predictor@champion)
-    learned-step:PATH the per-step model (`blockpilot.predictor.step`, a folder): b before every cycle
+    learned-step:PATH the per-step model (`blockpilot.predictor.step`): b before every cycle (a folder, or
+                      models:/blockpilot-step-policy@champion)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
 The policy's `name` ("fixed", "entropy", "learned", "learned-step", "autoregressive") is what every surface
@@ -31,7 +32,7 @@ LEARNED_KINDS = ("learned", "learned-step")
 class PolicySpec:
     kind: str = "fixed"
     block_size: int | None = None  # fixed: None means the drafter's training block size
-    predictor: str | None = None  # learned: a predictor folder or MLflow model URI; learned-step: a folder
+    predictor: str | None = None  # learned, learned-step: a model folder or an MLflow model URI
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
@@ -39,7 +40,7 @@ class PolicySpec:
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
         if self.kind in LEARNED_KINDS and not self.predictor:
-            raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:FOLDER (learned also models:/NAME@ALIAS)")
+            raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:FOLDER or {self.kind}:models:/NAME@ALIAS")
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -78,9 +79,10 @@ def resolve_policy(spec: PolicySpec | str, models: Any, *, predictor: Any | None
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
     if spec.kind == "learned-step":
-        from blockpilot.predictor.step import StepModel, StepPolicy
+        from blockpilot.predictor.step import StepPolicy
+        from blockpilot.predictor.store import load_step_model
 
-        model = predictor or StepModel.load(spec.predictor)
+        model = predictor or load_step_model(spec.predictor)
         check_predictor_fits(model.config, models)
         return StepPolicy(model)
     from blockpilot.predictor.policy import LearnedPolicy

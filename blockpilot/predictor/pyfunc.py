@@ -1,25 +1,43 @@
-"""MLflow models-from-code script for the block-size predictor: MLflow executes this file when it loads the
-registered model as a pyfunc; the project never imports it. Its artifact `predictor` is the predictor folder
-(config.json + model.safetensors), so loading unpickles nothing."""
+"""MLflow models-from-code script for the block-size models: MLflow executes this file when it loads a
+registered model as a pyfunc; the project never imports it. Its artifact `predictor` is the model folder
+(config.json + model.safetensors), so loading unpickles nothing. The folder's config says which model it is:
+the per-request predictor (`blockpilot-predictor`) or the per-step model (`blockpilot-step-policy`)."""
+
+import json
+from pathlib import Path
 
 import mlflow
+import pandas as pd
 from mlflow.pyfunc import PythonModel
 
 
-class BlockSizePredictorModel(PythonModel):
-    """pyfunc input: a DataFrame with the predictor's input columns (`blockpilot.predictor.INPUT_COLUMNS`,
-    and `probs_fp16` for the dense kind); output: the chosen block size per row."""
+class BlockSizeModel(PythonModel):
+    """pyfunc input: a DataFrame with the model's input columns; output: the chosen block size per row.
+    Per-request: `blockpilot.predictor.INPUT_COLUMNS` (and `probs_fp16` for the dense kind). Per-step:
+    `blockpilot.predictor.step.STEP_FEATURES`."""
 
     def load_context(self, context):
-        from blockpilot.predictor.model import BlockSizePredictor
+        folder = Path(context.artifacts["predictor"])
+        self.step = json.loads((folder / "config.json").read_text()).get("kind") == "step"
+        if self.step:
+            from blockpilot.predictor.step import StepModel
 
-        self.predictor = BlockSizePredictor.load(context.artifacts["predictor"])
+            self.model = StepModel.load(folder)
+        else:
+            from blockpilot.predictor.model import BlockSizePredictor
 
-    def predict(self, context, model_input, params=None):
+            self.model = BlockSizePredictor.load(folder)
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> list[int]:
+        if self.step:
+            from blockpilot.predictor.step import STEP_FEATURES
+
+            chosen = self.model.choose(model_input[list(STEP_FEATURES)].to_numpy(dtype="float32"))
+            return [int(self.model.config.candidates[k]) for k in chosen]
         from blockpilot.predictor.inputs import PredictorInputs, input_arrays
 
-        dense = self.predictor.config.kind == "dense"
-        return self.predictor.predict(PredictorInputs.from_arrays(input_arrays(model_input, dense)))
+        dense = self.model.config.kind == "dense"
+        return [int(b) for b in self.model.predict(PredictorInputs.from_arrays(input_arrays(model_input, dense)))]
 
 
-mlflow.models.set_model(BlockSizePredictorModel())
+mlflow.models.set_model(BlockSizeModel())

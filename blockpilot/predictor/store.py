@@ -1,4 +1,4 @@
-"""Where a saved predictor comes from: a folder, or an MLflow model URI downloaded to one."""
+"""Where a saved predictor (per-request or per-step) comes from: a folder, or an MLflow model URI downloaded to one."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from pathlib import Path
 import torch
 
 from blockpilot.predictor.model import BlockSizePredictor
+from blockpilot.predictor.step import StepModel
 
 MODEL_URI_PREFIXES = ("models:/", "runs:/")
 
 
 def resolve_predictor_dir(path_or_uri: str | Path, artifact: str = "predictor") -> Path:
-    """A predictor folder, or an MLflow model URI (`models:/blockpilot-predictor/3`, `@champion`) downloaded
-    to one. The registered model is a pyfunc whose artifacts hold the folder; only that folder is read
+    """A predictor folder, or an MLflow model URI (`models:/blockpilot-predictor/3`,
+    `models:/blockpilot-step-policy@champion`) downloaded to one. The registered model is a pyfunc whose artifacts hold the folder; only that folder is read
     (safetensors + JSON), nothing is unpickled."""
     text = str(path_or_uri)
     if text.startswith(MODEL_URI_PREFIXES):
@@ -31,3 +32,7 @@ def resolve_predictor_dir(path_or_uri: str | Path, artifact: str = "predictor") 
 
 def load_predictor(path_or_uri: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
     return BlockSizePredictor.load(resolve_predictor_dir(path_or_uri), device=device)
+
+
+def load_step_model(path_or_uri: str | Path) -> StepModel:
+    return StepModel.load(resolve_predictor_dir(path_or_uri))
