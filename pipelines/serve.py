@@ -1,6 +1,6 @@
 """The adaptive decoder on Ray Serve: an OpenAI-style HTTP endpoint.
 
-    blockpilot serve --target DIR --drafter DIR [--predictor PATH_OR_MODEL_URI] [--port 8000] [--api-key KEY]
+    blockpilot serve --target DIR --drafter DIR [--predictor PATH_OR_URI] [--step-model PATH_OR_URI] [--port 8000]
     serve run cluster/serve.yaml          # or `serve deploy` against a running cluster
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), `stream: true` as
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 from ray import serve
 
+from blockpilot.decoding.resolve import adaptive_spec
 from blockpilot.options import add_options, from_args, model_ref, nested, non_negative_float_arg, option, positive_int_arg
 from blockpilot.serving import BatchedDecoder, DecodeRequest, Overloaded, RequestError, ServeLimits, new_id
 
@@ -185,12 +186,14 @@ def decode_request(decoder: BatchedDecoder, parsed: GenerationFields) -> DecodeR
 
 @dataclass(frozen=True)
 class ModelLoader:
-    """What a replica loads: paths or hub ids for target and drafter, a predictor folder or MLflow model URI."""
+    """What a replica loads: paths or hub ids for target and drafter; the per-request predictor and the per-step
+    model, each a folder or an MLflow model URI."""
 
     target: str
     drafter: Optional[str] = None
     predictor: Optional[str] = None
-    policy: Optional[str] = None  # the adaptive policy's spec; default: learned with the predictor, else fixed
+    step_model: Optional[str] = None
+    policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -198,9 +201,7 @@ class ModelLoader:
     api_key: Optional[str] = None
 
     def adaptive_spec(self) -> str:
-        if self.policy:
-            return self.policy
-        return f"learned:{self.predictor}" if self.predictor else "fixed"
+        return self.policy or str(adaptive_spec(self.predictor, self.step_model))
 
     def __call__(self) -> BatchedDecoder:
         from transformers.utils import logging as hf_logging
@@ -500,7 +501,12 @@ class ServeJob:
     target: str = option(type=model_ref, help="target model folder or hub id")
     drafter: Optional[str] = option(None, type=model_ref, help="DFlash drafter folder or hub id")
     predictor: Optional[str] = option(None, help="per-request predictor: folder or models:/blockpilot-predictor@champion")
-    policy: Optional[str] = option(None, help="the adaptive policy's spec (default: learned with --predictor, else fixed)")
+    step_model: Optional[str] = option(
+        None, help="per-step model: folder or models:/blockpilot-step-policy@champion (with --predictor: both)"
+    )
+    policy: Optional[str] = option(
+        None, help="the adaptive policy's spec (default: learned+step, learned-step or learned from the models given, else fixed)"
+    )
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")
     model_name: str = option("blockpilot", help="the model id the API reports")

@@ -34,6 +34,9 @@ class StepTrainJob:
     labels: Path = option(type=Path, help="label Parquet file or folder (replay labels: they carry the tables)")
     eval: Path | None = option(None, type=Path, help="held-out labels for the report (default: --labels)")
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate); default: every cycle costs 1")
+    prior: str | None = option(
+        None, help="per-request predictor (folder or models:/ URI): its choice drafts the first cycle and is a feature"
+    )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
     batch_size: int = option(256, type=positive_int_arg, help="anchors per step")
@@ -99,6 +102,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     from blockpilot.cost import load_cost
     from blockpilot.data.labels import read_labels
     from blockpilot.predictor.step import (
+        PRIOR_FEATURE,
+        STEP_FEATURES,
         StepModel,
         StepModelConfig,
         evaluate_step_model,
@@ -109,11 +114,14 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data
 
+    from blockpilot.predictor.store import load_predictor
+
     cost = load_cost(job.cost)
+    prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
-    train_rows = step_rows(train_table)
+    train_rows = step_rows(train_table, prior)
     eval_table = read_labels(job.eval) if job.eval else None
-    eval_rows = step_rows(eval_table) if eval_table is not None else train_rows
+    eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
     features, regret = regret_dataset(train_rows, cost)
     first = train_table.slice(0, 1).to_pylist()[0]
     config = StepModelConfig(
@@ -122,7 +130,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         train_block_size=first["train_block_size"],
         target_id=first["target_id"] or "",
         drafter_id=first["drafter_id"] or "",
-        extra={"labels": str(job.labels), "cost": cost.describe()},
+        features=(*STEP_FEATURES, PRIOR_FEATURE) if prior is not None else STEP_FEATURES,
+        extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
     print(
         f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} anchors, candidates {list(config.candidates)}, "
@@ -162,7 +171,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     print(format_step_metrics(f"[step] held-out ({'--eval' if job.eval else 'training labels'})", metrics))
     registered = f"; registered as models:/{STEP_MODEL_NAME}/{version}" if version else ""
     crowned = " (the new champion)" if champion else ""
-    print(f"[step] saved to {out}{registered}{crowned}; use it with --policy learned-step:{out}")
+    spec = f"learned+step:{job.prior},{out}" if prior is not None else f"learned-step:{out}"
+    print(f"[step] saved to {out}{registered}{crowned}; use it with --policy {spec}")
     return StepOutcome(out, metrics, tracker.run_id)
 
 

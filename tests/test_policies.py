@@ -77,3 +77,18 @@ def test_the_resolver_builds_every_policy_by_name(random_models):
     for bad, message in (("fastest", "policy must be one of"), ("fixed:x", "fixed:<integer"), ("learned", "learned policy needs a model"), ("entropy:2", "takes no argument")):
         with pytest.raises(ValueError, match=message):
             resolve_policy(bad, random_models)
+
+
+def test_specs_of_both_learned_models_and_the_servers_default():
+    from blockpilot.decoding.resolve import PolicySpec, adaptive_spec
+
+    both = PolicySpec.parse("learned+step:models:/blockpilot-predictor@champion, runs/step")
+    assert (both.predictor, both.step_model) == ("models:/blockpilot-predictor@champion", "runs/step")
+    assert PolicySpec.parse(str(both)) == both
+    assert PolicySpec.parse("learned-step:models:/s/2").step_model == "models:/s/2"
+    for bad, message in (("learned+step:only-one", "PREDICTOR,STEP_MODEL"), ("learned+step:p,", "needs a model"), ("learned-step", "needs a model")):
+        with pytest.raises(ValueError, match=message):
+            PolicySpec.parse(bad)
+    assert str(adaptive_spec("p", "s")) == "learned+step:p,s"
+    assert str(adaptive_spec(None, "s")) == "learned-step:s" and str(adaptive_spec("p", None)) == "learned:p"
+    assert str(adaptive_spec()) == "fixed"

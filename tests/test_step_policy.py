@@ -11,8 +11,11 @@ import torch
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
 from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.predictor.policy import LearnedPolicy
 from blockpilot.predictor.step import (
+    PRIOR_FEATURE,
     STEP_FEATURES,
+    PriorStepPolicy,
     StepModel,
     StepModelConfig,
     StepPolicy,
@@ -157,3 +160,84 @@ def test_folder_round_trip_and_refusals(tmp_path, tiny_models):
         resolve_policy(f"learned-step:{tmp_path / 'other'}", tiny_models)
     with pytest.raises(ValueError, match="needs a model"):
         resolve_policy("learned-step", tiny_models)
+
+
+# ----------------------------------------------------------------------------- with the per-request predictor
+
+
+def random_prior_step_model(seed: int, candidates=CANDIDATES) -> StepModel:
+    torch.manual_seed(seed)
+    config = StepModelConfig(candidates, hidden_size=16, train_block_size=4, features=(*STEP_FEATURES, PRIOR_FEATURE))
+    model = StepModel(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(8.0)
+    return model.eval()
+
+
+def random_predictor(candidates, vocab: int, seed: int):
+    from blockpilot.predictor import BlockSizePredictor, PredictorConfig
+
+    torch.manual_seed(seed)
+    return BlockSizePredictor(PredictorConfig("sparse", tuple(candidates), vocab, top_k=4, hidden_size=8)).eval()
+
+
+def test_the_per_request_choice_drafts_first_then_the_step_model_with_it_as_a_feature(tiny_models):
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    prompt = tiny_models.encode_prompt("Count from 1 to 9.")
+    step_model = random_prior_step_model(10)
+    with pytest.raises(ValueError, match="per-request prior"):
+        StepPolicy(step_model)
+    seen = []
+
+    class Recording(PriorStepPolicy):
+        def next_block_size(self, cycle):
+            seen.append(cycle.first_block_size)
+            return super().next_block_size(cycle)
+
+    for seed in (0, 1):
+        prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, seed))
+        policy = Recording(step_model, prior)
+        result = generate(tiny_models, prompt, policy=policy, config=GenerationConfig(max_new_tokens=32))
+        assert result.token_ids == greedy_reference(tiny_models.target, prompt, 32)
+        assert result.policy == "learned+step" and result.block_sizes[0] == result.block_size
+        b0 = prior.initial_block_size(result.prefill)
+        assert result.block_size == b0 and set(seen) == {b0}
+        seen.clear()
+
+
+def test_label_rows_carry_the_prior_and_evaluation_walks_it(tiny_labels):
+    table = pq.read_table(tiny_labels["train"])
+    plain = step_rows(table)
+    candidates = plain[0].tables[0].candidates
+    vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
+    predictor = random_predictor(candidates, vocab, 3)
+    rows = step_rows(table, predictor)
+    assert [r.prompt_id for r in rows] == [r.prompt_id for r in plain]
+    for row, without in zip(rows, plain, strict=True):
+        assert row.prior_block_size in candidates
+        for x, y in zip(row.features, without.features, strict=True):
+            assert np.array_equal(x[:, :-1], y) and np.allclose(x[:, -1], np.log(row.prior_block_size))
+    cost = CycleCost.uniform()
+    metrics = evaluate_step_model(random_prior_step_model(11, candidates), rows, cost)
+    # The per-request walk is each row's fixed-b0 walk: between the worst and the best fixed b of every row.
+    fixed = np.array([[len(w) for w in (sum((t.walk(b) for t in r.tables), []) for b in candidates)] for r in rows])
+    chosen = [candidates.index(r.prior_block_size) for r in rows]
+    tokens = sum(t.n - 1 for r in rows for t in r.tables)
+    assert metrics["tau_request"] == pytest.approx(tokens / sum(fixed[i, k] for i, k in enumerate(chosen)))
+    assert metrics["tau_oracle"] + 1e-9 >= metrics["tau_request"]
+    with pytest.raises(ValueError, match="candidates"):
+        step_rows(table, random_predictor((2, 3), vocab, 3))
+
+
+def test_the_resolver_pairs_a_predictor_with_a_step_model(tmp_path, tiny_models):
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    random_predictor(CANDIDATES, vocab, 0).save(tmp_path / "predictor")
+    random_prior_step_model(12).save(tmp_path / "step")
+    policy = resolve_policy(f"learned+step:{tmp_path / 'predictor'},{tmp_path / 'step'}", tiny_models)
+    assert isinstance(policy, PriorStepPolicy) and policy.name == "learned+step"
+    with pytest.raises(ValueError, match="per-request prior"):
+        resolve_policy(f"learned-step:{tmp_path / 'step'}", tiny_models)
+    random_predictor((2, 3, 4), vocab, 0).save(tmp_path / "narrow")
+    with pytest.raises(ValueError, match="differ from the step model's"):
+        resolve_policy(f"learned+step:{tmp_path / 'narrow'},{tmp_path / 'step'}", tiny_models)

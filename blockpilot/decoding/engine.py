@@ -273,6 +273,7 @@ class SpeculativeEngine:
                     max_new_tokens=row.config.max_new_tokens,
                     temperature=row.config.temperature,
                     anchor_logits=logits[index, accepted],
+                    first_block_size=row.chosen_block_size,
                 )
                 row.block_size = _checked(row.policy.next_block_size(state), row.policy)
             else:

@@ -68,6 +68,7 @@ class CycleState:
     # (V,) the target's logits that produced the next block's first token (the bonus): the distribution "at
     # the anchor" of the next cycle, already computed by this cycle's verify pass.
     anchor_logits: torch.Tensor | None = None
+    first_block_size: int | None = None  # the b the request started with (its per-request choice)
 
 
 @runtime_checkable

@@ -9,10 +9,13 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
                       models:/blockpilot-predictor@champion)
     learned-step:PATH the per-step model (`blockpilot.predictor.step`): b before every cycle (a folder, or
                       models:/blockpilot-step-policy@champion)
+    learned+step:PREDICTOR,STEP
+                      both: the per-request predictor drafts the first cycle, the step model picks b before
+                      every later one (reading the predictor's choice when it was trained with it)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
-The policy's `name` ("fixed", "entropy", "learned", "learned-step", "autoregressive") is what every surface
-reports.
+The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "autoregressive") is what
+every surface reports. `adaptive_spec` is the server's default: the most the models at hand allow.
 """
 
 from __future__ import annotations
@@ -24,23 +27,26 @@ from blockpilot.blocks import candidates_around
 from blockpilot.checks import positive_int
 from blockpilot.decoding.policies import Autoregressive, BlockSizePolicy, EntropyHeuristic, FixedBlockSize
 
-POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "autoregressive")
-LEARNED_KINDS = ("learned", "learned-step")
+POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "autoregressive")
+LEARNED_KINDS = ("learned", "learned-step", "learned+step")
 
 
 @dataclass(frozen=True)
 class PolicySpec:
     kind: str = "fixed"
     block_size: int | None = None  # fixed: None means the drafter's training block size
-    predictor: str | None = None  # learned, learned-step: a model folder or an MLflow model URI
+    predictor: str | None = None  # learned, learned+step: the per-request predictor (folder or MLflow URI)
+    step_model: str | None = None  # learned-step, learned+step: the per-step model (folder or MLflow URI)
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
             raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.decoding.resolve), got {self.kind!r}")
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
-        if self.kind in LEARNED_KINDS and not self.predictor:
-            raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:FOLDER or {self.kind}:models:/NAME@ALIAS")
+        needs = {"learned": (self.predictor,), "learned-step": (self.step_model,), "learned+step": (self.predictor, self.step_model)}
+        if self.kind in needs and not all(needs[self.kind]):
+            shape = "PREDICTOR,STEP_MODEL" if self.kind == "learned+step" else "FOLDER"
+            raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:{shape} (each a folder or models:/NAME@ALIAS)")
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -51,8 +57,15 @@ class PolicySpec:
                 return cls("fixed", block_size=int(argument))
             except ValueError:
                 raise ValueError(f"policy {text!r}: expected fixed:<integer block size>") from None
-        if kind in LEARNED_KINDS:
+        if kind == "learned":
             return cls(kind, predictor=argument or None)
+        if kind == "learned-step":
+            return cls(kind, step_model=argument or None)
+        if kind == "learned+step":
+            predictor, comma, step_model = argument.partition(",")
+            if not comma:
+                raise ValueError(f"policy {text!r}: expected learned+step:PREDICTOR,STEP_MODEL")
+            return cls(kind, predictor=predictor.strip() or None, step_model=step_model.strip() or None)
         if argument:
             raise ValueError(f"policy {text!r}: {kind!r} takes no argument")
         return cls(kind)
@@ -60,14 +73,31 @@ class PolicySpec:
     def __str__(self) -> str:
         if self.kind == "fixed" and self.block_size is not None:
             return f"fixed:{self.block_size}"
-        if self.kind in LEARNED_KINDS:
-            return f"{self.kind}:{self.predictor}"
+        if self.kind == "learned":
+            return f"learned:{self.predictor}"
+        if self.kind == "learned-step":
+            return f"learned-step:{self.step_model}"
+        if self.kind == "learned+step":
+            return f"learned+step:{self.predictor},{self.step_model}"
         return self.kind
 
 
-def resolve_policy(spec: PolicySpec | str, models: Any, *, predictor: Any | None = None) -> BlockSizePolicy:
+def adaptive_spec(predictor: str | None = None, step_model: str | None = None) -> PolicySpec:
+    """The adaptive policy the models at hand allow: per-request + per-step, either alone, else fixed B."""
+    if predictor and step_model:
+        return PolicySpec("learned+step", predictor=predictor, step_model=step_model)
+    if step_model:
+        return PolicySpec("learned-step", step_model=step_model)
+    if predictor:
+        return PolicySpec("learned", predictor=predictor)
+    return PolicySpec("fixed")
+
+
+def resolve_policy(
+    spec: PolicySpec | str, models: Any, *, predictor: Any | None = None, step_model: Any | None = None
+) -> BlockSizePolicy:
     """The policy `spec` describes, checked against `models` (a `SpeculativeModels`). A learned policy loads its
-    predictor unless one is passed in (already loaded)."""
+    models unless they are passed in (already loaded)."""
     if isinstance(spec, str):
         spec = PolicySpec.parse(spec)
     if models.drafter is None or spec.kind == "autoregressive":
@@ -78,19 +108,26 @@ def resolve_policy(spec: PolicySpec | str, models: Any, *, predictor: Any | None
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
-    if spec.kind == "learned-step":
-        from blockpilot.predictor.step import StepPolicy
-        from blockpilot.predictor.store import load_step_model
-
-        model = predictor or load_step_model(spec.predictor)
-        check_predictor_fits(model.config, models)
-        return StepPolicy(model)
     from blockpilot.predictor.policy import LearnedPolicy
-    from blockpilot.predictor.store import load_predictor
+    from blockpilot.predictor.step import PriorStepPolicy, StepPolicy
+    from blockpilot.predictor.store import load_predictor, load_step_model
 
-    predictor = predictor or load_predictor(spec.predictor)
-    check_predictor_fits(predictor.config, models)
-    return LearnedPolicy(predictor)
+    if spec.kind in ("learned", "learned+step"):
+        predictor = predictor or load_predictor(spec.predictor)
+        check_predictor_fits(predictor.config, models)
+    if spec.kind in ("learned-step", "learned+step"):
+        step_model = step_model or load_step_model(spec.step_model)
+        check_predictor_fits(step_model.config, models)
+    if spec.kind == "learned":
+        return LearnedPolicy(predictor)
+    if spec.kind == "learned-step":
+        return StepPolicy(step_model)
+    if tuple(predictor.config.candidates) != tuple(step_model.config.candidates):
+        raise ValueError(
+            f"the per-request predictor's candidates {list(predictor.config.candidates)} differ from the step "
+            f"model's {list(step_model.config.candidates)}"
+        )
+    return PriorStepPolicy(step_model, LearnedPolicy(predictor))
 
 
 def check_predictor_fits(config: Any, models: Any) -> None:

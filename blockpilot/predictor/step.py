@@ -3,9 +3,11 @@ verify pass already computed.
 
 Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing extra is computed for them):
 the target's distribution that produced g_{i-1} (its entropy and top-`ANCHOR_TOP_K` probabilities; at the
-first cycle that is the prefill's distribution), the sampling temperature, and log(1 + i). They do not
-depend on the path that led to cursor i, so every anchor of a label row's acceptance table is a training
-example, and a model that picks argmin_b Q(i, b) at every cursor walks exactly the per-step oracle.
+first cycle that is the prefill's distribution), the sampling temperature, and log(1 + i); a model trained
+with a per-request prior also reads log(b0), b0 the per-request predictor's choice for the request (which
+also drafts the first cycle: `PriorStepPolicy`). They do not depend on the path that led to cursor i, so
+every anchor of a label row's acceptance table is a training example, and a model that picks
+argmin_b Q(i, b) at every cursor walks exactly the per-step oracle.
 
 Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
 is maximized). Training minimizes the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1).
@@ -22,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,29 +32,36 @@ from torch import nn
 from blockpilot.checks import distinct_block_sizes, positive_int
 from blockpilot.cost import CycleCost
 from blockpilot.data.labels import ANCHOR_TOP_K
-from blockpilot.decoding.policies import CycleState, PrefillState, distribution_summary
+from blockpilot.decoding.policies import BlockSizePolicy, CycleState, PrefillState, distribution_summary
 from blockpilot.files import load_weights_folder, save_weights_folder
 from blockpilot.scoring import format_table
 from blockpilot.table import AcceptanceTable, tables_from_row
 
 STEP_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "temperature", "log_cursor")
+PRIOR_FEATURE = "log_prior_b"  # log of the per-request predictor's block size for the request
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens"]
 STEP_COLUMNS += ["table_commits", "table_anchors", "anchor_entropy", "anchor_top_probs"]
 
 
 def step_features(
-    entropy: np.ndarray, top_probs: np.ndarray, temperature: float | np.ndarray, cursor: np.ndarray
+    entropy: np.ndarray,
+    top_probs: np.ndarray,
+    temperature: float | np.ndarray,
+    cursor: np.ndarray,
+    prior_block_size: int | None = None,
 ) -> np.ndarray:
-    """(N, F) features of N cycles: entropy (N,), top probabilities (N, >= ANCHOR_TOP_K), cursor (N,)."""
+    """(N, F) features of N cycles: entropy (N,), top probabilities (N, >= ANCHOR_TOP_K), cursor (N,), and
+    with a per-request prior b0, log(b0) as the last column."""
     entropy = np.asarray(entropy, dtype=np.float32)
-    return np.column_stack(
-        [
-            entropy,
-            np.asarray(top_probs, dtype=np.float32)[:, :ANCHOR_TOP_K],
-            np.broadcast_to(np.asarray(temperature, dtype=np.float32), entropy.shape),
-            np.log1p(np.asarray(cursor, dtype=np.float32)),
-        ]
-    ).astype(np.float32)
+    columns = [
+        entropy,
+        np.asarray(top_probs, dtype=np.float32)[:, :ANCHOR_TOP_K],
+        np.broadcast_to(np.asarray(temperature, dtype=np.float32), entropy.shape),
+        np.log1p(np.asarray(cursor, dtype=np.float32)),
+    ]
+    if prior_block_size is not None:
+        columns.append(np.full(entropy.shape, math.log(prior_block_size), dtype=np.float32))
+    return np.column_stack(columns).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -67,8 +77,16 @@ class StepModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
         positive_int(self.hidden_size, "hidden_size")
-        if tuple(self.features) != STEP_FEATURES:
-            raise ValueError(f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)}")
+        if tuple(self.features) not in (STEP_FEATURES, (*STEP_FEATURES, PRIOR_FEATURE)):
+            raise ValueError(
+                f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)} "
+                f"(+ {PRIOR_FEATURE!r} with a per-request prior)"
+            )
+
+    @property
+    def uses_prior(self) -> bool:
+        """Whether the model reads the per-request predictor's choice (and so needs one beside it)."""
+        return PRIOR_FEATURE in self.features
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "candidates": list(self.candidates), "features": list(self.features), "kind": "step"}
@@ -89,7 +107,7 @@ class StepModel(nn.Module):
         super().__init__()
         self.config = config
         self.net = nn.Sequential(
-            nn.Linear(len(STEP_FEATURES), config.hidden_size),
+            nn.Linear(len(config.features), config.hidden_size),
             nn.ReLU(),
             nn.Linear(config.hidden_size, len(config.candidates)),
         )
@@ -121,13 +139,22 @@ class StepPolicy:
     name = "learned-step"
 
     def __init__(self, model: StepModel) -> None:
+        if model.config.uses_prior:
+            raise ValueError(
+                "this step model was trained with a per-request prior: use it beside that predictor "
+                "(learned+step:PREDICTOR,STEP_MODEL)"
+            )
         self.model = model
         self.candidates = model.config.candidates
 
-    def _choose(self, logits: torch.Tensor, temperature: float, cursor: int) -> int:
+    def _choose(self, logits: torch.Tensor, temperature: float, cursor: int, prior_block_size: int | None = None) -> int:
         entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
         features = step_features(
-            np.asarray([float(entropy)]), top_probs.float().cpu().numpy()[None], temperature, np.asarray([cursor])
+            np.asarray([float(entropy)]),
+            top_probs.float().cpu().numpy()[None],
+            temperature,
+            np.asarray([cursor]),
+            prior_block_size if self.model.config.uses_prior else None,
         )
         return self.candidates[int(self.model.choose(features)[0])]
 
@@ -138,7 +165,22 @@ class StepPolicy:
         if cycle.anchor_logits is None:
             return cycle.block_size
         # After this cycle the row holds `new_tokens` tokens: the next block's cursor.
-        return self._choose(cycle.anchor_logits, cycle.temperature, cycle.new_tokens)
+        return self._choose(cycle.anchor_logits, cycle.temperature, cycle.new_tokens, cycle.first_block_size)
+
+
+class PriorStepPolicy(StepPolicy):
+    """The per-request predictor drafts the first cycle (its b0, from the prefill); the step model picks b
+    before every later cycle, reading b0 as a feature when it was trained with one."""
+
+    name = "learned+step"
+
+    def __init__(self, model: StepModel, prior: BlockSizePolicy) -> None:
+        self.model = model
+        self.candidates = model.config.candidates
+        self.prior = prior
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self.prior.initial_block_size(prefill)
 
 
 # ----------------------------------------------------------------------------- data from label rows
@@ -152,31 +194,51 @@ class StepRow:
     temperature: float
     tables: list[AcceptanceTable]
     features: list[np.ndarray]  # per table, (n - 1, F): row i - 1 is cursor i
+    prior_block_size: int | None = None  # the per-request predictor's b0 for the row, when there is one
 
 
-def step_rows(table: pa.Table) -> list[StepRow]:
-    """Label rows with acceptance tables and anchor features as `StepRow`s; rows without them are skipped."""
+def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
+    """Label rows with acceptance tables and anchor features as `StepRow`s; rows without them are skipped.
+    With a per-request predictor `prior` (a `BlockSizePredictor`), each row's features end with log(b0) of
+    its choice from the row's prefill distribution."""
     missing = [c for c in STEP_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"labels lack the columns a step model needs: {missing} (relabel with this version)")
+    table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
+    priors = _prior_choices(prior, table) if prior is not None else [None] * table.num_rows
     out = []
-    for row in table.select(STEP_COLUMNS).to_pylist():
+    for row, b0 in zip(table.select(STEP_COLUMNS).to_pylist(), priors, strict=True):
         tables = tables_from_row(row)
-        if not tables or row["anchor_entropy"] is None:
+        if not tables:
             continue
         entropy = np.asarray(row["anchor_entropy"], dtype=np.float32)
         top = np.asarray(row["anchor_top_probs"], dtype=np.float32).reshape(len(entropy), -1)
         features, start = [], 0
         for t in tables:
             span = slice(start, start + t.n - 1)
-            features.append(step_features(entropy[span], top[span], row["temperature"], np.arange(1, t.n)))
+            features.append(step_features(entropy[span], top[span], row["temperature"], np.arange(1, t.n), b0))
             start += t.n - 1
         if start != len(entropy):
             raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
-        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, features))
+        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, features, b0))
     if not out:
         raise ValueError("no label row carries an acceptance table with anchor features (label with --mode replay)")
     return out
+
+
+def _prior_choices(predictor: Any, table: pa.Table) -> list[int]:
+    """The per-request predictor's b0 for every row of `table`, from the rows' prefill columns."""
+    from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorInputs, input_arrays
+
+    candidates = {tuple(c) for c in table["candidates"].to_pylist()}
+    if candidates != {tuple(predictor.config.candidates)}:
+        raise ValueError(
+            f"the per-request predictor's candidates {list(predictor.config.candidates)} are not the labels' "
+            f"{[list(c) for c in sorted(candidates)]}"
+        )
+    dense = predictor.config.kind == "dense"
+    columns = table.select([*INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]).to_pydict()
+    return [int(b) for b in predictor.predict(PredictorInputs.from_arrays(input_arrays(columns, dense)))]
 
 
 def regret_dataset(rows: list[StepRow], cost: CycleCost) -> tuple[np.ndarray, np.ndarray]:
@@ -257,8 +319,10 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
         walks.oracle_cost += t.cost_to_go(cost)[0][1]
         walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
         if model is not None:
-            choices = model.choose(x)
-            sizes, _ = t.walk_policy(lambda cursor, *_: candidates[int(choices[cursor - 1])])
+            choices = [candidates[int(k)] for k in model.choose(x)]
+            if row.prior_block_size is not None:  # the per-request predictor drafts the first cycle
+                choices[0] = row.prior_block_size
+            sizes, _ = t.walk_policy(lambda cursor, *_: choices[cursor - 1])
             walks.step_cycles += len(sizes)
             walks.step_cost += t.walk_cost(sizes, cost=cost)
     return walks
@@ -266,17 +330,18 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
 
 def evaluate_step_model(model: StepModel | None, rows: list[StepRow], cost: CycleCost) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
-    per unit cost) of fixed B, the best fixed b, the static oracle, the step model (`step`, when given) and
-    the per-step oracle, each walked on the same tables."""
+    per unit cost) of fixed B, the best fixed b, the per-request predictor (`request`, when the rows carry its
+    b0), the static oracle, the step model (`step`, when given; after b0 when there is one) and the per-step
+    oracle, each walked on the same tables."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
     walked = [_walk_row(row, model, cost) for row in rows]
     train = model.config.train_block_size if model is not None else None
     metrics: dict[str, float] = {}
-    groups = {"": walked} | {
-        f"T{t:g}/": [w for w, r in zip(walked, rows) if r.temperature == t] for t in sorted({r.temperature for r in rows})
-    }
+    temperatures = sorted({r.temperature for r in rows})
+    member_rows = {"": rows} | {f"T{t:g}/": [r for r in rows if r.temperature == t] for t in temperatures}
+    groups = {"": walked} | {f"T{t:g}/": [w for w, r in zip(walked, rows) if r.temperature == t] for t in temperatures}
     for prefix, members in groups.items():
         tokens = sum(w.tokens for w in members)
 
@@ -297,14 +362,27 @@ def evaluate_step_model(model: StepModel | None, rows: list[StepRow], cost: Cycl
             sum(w.fixed_cycles[k] for w, k in zip(members, static)),
             sum(w.fixed_cost[k] for w, k in zip(members, static)),
         )
+        with_prior = [(w, r) for w, r in zip(members, member_rows[prefix]) if r.prior_block_size is not None]
+        if with_prior:  # the per-request predictor's b0, kept for the whole generation
+            chosen = [(w, candidates.index(r.prior_block_size)) for w, r in with_prior]
+            put("request", sum(w.fixed_cycles[k] for w, k in chosen), sum(w.fixed_cost[k] for w, k in chosen))
         if model is not None:
             put("step", sum(w.step_cycles for w in members), sum(w.step_cost for w in members))
         put("step_oracle", sum(w.oracle_cycles for w in members), sum(w.oracle_cost for w in members))
     return metrics
 
 
-STEP_REPORT_COLUMNS = (("fixed B", "B"), ("best b", "best_fixed"), ("static", "oracle"), ("step", "step"), ("oracle", "step_oracle"))
+STEP_REPORT_COLUMNS = (
+    ("fixed B", "B"),
+    ("best b", "best_fixed"),
+    ("request", "request"),
+    ("static", "oracle"),
+    ("step", "step"),
+    ("oracle", "step_oracle"),
+)
 
 
 def format_step_metrics(title: str, metrics: dict[str, float]) -> str:
-    return format_table(title, metrics, STEP_REPORT_COLUMNS)
+    """The evaluation's table; a column only for the policies that were evaluated."""
+    present = [(header, key) for header, key in STEP_REPORT_COLUMNS if any(k.endswith(f"tau_{key}") for k in metrics)]
+    return format_table(title, metrics, present)
