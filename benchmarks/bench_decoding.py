@@ -52,7 +52,13 @@ def main() -> None:
     parser.add_argument("--drafter")
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--policies", default="autoregressive,fixed:2,fixed:4,fixed:8,fixed:16,entropy")
+    parser.add_argument(
+        "--policies",
+        default="autoregressive,fixed:2,fixed:4,fixed:8,fixed:16,entropy",
+        help="policy specs, comma-separated (';'-separated when a spec holds a comma, as learned+step:P,S does)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the policies (interleaved); median tokens/s")
     parser.add_argument("--batches", default="1", help="comma-separated batch sizes, e.g. 1,8")
     parser.add_argument("--prompts", type=Path, default=None, help="a prompts .jsonl (e.g. a zoo's heldout.jsonl)")
     parser.add_argument("--limit", type=int, default=16, help="prompts taken from --prompts")
@@ -71,25 +77,37 @@ def main() -> None:
     if args.prompts is None:
         prompts = PROMPTS
         # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
     else:
         rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
         prompts = [row["prompt"] for row in rows[: args.limit]]
         # Real answers end at a stop token; at T = 0 every policy produces the same tokens anyway.
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(models.stop_token_ids()))
+        config = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=0,
+            stop_token_ids=tuple(models.stop_token_ids()),
+        )
     prompts_ids = [models.encode_prompt(p) for p in prompts]
-    specs = args.policies.split(",") + ([f"learned:{args.predictor}"] if args.predictor else [])
+    specs = args.policies.split(";" if ";" in args.policies else ",") + ([f"learned:{args.predictor}"] if args.predictor else [])
     batches = [int(b) for b in args.batches.split(",")]
     print(
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
-        f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T=0"
+        f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T={args.temperature:g} rounds={args.rounds}"
     )
     measure(models, prompts_ids[:2], "fixed:2", config, 2)  # warm-up
     print(f"{'batch':>5} {'policy':<22} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")
     for batch in batches:
+        rates: dict[str, list[float]] = {spec: [] for spec in specs}
+        seen: dict[str, tuple[str, float]] = {}
+        for _ in range(args.rounds):  # policies interleaved, so drift in the machine's speed hits them all
+            for spec in specs:
+                name, rate, tau = measure(models, prompts_ids, spec, config, batch)
+                rates[spec].append(rate)
+                seen[spec] = (name, tau)
         baseline = None
         for spec in specs:
-            name, rate, tau = measure(models, prompts_ids, spec, config, batch)
+            (name, tau), rate = seen[spec], statistics.median(rates[spec])
             baseline = baseline or rate
             label = spec if spec.startswith(name) else f"{spec} ({name})"
             print(f"{batch:>5} {label:<22} {rate:>10.1f} {tau:>6.2f} {rate / baseline:>7.2f}x", flush=True)

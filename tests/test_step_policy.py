@@ -241,3 +241,15 @@ def test_the_resolver_pairs_a_predictor_with_a_step_model(tmp_path, tiny_models)
     random_predictor((2, 3, 4), vocab, 0).save(tmp_path / "narrow")
     with pytest.raises(ValueError, match="differ from the step model's"):
         resolve_policy(f"learned+step:{tmp_path / 'narrow'},{tmp_path / 'step'}", tiny_models)
+
+
+def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():
+    from blockpilot.predictor.step import StepRow
+
+    empty = AcceptanceTable((1, 2, 3), np.ones((3, 0), dtype=np.int16), max_new_tokens=8)
+    table = AcceptanceTable((1, 2, 3), np.asarray([[1, 1, 1], [2, 1, 1], [3, 2, 1]], dtype=np.int16), max_new_tokens=8)
+    features = [step_features(np.zeros(t.n - 1), np.zeros((t.n - 1, 4)), 0.0, np.arange(1, t.n), 3) for t in (empty, table)]
+    row = StepRow("p", 0.0, [empty, table], features, prior_block_size=3)
+    metrics = evaluate_step_model(random_prior_step_model(13, (1, 2, 3)), [row], CycleCost.uniform())
+    assert metrics["tau_request"] == pytest.approx(3 / len(table.walk(3)))
+    assert 1.0 <= metrics["tau_step"] <= metrics["tau_step_oracle"] + 1e-9

@@ -320,7 +320,7 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
         walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
         if model is not None:
             choices = [candidates[int(k)] for k in model.choose(x)]
-            if row.prior_block_size is not None:  # the per-request predictor drafts the first cycle
+            if row.prior_block_size is not None and choices:  # the per-request predictor drafts the first cycle
                 choices[0] = row.prior_block_size
             sizes, _ = t.walk_policy(lambda cursor, *_: choices[cursor - 1])
             walks.step_cycles += len(sizes)
