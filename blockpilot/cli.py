@@ -110,6 +110,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_trim(args: argparse.Namespace) -> int:
+    from blockpilot.cost import load_cost
+    from blockpilot.data.sources import load_prompts
+    from blockpilot.models.loading import load_models
+    from blockpilot.trim import calibrate_trim
+
+    _quiet_transformers()
+    models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
+    if models.drafter is None:
+        raise ValueError("--drafter is required: draft-then-trim drafts a block")
+    records = [r for r in load_prompts(args.prompts, limit=args.limit) if r.error is None and r.turns]
+    prompts = [models.encode_prompt(r.turns[0]) for r in records]
+    block_size = args.block_size or 2 * models.train_block_size
+    calibration = calibrate_trim(
+        models, prompts, block_size, cost=load_cost(args.cost), temperature=args.temperature, max_new_tokens=args.max_new_tokens
+    )
+    calibration.save(args.out)
+    survival = ", ".join(f"{s:.2f} ({n})" for s, n in zip(calibration.survival, calibration.counts))
+    print(f"trim calibration ({len(prompts)} prompts, b={block_size}) -> {args.out}; use it with --policy trim:{args.out}")
+    print(f"survival per confidence decile (drafts reached): {survival}")
+    return 0
+
+
 def cmd_label(args: argparse.Namespace) -> int:
     from pipelines.label import LabelJob, run_label_job
 
@@ -206,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default=None)
     cal.add_argument("--dtype", default=None)
     cal.set_defaults(handler=cmd_calibrate)
+
+    trim = commands.add_parser("calibrate-trim", help="draft-then-trim's survival per drafter confidence, from acceptance tables")
+    trim.add_argument("--target", type=model_ref, required=True)
+    trim.add_argument("--drafter", type=model_ref, required=True)
+    trim.add_argument("--prompts", required=True, help="prompt sources, as `label --prompts` takes them (zoo:DIR, jsonl:PATH, ...)")
+    trim.add_argument("--limit", type=positive_int_arg, default=64, help="prompts per source")
+    trim.add_argument("--block-size", type=positive_int_arg, default=None, help="the drafted block size (default: 2B)")
+    trim.add_argument("--cost", type=Path, default=None, help="cost curve (blockpilot calibrate) that prices the verify")
+    trim.add_argument("--temperature", type=non_negative_float_arg, default=0.0)
+    trim.add_argument("--max-new-tokens", type=positive_int_arg, default=128)
+    trim.add_argument("--out", type=Path, required=True, help="the calibration (JSON) to write")
+    trim.add_argument("--device", default=None)
+    trim.add_argument("--dtype", default=None)
+    trim.set_defaults(handler=cmd_calibrate_trim)
 
     label = commands.add_parser("label", help="the block-size sweep of every prompt, on Ray Data, to Parquet")
     add_options(label, LabelJob)

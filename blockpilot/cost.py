@@ -78,10 +78,13 @@ class CycleCost:
         if not path.is_file():
             raise FileNotFoundError(f"cost file {str(path)!r} does not exist (make one with `blockpilot calibrate`)")
         try:
-            raw = json.loads(path.read_text())
-            seconds = {int(batch): {int(b): float(v) for b, v in by_b.items()} for batch, by_b in raw["seconds"].items()}
+            return cls.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"cost file {str(path)!r} is not a blockpilot cost curve: {error}") from None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> CycleCost:
+        seconds = {int(batch): {int(b): float(v) for b, v in by_b.items()} for batch, by_b in raw["seconds"].items()}
         return cls(
             seconds,
             unit=raw.get("unit", "s"),

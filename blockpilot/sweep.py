@@ -108,6 +108,7 @@ def sweep_prompts(
     *,
     max_batch: int = 8,
     slot_hits: np.ndarray | None = None,
+    confidence_hits: np.ndarray | None = None,
 ) -> list[PromptSweep]:
     """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched."""
     if len(prompts) != len(seeds):
@@ -136,6 +137,7 @@ def sweep_prompts(
                 config.candidates,
                 config.max_new_tokens,
                 slot_hits,
+                confidence_hits,
             )
             for r in mine
         ]

@@ -121,8 +121,13 @@ def acceptance_table(
     candidates: Sequence[int],
     max_new_tokens: int,
     slot_hits: np.ndarray | None = None,  # (K, max b - 1, 2): per candidate and draft slot, [right, drafted] += ...
+    confidence_hits: np.ndarray | None = None,  # (bins, 2): largest candidate, per confidence bin, [right, reached] += ...
 ) -> AcceptanceTable:
-    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked)."""
+    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked).
+
+    `confidence_hits` collects, for the largest candidate's drafts, what draft-then-trim calibrates on
+    (`blockpilot.trim`): per bin of the drafter's top probability, the drafts whose earlier slots were all
+    right (reached) and how many of them were right."""
     candidates = distinct_block_sizes(candidates)
     drafter, device = models.drafter, models.device
     if drafter is None:
@@ -158,7 +163,8 @@ def acceptance_table(
                 width=width,
                 mask_token_id=models.mask_token_id,
             )
-            drafts = head(hidden[:, 1:]).argmax(dim=-1)  # (m, W - 1)
+            draft_logits = head(hidden[:, 1:])  # (m, W - 1, V)
+            drafts = draft_logits.argmax(dim=-1)
             slots = torch.arange(width - 1, device=device)
             wanted = padded[cursors[rows][:, None] + slots]
             in_block = slots[None, :] < (sizes[rows] - 1)[:, None]
@@ -169,7 +175,18 @@ def acceptance_table(
             if slot_hits is not None:
                 slot_hits[column, : width - 1, 0] += right.sum(dim=0).cpu().numpy()
                 slot_hits[column, : width - 1, 1] += in_block.sum(dim=0).cpu().numpy()
+            if confidence_hits is not None and b == max(candidates):
+                _count_confidence(confidence_hits, draft_logits, right, in_block)
     return AcceptanceTable(candidates, commits, max_new_tokens)
+
+
+def _count_confidence(hits: np.ndarray, draft_logits: torch.Tensor, right: torch.Tensor, in_block: torch.Tensor) -> None:
+    confidence = torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)  # (m, W - 1)
+    earlier_right = torch.cumprod(torch.cat([torch.ones_like(right[:, :1]), right[:, :-1]], dim=1).to(torch.int64), dim=1)
+    reached = (earlier_right > 0) & in_block
+    bins = torch.clamp((confidence * hits.shape[0]).long(), 0, hits.shape[0] - 1)
+    np.add.at(hits[:, 0], bins[reached & right].cpu().numpy(), 1)
+    np.add.at(hits[:, 1], bins[reached].cpu().numpy(), 1)
 
 
 # ----------------------------------------------------------------------------- in label rows

@@ -2,8 +2,9 @@
 share one drafter call and one target verify per cycle. Batch 1 is the same code with one row.
 
 prefill (target, per row as it joins) -> first token -> policy picks b -> repeat for the batch: draft every
-row's block in one drafter call (padded to the widest block; a row attends to its own b slots only) -> verify
-every block in one target pass -> per row: accepted prefix + the target's own token -> write the committed
+row's block in one drafter call (padded to the widest block; a row attends to its own b slots only) -> a
+policy that trims (`verify_count`, e.g. draft-then-trim) keeps a prefix of its drafts -> verify every block
+in one target pass -> per row: accepted prefix + the target's own token -> write the committed
 positions' context features into the drafter's cache -> per-row policy hook picks the next b. Without a
 drafter (or at b = 1) a cycle verifies just the last token: plain autoregressive decoding.
 
@@ -250,8 +251,10 @@ class SpeculativeEngine:
         width = max(sizes)
         lengths = torch.tensor([row.length for row in rows], device=self.device)
         last_tokens = torch.tensor([row.last_token for row in rows], device=self.device)
-        drafts, draft_probs = self._draft(rows, lengths, last_tokens, sizes, width)
-        block_ids = torch.cat([last_tokens[:, None], drafts], dim=1)  # (n, W)
+        drafts, draft_probs, draft_logits = self._draft(rows, lengths, last_tokens, sizes, width)
+        sizes = self._trim(rows, sizes, draft_logits)
+        width = max(sizes)
+        block_ids = torch.cat([last_tokens[:, None], drafts[:, : width - 1]], dim=1)  # (n, W)
         logits, features = self._verify(block_ids, lengths, width)
         committed = self._accept(rows, sizes, drafts, draft_probs, logits)
         if features is not None:
@@ -283,12 +286,12 @@ class SpeculativeEngine:
 
     def _draft(
         self, rows: list[_Row], lengths: torch.Tensor, last_tokens: torch.Tensor, sizes: list[int], width: int
-    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Every row's drafts in one drafter call: (n, W - 1) tokens (padding past each row's b - 1), and per
-        row the drafter's probabilities where the `rejection` rule needs them."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
+        """Every row's drafts in one drafter call: (n, W - 1) tokens (padding past each row's b - 1), per row
+        the drafter's probabilities where the `rejection` rule needs them, and the draft logits (n, W - 1, V)."""
         n = len(rows)
         if width == 1:
-            return torch.empty(n, 0, dtype=torch.long, device=self.device), [None] * n
+            return torch.empty(n, 0, dtype=torch.long, device=self.device), [None] * n, None
         span = int(lengths.max())
         hidden = self.drafter.draft_blocks(
             self.embed,
@@ -308,7 +311,22 @@ class SpeculativeEngine:
                 if row.config.temperature > 0 and row.config.verify == "rejection":
                     probs[index] = temperature_probs(draft_logits[index, : size - 1], row.config.temperature)
                     drafts[index, : size - 1] = sample_tokens(probs[index], row.generator)
-        return drafts, probs
+        return drafts, probs, draft_logits
+
+    def _trim(self, rows: list[_Row], sizes: list[int], draft_logits: torch.Tensor | None) -> list[int]:
+        """The block size each row verifies: its drafted b, or 1 + the drafts its policy's `verify_count`
+        keeps, given the drafter's top probability in each drafted slot."""
+        out = list(sizes)
+        for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
+            keep = getattr(row.policy, "verify_count", None)
+            if keep is None or size < 2 or draft_logits is None:
+                continue
+            confidence = torch.softmax(draft_logits[index, : size - 1].float(), dim=-1).amax(dim=-1)
+            count = keep(confidence)
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= size - 1:
+                raise ValueError(f"policy {row.policy.name!r} kept {count!r} drafts; expected an integer in [0, {size - 1}]")
+            out[index] = count + 1
+        return out
 
     def _verify(
         self, block_ids: torch.Tensor, lengths: torch.Tensor, width: int
@@ -348,7 +366,8 @@ class SpeculativeEngine:
             else:
                 target_probs = temperature_probs(row_logits, config.temperature)
                 if draft_probs[index] is not None:
-                    accepted, bonus = accept_rejection(row_drafts, draft_probs[index], target_probs, row.generator)
+                    row_probs = draft_probs[index][: size - 1]
+                    accepted, bonus = accept_rejection(row_drafts, row_probs, target_probs, row.generator)
                 else:
                     accepted, bonus = accept_match(row_drafts, target_probs, row.generator)
             new_tokens = truncate_at_stop([*row_drafts[:accepted].tolist(), bonus], config.stop_token_ids)

@@ -12,9 +12,11 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
     learned+step:PREDICTOR,STEP
                       both: the per-request predictor drafts the first cycle, the step model picks b before
                       every later one (reading the predictor's choice when it was trained with it)
+    trim:CALIBRATION  draft-then-trim (`blockpilot.trim`): draft the calibration's block size, verify the
+                      prefix whose calibrated survival pays for its priced cost (`blockpilot calibrate-trim`)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
-The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "autoregressive") is what
+The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive") is what
 every surface reports. `adaptive_spec` is the server's default: the most the models at hand allow.
 """
 
@@ -27,7 +29,7 @@ from blockpilot.blocks import candidates_around
 from blockpilot.checks import positive_int
 from blockpilot.decoding.policies import Autoregressive, BlockSizePolicy, EntropyHeuristic, FixedBlockSize
 
-POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "autoregressive")
+POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive")
 LEARNED_KINDS = ("learned", "learned-step", "learned+step")
 
 
@@ -37,6 +39,7 @@ class PolicySpec:
     block_size: int | None = None  # fixed: None means the drafter's training block size
     predictor: str | None = None  # learned, learned+step: the per-request predictor (folder or MLflow URI)
     step_model: str | None = None  # learned-step, learned+step: the per-step model (folder or MLflow URI)
+    calibration: str | None = None  # trim: the calibration file
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
@@ -44,6 +47,8 @@ class PolicySpec:
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
         needs = {"learned": (self.predictor,), "learned-step": (self.step_model,), "learned+step": (self.predictor, self.step_model)}
+        if self.kind == "trim" and not self.calibration:
+            raise ValueError("the trim policy needs a calibration: trim:FILE (make one with `blockpilot calibrate-trim`)")
         if self.kind in needs and not all(needs[self.kind]):
             shape = "PREDICTOR,STEP_MODEL" if self.kind == "learned+step" else "FOLDER"
             raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:{shape} (each a folder or models:/NAME@ALIAS)")
@@ -61,6 +66,8 @@ class PolicySpec:
             return cls(kind, predictor=argument or None)
         if kind == "learned-step":
             return cls(kind, step_model=argument or None)
+        if kind == "trim":
+            return cls(kind, calibration=argument or None)
         if kind == "learned+step":
             predictor, comma, step_model = argument.partition(",")
             if not comma:
@@ -79,6 +86,8 @@ class PolicySpec:
             return f"learned-step:{self.step_model}"
         if self.kind == "learned+step":
             return f"learned+step:{self.predictor},{self.step_model}"
+        if self.kind == "trim":
+            return f"trim:{self.calibration}"
         return self.kind
 
 
@@ -108,6 +117,10 @@ def resolve_policy(
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
+    if spec.kind == "trim":
+        from blockpilot.trim import DraftThenTrim, TrimCalibration
+
+        return DraftThenTrim(TrimCalibration.load(spec.calibration))
     from blockpilot.predictor.policy import LearnedPolicy
     from blockpilot.predictor.step import PriorStepPolicy, StepPolicy
     from blockpilot.predictor.store import load_predictor, load_step_model

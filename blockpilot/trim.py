@@ -1,0 +1,135 @@
+"""Draft-then-trim: draft the largest block, then verify only the prefix worth its priced cost.
+
+Before each verify, the drafter's confidence in every drafted slot (its top probability) becomes a survival
+probability through a calibration measured on acceptance tables: s(c) = P(a slot's draft is right | every
+earlier draft of its block was right, its confidence is c). Verifying k drafts is then expected to commit
+1 + sum_{j<=k} prod_{i<=j} s(c_i) tokens (the target's own token included) at the price c(k + 1) of a cycle
+that verifies k + 1 positions; the policy verifies the k with the most expected tokens per unit cost. Any
+prefix of the drafts verifies losslessly, so the output is exactly that of the acceptance rule.
+
+This is vLLM's confidence-scheduled adaptive verification on a DFlash drafter, with the calibration taken
+from the acceptance table instead of a profiling run. `TrimCalibration` is a small JSON file
+(`blockpilot calibrate-trim`); its cost curve is the one given when it was made (uniform without one, which
+never trims: more verified drafts never commit fewer tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from blockpilot.checks import positive_int
+from blockpilot.cost import CycleCost
+from blockpilot.decoding.policies import CycleState, PrefillState
+from blockpilot.files import write_text_atomic
+
+CONFIDENCE_BINS = 10
+
+
+@dataclass(frozen=True)
+class TrimCalibration:
+    """Survival probability per confidence bin (bins of equal width over [0, 1]) for drafts of `block_size`."""
+
+    block_size: int
+    survival: tuple[float, ...]  # (CONFIDENCE_BINS,)
+    counts: tuple[int, ...]  # drafts reached per bin (the evidence behind each survival value)
+    cost: CycleCost = field(default_factory=CycleCost.uniform)
+
+    def __post_init__(self) -> None:
+        positive_int(self.block_size, "the trim block size")
+        if len(self.survival) != len(self.counts) or not self.survival:
+            raise ValueError(f"{len(self.survival)} survival values for {len(self.counts)} counts")
+        if not all(0.0 <= s <= 1.0 for s in self.survival):
+            raise ValueError(f"survival probabilities must lie in [0, 1], got {list(self.survival)}")
+
+    @classmethod
+    def from_hits(cls, block_size: int, hits: np.ndarray, cost: CycleCost | None = None) -> TrimCalibration:
+        """From (bins, 2) [right, reached] counts; a bin without evidence takes the pooled rate."""
+        right, reached = hits[:, 0].astype(float), hits[:, 1].astype(float)
+        pooled = right.sum() / reached.sum() if reached.sum() else 0.0
+        survival = np.where(reached > 0, right / np.maximum(reached, 1), pooled)
+        return cls(block_size, tuple(float(s) for s in survival), tuple(int(n) for n in reached), cost or CycleCost.uniform())
+
+    def survival_of(self, confidence: torch.Tensor) -> torch.Tensor:
+        bins = torch.clamp((confidence * len(self.survival)).long(), 0, len(self.survival) - 1)
+        return torch.as_tensor(self.survival, dtype=torch.float32)[bins.cpu()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "survival": list(self.survival),
+            "counts": list(self.counts),
+            "cost": self.cost.to_dict(),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrimCalibration:
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"trim calibration {str(path)!r} does not exist (make one with `blockpilot calibrate-trim`)")
+        raw = json.loads(path.read_text())
+        return cls(
+            int(raw["block_size"]),
+            tuple(float(s) for s in raw["survival"]),
+            tuple(int(n) for n in raw["counts"]),
+            CycleCost.from_dict(raw["cost"]),
+        )
+
+
+def verify_count(calibration: TrimCalibration, confidences: torch.Tensor) -> int:
+    """How many of the drafts (confidences (b - 1,), in slot order) to verify: the k in 0 .. b - 1 with the
+    most expected committed tokens per unit of cycle cost (ties to the larger k)."""
+    survival = torch.cumprod(calibration.survival_of(confidences.float()), dim=0)
+    expected = 1.0 + torch.cat([torch.zeros(1), torch.cumsum(survival, dim=0)])  # (b,): k = 0 .. b - 1
+    rate = [float(expected[k]) / calibration.cost(k + 1) for k in range(len(expected))]
+    return max(range(len(rate)), key=lambda k: (rate[k], k))
+
+
+class DraftThenTrim:
+    """Draft `calibration.block_size` slots every cycle; verify the prefix `verify_count` picks."""
+
+    name = "trim"
+
+    def __init__(self, calibration: TrimCalibration) -> None:
+        self.calibration = calibration
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self.calibration.block_size
+
+    def next_block_size(self, cycle: CycleState) -> int:
+        return self.calibration.block_size
+
+    def verify_count(self, confidences: torch.Tensor) -> int:
+        return verify_count(self.calibration, confidences)
+
+
+def calibrate_trim(
+    models: Any,
+    prompts: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    cost: CycleCost | None = None,
+    temperature: float = 0.0,
+    max_new_tokens: int = 128,
+    max_batch: int = 8,
+) -> TrimCalibration:
+    """Survival per confidence bin from the acceptance tables of `prompts` at `block_size`."""
+    from blockpilot.sweep import SweepConfig, sweep_prompts
+
+    hits = np.zeros((CONFIDENCE_BINS, 2), dtype=np.int64)
+    config = SweepConfig(
+        (block_size,), temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids())
+    )
+    sweep_prompts(models, prompts, list(range(len(prompts))), config, max_batch=max_batch, confidence_hits=hits)
+    if hits[:, 1].sum() == 0:
+        raise ValueError("no draft was verified on these prompts: nothing to calibrate (longer generations?)")
+    return TrimCalibration.from_hits(block_size, hits, cost)

@@ -1,0 +1,87 @@
+"""Draft-then-trim: lossless whatever it keeps, trims only when a verify's price outruns its expected gain,
+and its calibration comes from acceptance tables. Properties for any weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from blockpilot.cost import CycleCost
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
+from blockpilot.decoding.resolve import PolicySpec, resolve_policy
+from blockpilot.trim import CONFIDENCE_BINS, DraftThenTrim, TrimCalibration, calibrate_trim, verify_count
+from support import check_stats_invariants, greedy_reference
+
+STEEP = CycleCost({1: {1: 1.0, 2: 1.6, 8: 8.0}})  # each verified position costs more than it can return
+
+
+def calibration(survival: float, block_size: int = 6, cost: CycleCost | None = None) -> TrimCalibration:
+    return TrimCalibration(block_size, (survival,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS, cost or CycleCost.uniform())
+
+
+def test_verify_count_weighs_expected_tokens_against_the_price():
+    confidences = torch.full((7,), 0.95)
+    assert verify_count(calibration(0.5), confidences) == 7  # uniform cost: every draft is worth verifying
+    assert verify_count(calibration(0.1, cost=STEEP), confidences) == 0
+    assert verify_count(calibration(1.0, cost=STEEP), confidences) == 1  # c(8) = 8: even sure drafts stop paying
+    gentle = CycleCost({1: {1: 1.0, 8: 4.0}})
+    assert verify_count(calibration(1.0, cost=gentle), confidences) == 7
+    mixed = TrimCalibration(8, (0.0,) * 5 + (1.0,) * 5, (1,) * 10, CycleCost({1: {1: 1.0, 8: 1.7}}))
+    # Confident early slots, then an unconfident one: verify up to it and no further.
+    assert verify_count(mixed, torch.tensor([0.9, 0.9, 0.9, 0.2, 0.9, 0.9, 0.9])) == 3
+
+
+@pytest.mark.parametrize("survival", [0.05, 0.4, 0.9])
+def test_trimmed_generations_are_greedy_and_beside_other_rows_unchanged(tiny_models, survival):
+    prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.")]
+    config = GenerationConfig(max_new_tokens=32)
+    trim = DraftThenTrim(calibration(survival, cost=CycleCost({1: {1: 1.0, 8: 3.0}})))
+    alone = [generate(tiny_models, p, policy=trim, config=config) for p in prompts]
+    for prompt, result in zip(prompts, alone, strict=True):
+        assert result.token_ids == greedy_reference(tiny_models.target, prompt, 32)
+        check_stats_invariants(result, 32)
+        assert result.policy == "trim" and max(result.block_sizes) <= 6
+    batched = generate_many(
+        tiny_models, [GenerationRequest(p, config, q) for p, q in zip(prompts, (trim, resolve_policy("fixed:3", tiny_models)))]
+    )
+    assert batched[0].token_ids == alone[0].token_ids and batched[0].block_sizes == alone[0].block_sizes
+    if survival < 0.1:
+        assert set(alone[0].block_sizes) == {1}, "drafts that almost never survive are not worth verifying"
+
+
+def test_a_policy_that_keeps_too_many_drafts_is_refused(tiny_models):
+    class Greedy(DraftThenTrim):
+        def verify_count(self, confidences):
+            return len(confidences) + 1
+
+    with pytest.raises(ValueError, match="kept 6 drafts"):
+        generate(tiny_models, tiny_models.encode_prompt("Hi."), policy=Greedy(calibration(0.5)), config=GenerationConfig(max_new_tokens=8))
+
+
+def test_calibration_from_tables_round_trips_and_resolves(tiny_models, tmp_path):
+    prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "Write the numbers from 2 to 20.")]
+    made = calibrate_trim(tiny_models, prompts, 6, cost=STEEP, max_new_tokens=32)
+    assert all(0.0 <= s <= 1.0 for s in made.survival)
+    # Every drafting anchor reaches its first slot; a slot is reached only after every earlier one was right.
+    assert sum(made.counts) >= sum(1 for p in prompts) and made.block_size == 6
+    path = made.save(tmp_path / "trim.json")
+    assert TrimCalibration.load(path) == made
+    policy = resolve_policy(f"trim:{path}", tiny_models)
+    assert isinstance(policy, DraftThenTrim) and policy.calibration == made
+    assert str(PolicySpec.parse(f"trim:{path}")) == f"trim:{path}"
+    with pytest.raises(ValueError, match="needs a calibration"):
+        PolicySpec.parse("trim")
+    with pytest.raises(FileNotFoundError, match="calibrate-trim"):
+        resolve_policy(f"trim:{tmp_path / 'missing.json'}", tiny_models)
+
+
+def test_survival_is_the_rate_of_right_drafts_among_those_reached():
+    hits = np.zeros((CONFIDENCE_BINS, 2), dtype=np.int64)
+    hits[9] = (9, 10)
+    hits[2] = (1, 4)
+    made = TrimCalibration.from_hits(8, hits)
+    assert made.survival[9] == pytest.approx(0.9) and made.survival[2] == pytest.approx(0.25)
+    assert made.survival[0] == pytest.approx(10 / 14)  # no evidence: the pooled rate
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        TrimCalibration(8, (1.5,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS)
