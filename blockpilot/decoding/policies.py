@@ -4,7 +4,9 @@ A policy is a small protocol with two hooks and a `name` (what every surface rep
 endpoint's `blockpilot` object, MLflow, benchmarks). `initial_block_size` sees the prefill state (the target's
 next-token distribution at the last prompt position and the prompt ids) and picks b for the request;
 `next_block_size` runs after every cycle and may change b. Per-request policies inherit the no-op per-cycle
-hook from `PerRequestPolicy`. Policies are built from a spec by `blockpilot.decoding.resolve`.
+hook from `PerRequestPolicy`. A policy may also define `verify_count(confidences) -> k`: after the draft, the
+drafter's top probability in each of the b - 1 drafted slots, and it keeps the first k drafts for the verify
+(draft-then-trim, `blockpilot.trim`). Policies are built from a spec by `blockpilot.decoding.resolve`.
 """
 
 from __future__ import annotations
