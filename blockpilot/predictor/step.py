@@ -328,16 +328,18 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
     return walks
 
 
-def evaluate_step_model(model: StepModel | None, rows: list[StepRow], cost: CycleCost) -> dict[str, float]:
+def evaluate_step_model(
+    model: StepModel | None, rows: list[StepRow], cost: CycleCost, train_block_size: int | None = None
+) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
     per unit cost) of fixed B, the best fixed b, the per-request predictor (`request`, when the rows carry its
     b0), the static oracle, the step model (`step`, when given; after b0 when there is one) and the per-step
-    oracle, each walked on the same tables."""
+    oracle, each walked on the same tables. Fixed B is the model's training block size, else `train_block_size`."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
     walked = [_walk_row(row, model, cost) for row in rows]
-    train = model.config.train_block_size if model is not None else None
+    train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
     temperatures = sorted({r.temperature for r in rows})
     member_rows = {"": rows} | {f"T{t:g}/": [r for r in rows if r.temperature == t] for t in temperatures}

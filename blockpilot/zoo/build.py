@@ -410,8 +410,8 @@ def summarize_tau(per_prompt: list[dict[str, Any]], sizes: list[int], block: int
 # ----------------------------------------------------------------------------- entry point
 
 
-def zoo_cache_dir(recipe: ZooRecipe, seed: int) -> Path:
-    return blockpilot_home() / "zoo" / recipe.cache_key(seed)
+def zoo_cache_dir(recipe: ZooRecipe, seed: int, home: Path | None = None) -> Path:
+    return (home or blockpilot_home()) / "zoo" / recipe.cache_key(seed)
 
 
 def build_zoo(

@@ -1,0 +1,66 @@
+"""The notebooks run top to bottom, in a Jupyter kernel, on tiny-zoo artifacts laid out as the main job
+leaves them under $BLOCKPILOT_HOME (labels, cost curve, predictor, step model, MLflow runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
+    """A home folder in the main job's layout (`pipelines.demo.DemoPaths`) over the session's tiny artifacts."""
+    import torch
+
+    from blockpilot.cost import CycleCost
+    from blockpilot.predictor import BlockSizePredictor, PredictorConfig
+    from blockpilot.predictor.step import PRIOR_FEATURE, STEP_FEATURES, StepModel, StepModelConfig
+    from blockpilot.table import tables_from_row
+    from blockpilot.tracking import start_run
+    from pipelines.demo import DemoPaths
+
+    home = tmp_path_factory.mktemp("demo-home")
+    paths = DemoPaths("tiny", home)
+    paths.zoo.parent.mkdir(parents=True)
+    paths.zoo.symlink_to(tiny_zoo)
+    paths.labels.mkdir(parents=True)
+    for split, folder in tiny_labels.items():
+        (paths.labels / split).symlink_to(folder)
+    CycleCost({1: {1: 1.0, 4: 1.5, 8: 3.0}}).save(paths.cost)
+    import pyarrow.parquet as pq
+
+    candidates = tables_from_row(pq.read_table(tiny_labels["train"]).slice(0, 1).to_pylist()[0])[0].candidates
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    torch.manual_seed(0)  # untrained weights: the notebooks must run whatever the models choose
+    BlockSizePredictor(PredictorConfig("sparse", candidates, vocab, top_k=16, hidden_size=8)).save(paths.predictor)
+    StepModel(StepModelConfig(candidates, hidden_size=8, features=(*STEP_FEATURES, PRIOR_FEATURE))).save(paths.step_model)
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKPILOT_HOME", str(home))
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        with start_run("blockpilot-step-policy", "tiny-step") as tracker:
+            tracker.log_metrics({"eval/T0/tau_step": 1.5, "eval/T0/throughput_step": 1.2, "eval/T1/tau_B": 1.1})
+    return home, uri
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
+def test_the_notebook_runs_top_to_bottom(notebook, demo_home, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    home, uri = demo_home
+    monkeypatch.setenv("BLOCKPILOT_HOME", str(home))
+    monkeypatch.setenv("BLOCKPILOT_DEMO_SIZE", "tiny")
+    monkeypatch.setenv("BLOCKPILOT_NOTEBOOK_PROMPTS", "2")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    nb = nbformat.read(notebook, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(notebook.parents[1])}}).execute()
+    errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
+    assert not errors
+    assert sum(1 for cell in nb.cells if cell.cell_type == "code" and cell.outputs) >= 2
