@@ -37,7 +37,17 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         include_dashboard=False,
         configure_logging=True,
         logging_level="WARNING",
+        runtime_env={"worker_process_setup_hook": "pipelines.ray_runtime.quiet_embedded_workers"},
     )
+
+
+def quiet_embedded_workers() -> None:
+    """Runs in every worker process of an embedded cluster. Ray Train's placement-group cleaner asks the State
+    API, which a cluster without a dashboard does not serve, whether the controller lives, and warns each
+    second that it could not; the embedded cluster ends with this process, placement groups included."""
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
 def ray_storage(kind: str) -> Path:
