@@ -162,7 +162,7 @@ def run_demo(job: DemoJob) -> int:
     loader = ModelLoader(
         str(zoo / "target"), str(zoo / "drafter"), predictor, step_model=str(step.model_dir), model_name=f"zoo-{size}"
     )
-    server = serve_locally(loader, port=job.port)
+    server = serve_locally(loader, port=job.port, log_level="WARNING")
     try:
         server.wait_healthy()
         response = httpx.post(

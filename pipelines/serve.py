@@ -481,15 +481,23 @@ def serve_locally(
     app_name: str = "blockpilot",
     route_prefix: str = "/",
     request_timeout_s: float = 180.0,
+    log_level: str = "INFO",
     **deployment: Any,
 ) -> LocalServer:
     """Start Serve on `host:port` (loopback by default) in the embedded Ray and deploy the decoder at
-    `route_prefix` (several apps may share one Serve instance under different prefixes)."""
+    `route_prefix` (several apps may share one Serve instance under different prefixes). At `log_level`
+    WARNING, Serve's lifecycle lines and the per-request access log are left out (the demo's log)."""
+    import logging
+
     from pipelines.ray_runtime import ensure_ray
 
     ensure_ray()
-    serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s})
-    serve.run(build_app(loader, **deployment), name=app_name, route_prefix=route_prefix, blocking=False)
+    logs = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}
+    logging.getLogger("ray.serve").setLevel(log_level)
+    serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s}, logging_config=logs)
+    serve.run(
+        build_app(loader, **deployment), name=app_name, route_prefix=route_prefix, blocking=False, logging_config=logs
+    )
     return LocalServer(f"http://{host}:{port}{route_prefix.rstrip('/')}", app_name)
 
 
