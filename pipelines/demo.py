@@ -185,6 +185,7 @@ def run_demo(job: DemoJob) -> int:
         from ray import serve
 
         serve.shutdown()
-    print(f"\nMLflow: mlflow ui --backend-store-uri {tracking_uri()} --host 127.0.0.1")
+    print(f"\nMLflow: mlflow ui --backend-store-uri {tracking_uri()} --host 127.0.0.1 --port 5000, then open")
+    print("  http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (the runs tables, not the GenAI view)")
     print(f"notebooks: BLOCKPILOT_HOME={paths.home} BLOCKPILOT_DEMO_SIZE={size} jupyter lab notebooks/")
     return 0

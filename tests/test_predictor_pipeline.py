@@ -87,17 +87,6 @@ def test_a_tracked_run_checkpoints_logs_and_registers(local_ray, tiny_labels, tm
     assert payload["policy"] == "learned" and payload["block_size"] in (2, 3, 4, 5, 6)
 
 
-def test_resume_continues_a_named_run_of_the_same_job_only(local_ray, tiny_labels, tmp_path):
-    first = run_train_job(job(tiny_labels, tmp_path, epochs=2, track=False))
-    assert (first.first_epoch, first.last_epoch) == (0, 1)
-    with pytest.raises(ValueError, match="already exists.*--resume"):
-        run_train_job(job(tiny_labels, tmp_path, epochs=3, track=False))
-    with pytest.raises(ValueError, match="differing: .*hidden_size"):
-        run_train_job(job(tiny_labels, tmp_path, epochs=3, hidden_size=32, resume=True, track=False))
-    again = run_train_job(job(tiny_labels, tmp_path, epochs=3, resume=True, track=False))
-    assert (again.first_epoch, again.last_epoch) == (2, 2), "the second run starts after the first run's last epoch"
-
-
 def test_runs_are_named_uniquely_unless_named(tiny_labels, tmp_path):
     names = {TrainJob(labels=tiny_labels["train"]).name for _ in range(3)}
     assert len(names) == 3 and all(name.startswith("sparse-ce-") for name in names)
@@ -120,7 +109,11 @@ def _committed_checkpoint(snapshot: Path) -> bool:
         return False
 
 
-def test_a_killed_worker_resumes_from_the_last_checkpoint(local_ray, tiny_labels, tmp_path):
+def test_a_killed_worker_resumes_from_the_last_checkpoint_and_a_named_run_resumes_only_on_request(
+    local_ray, tiny_labels, tmp_path
+):
+    """Ray Train restarts a killed worker from the last checkpoint; afterwards the finished run continues only
+    under --resume, and only as the same job (one Ray Train fit serves both checks)."""
     outcome, failures = [], []
 
     def train() -> None:
@@ -148,6 +141,13 @@ def test_a_killed_worker_resumes_from_the_last_checkpoint(local_ray, tiny_labels
     assert result.first_epoch > 0, "the restarted worker resumed from a checkpoint instead of epoch 0"
     assert result.last_epoch == 11
     assert (result.predictor_dir / "config.json").is_file()
+
+    with pytest.raises(ValueError, match="already exists.*--resume"):
+        run_train_job(job(tiny_labels, tmp_path, epochs=13, name="killed", track=False))
+    with pytest.raises(ValueError, match="differing: .*hidden_size"):
+        run_train_job(job(tiny_labels, tmp_path, epochs=13, name="killed", hidden_size=32, resume=True, track=False))
+    again = run_train_job(job(tiny_labels, tmp_path, epochs=13, name="killed", resume=True, track=False))
+    assert (again.first_epoch, again.last_epoch) == (12, 12), "the resumed run starts after the last epoch"
 
 
 def test_bad_labels_stop_before_training(tiny_labels, tmp_path):
