@@ -30,7 +30,6 @@ from blockpilot.checks import positive_int
 from blockpilot.decoding.policies import Autoregressive, BlockSizePolicy, EntropyHeuristic, FixedBlockSize
 
 POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive")
-LEARNED_KINDS = ("learned", "learned-step", "learned+step")
 
 
 @dataclass(frozen=True)
