@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--policy",
         default=None,
-        help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, autoregressive (default fixed)",
+        help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, learned-step:STEP_MODEL, "
+        "learned+step:PREDICTOR,STEP_MODEL, trim:CALIBRATION, autoregressive (default fixed)",
     )
     gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")
     gen.add_argument("--predictor", default=None, help="shorthand for --policy learned:PREDICTOR (folder or models:/)")
