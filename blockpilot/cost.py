@@ -122,6 +122,8 @@ def calibrate(
 
     Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
     `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
+    Repeats go round the block sizes (b = 1, 2, ..., then again), so that a stretch of a busy machine
+    slows one repeat of every b rather than every repeat of one b, and the median drops it.
     """
     import torch
 
@@ -133,28 +135,32 @@ def calibrate(
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
     generator = torch.Generator().manual_seed(0)
     vocab = models.target.get_input_embeddings().weight.shape[0]
+
+    def seconds_per_cycle(prompts: list[list[int]], b: int) -> float:
+        engine = SpeculativeEngine(models, max_batch=len(prompts))
+        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
+        for prompt in prompts:
+            engine.submit(GenerationRequest(prompt, config, FixedBlockSize(b)))
+        engine.step()  # admission (prefill) and the first cycle: not timed
+        started = time.perf_counter()
+        ran = 0
+        while engine.busy and ran < cycles:
+            engine.step()
+            ran += 1
+        if models.device.type == "cuda":
+            torch.cuda.synchronize(models.device)
+        return (time.perf_counter() - started) / max(ran, 1)
+
     seconds: dict[int, dict[int, float]] = {}
     for batch in batch_sizes:
-        seconds[batch] = {}
-        for b in block_sizes:
-            prompts = [torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(batch)]
-            times = []
-            for attempt in range(warmup + repeats):
-                engine = SpeculativeEngine(models, max_batch=batch)
-                config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
-                for prompt in prompts:
-                    engine.submit(GenerationRequest(prompt, config, FixedBlockSize(b)))
-                engine.step()  # admission (prefill) and the first cycle: not timed
-                started = time.perf_counter()
-                ran = 0
-                while engine.busy and ran < cycles:
-                    engine.step()
-                    ran += 1
-                if models.device.type == "cuda":
-                    torch.cuda.synchronize(models.device)
+        prompts = {b: [torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(batch)] for b in block_sizes}
+        times: dict[int, list[float]] = {b: [] for b in block_sizes}
+        for attempt in range(warmup + repeats):
+            for b in block_sizes:
+                elapsed = seconds_per_cycle(prompts[b], b)
                 if attempt >= warmup:
-                    times.append((time.perf_counter() - started) / max(ran, 1))
-            seconds[batch][b] = statistics.median(times)
+                    times[b].append(elapsed)
+        seconds[batch] = {b: statistics.median(times[b]) for b in block_sizes}
     return CycleCost(
         seconds,
         device=_device_name(models.device),

@@ -1,0 +1,29 @@
+"""The cycle cost curve: calibration measures every (batch, b) asked for, files round-trip, and the curve
+prices any b (interpolated between measured points)."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockpilot.cost import CycleCost, calibrate, load_cost
+
+
+def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
+    cost = calibrate(random_models, (1, 2, 4), (1, 2), cycles=2, repeats=3, warmup=0)
+    assert set(cost.seconds) == {1, 2} and all(set(by_b) == {1, 2, 4} for by_b in cost.seconds.values())
+    assert all(value > 0 for by_b in cost.seconds.values() for value in by_b.values())
+    assert cost.device and cost.dtype == "float32" and "torch" in cost.versions
+    assert load_cost(cost.save(tmp_path / "cost.json")) == cost
+    assert cost(3) == pytest.approx((cost(2) + cost(4)) / 2)  # priced between measured block sizes
+
+
+def test_a_curve_interpolates_and_refuses_bad_values(tmp_path):
+    cost = CycleCost({1: {2: 1.0, 4: 2.0}, 8: {2: 3.0}})
+    assert cost(3) == pytest.approx(1.5) and cost(6) == pytest.approx(3.0)  # linear between and beyond
+    assert cost(3, batch=6) == pytest.approx(3.0)  # the nearest measured batch
+    assert CycleCost.uniform()(17) == 1.0 and load_cost(None).is_uniform
+    with pytest.raises(ValueError, match="positive number"):
+        CycleCost({1: {2: 0.0}})
+    (tmp_path / "bad.json").write_text('{"seconds": {"1": {"2": "x"}}}')
+    with pytest.raises(ValueError, match="not a blockpilot cost curve"):
+        load_cost(tmp_path / "bad.json")
