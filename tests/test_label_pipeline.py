@@ -41,7 +41,11 @@ def keys(table) -> list[tuple[str, float]]:
     return list(zip(table["prompt_id"].to_pylist(), table["temperature"].to_pylist(), strict=True))
 
 
-def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path):
+def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path, monkeypatch):
+    """One label folder, grown by three runs of the same job (the last one tracked in MLflow), then refused to a
+    job with other settings."""
+    import mlflow
+
     out = tmp_path / "labels"
     summary = run_label_job(make_job(tiny_zoo, out))
     assert (summary.rows, summary.new_rows, summary.errors) == (16, 16, 0)
@@ -56,9 +60,28 @@ def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path)
     assert (again.rows, again.new_rows) == (16, 0)
     assert parquet_files(out) == files  # nothing written twice
 
-    more = run_label_job(make_job(tiny_zoo, out, limit=10))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    more = run_label_job(make_job(tiny_zoo, out, limit=10, track=True))
     assert (more.rows, more.new_rows) == (20, 4)
     assert len(set(keys(read_labels(out)))) == 20
+
+    # The summary went to MLflow: metrics, the settings as params, the plots.
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["blockpilot-labels"], output_format="list")
+    assert len(runs) == 1
+    metrics = runs[0].data.metrics
+    assert metrics["label/rows"] == 20 and metrics["label/errors"] == 0 and metrics["label/prompts_per_s"] > 0
+    assert "label/mean_tau_b4" in metrics
+    assert runs[0].data.params["settings.mode"] == "replay"
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
+    assert {"best_block_size_histogram.png", "tau_vs_block_size.png"} <= artifacts
+
+    # A job with other settings may not write into this folder.
+    other = make_job(tiny_zoo, out, limit=10, settings=LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=16, top_k=8))
+    with pytest.raises(ValueError, match="differing: max_new_tokens"):
+        run_label_job(other)
+    assert read_labels(out).num_rows == 20
 
 
 def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path):
@@ -135,15 +158,6 @@ def test_bad_prompts_are_rows_with_errors_and_the_job_goes_on(local_ray, tiny_zo
     assert "line 4" in errors["bad:line4"]
 
 
-def test_a_folder_of_another_job_is_refused(local_ray, tiny_zoo, tmp_path):
-    out = tmp_path / "labels"
-    run_label_job(make_job(tiny_zoo, out, limit=1, settings=LabelSettings(temperatures=(0.0,), max_new_tokens=8)))
-    other = make_job(tiny_zoo, out, limit=1, settings=LabelSettings(temperatures=(0.0,), max_new_tokens=16))
-    with pytest.raises(ValueError, match="differing: max_new_tokens"):
-        run_label_job(other)
-    assert read_labels(out).num_rows == 1
-
-
 def test_two_jobs_on_one_folder_do_not_both_run(tiny_zoo, tmp_path):
     from pipelines.label import exclusive
 
@@ -160,23 +174,6 @@ def test_unknown_source_stops_before_the_job_starts(tiny_zoo, tmp_path):
     with pytest.raises(ValueError, match="unknown prompt source 'gsm9k'"):
         run_label_job(make_job(tiny_zoo, tmp_path / "labels", prompts="gsm9k"))
     assert not (tmp_path / "labels").exists()
-
-
-def test_summary_goes_to_mlflow(local_ray, tiny_zoo, tmp_path, monkeypatch):
-    import mlflow
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    run_label_job(make_job(tiny_zoo, tmp_path / "labels", limit=3, track=True))
-    mlflow.set_tracking_uri(uri)
-    runs = mlflow.search_runs(experiment_names=["blockpilot-labels"], output_format="list")
-    assert len(runs) == 1
-    metrics = runs[0].data.metrics
-    assert metrics["label/rows"] == 6 and metrics["label/errors"] == 0 and metrics["label/prompts_per_s"] > 0
-    assert "label/mean_tau_b4" in metrics
-    assert runs[0].data.params["settings.mode"] == "replay"
-    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
-    assert {"best_block_size_histogram.png", "tau_vs_block_size.png"} <= artifacts
 
 
 def test_label_command(local_ray, tiny_zoo, tmp_path, capsys):

@@ -50,8 +50,11 @@ def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
         for imported, at_top in imported_names(tree, name, path.name == "__init__.py"):
             if at_top:
                 top_level[name].add(imported)
-            if imported in modules and imported != name:
-                edges[name].add(imported)
+            # Importing `a.b.c` first runs the packages `a` and `a.b`: their __init__ imports count too.
+            parts = imported.split(".")
+            for target in (".".join(parts[:k]) for k in range(1, len(parts) + 1)):
+                if target in modules and target != name and not name.startswith(target + "."):
+                    edges[name].add(target)
     return edges, top_level
 
 

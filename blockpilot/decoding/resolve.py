@@ -121,8 +121,8 @@ def resolve_policy(
 
         return DraftThenTrim(TrimCalibration.load(spec.calibration))
     from blockpilot.predictor.policy import LearnedPolicy
-    from blockpilot.predictor.step import PriorStepPolicy, StepPolicy
-    from blockpilot.predictor.store import load_predictor, load_step_model
+    from blockpilot.predictor.step import PriorStepPolicy, StepPolicy, load_step_model
+    from blockpilot.predictor.store import load_predictor
 
     if spec.kind in ("learned", "learned+step"):
         predictor = predictor or load_predictor(spec.predictor)

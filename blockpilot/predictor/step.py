@@ -133,6 +133,13 @@ class StepModel(nn.Module):
         return model.eval()
 
 
+def load_step_model(path_or_uri: str | Path) -> StepModel:
+    """A step model from a folder or an MLflow model URI (`models:/blockpilot-step-policy@champion`)."""
+    from blockpilot.predictor.store import resolve_predictor_dir
+
+    return StepModel.load(resolve_predictor_dir(path_or_uri))
+
+
 class StepPolicy:
     """b at every cycle from the step model; the first cycle from the prefill's distribution."""
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 from blockpilot.predictor.model import BlockSizePredictor
-from blockpilot.predictor.step import StepModel
 
 MODEL_URI_PREFIXES = ("models:/", "runs:/")
 
@@ -32,7 +31,3 @@ def resolve_predictor_dir(path_or_uri: str | Path, artifact: str = "predictor") 
 
 def load_predictor(path_or_uri: str | Path, device: str | torch.device = "cpu") -> BlockSizePredictor:
     return BlockSizePredictor.load(resolve_predictor_dir(path_or_uri), device=device)
-
-
-def load_step_model(path_or_uri: str | Path) -> StepModel:
-    return StepModel.load(resolve_predictor_dir(path_or_uri))
