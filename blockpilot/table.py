@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from blockpilot.checks import distinct_block_sizes, mean_or_nan
+from blockpilot.decoding.acceptance import confidence_bin, draft_confidence
 from blockpilot.models.loading import SpeculativeModels
 
 # Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.
@@ -181,10 +182,9 @@ def acceptance_table(
 
 
 def _count_confidence(hits: np.ndarray, draft_logits: torch.Tensor, right: torch.Tensor, in_block: torch.Tensor) -> None:
-    confidence = torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)  # (m, W - 1)
     earlier_right = torch.cumprod(torch.cat([torch.ones_like(right[:, :1]), right[:, :-1]], dim=1).to(torch.int64), dim=1)
     reached = (earlier_right > 0) & in_block
-    bins = torch.clamp((confidence * hits.shape[0]).long(), 0, hits.shape[0] - 1)
+    bins = confidence_bin(draft_confidence(draft_logits), hits.shape[0])  # (m, W - 1)
     np.add.at(hits[:, 0], bins[reached & right].cpu().numpy(), 1)
     np.add.at(hits[:, 1], bins[reached].cpu().numpy(), 1)
 

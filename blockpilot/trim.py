@@ -26,6 +26,7 @@ import torch
 
 from blockpilot.checks import positive_int
 from blockpilot.cost import CycleCost
+from blockpilot.decoding.acceptance import confidence_bin
 from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.files import write_text_atomic
 
@@ -57,7 +58,7 @@ class TrimCalibration:
         return cls(block_size, tuple(float(s) for s in survival), tuple(int(n) for n in reached), cost or CycleCost.uniform())
 
     def survival_of(self, confidence: torch.Tensor) -> torch.Tensor:
-        bins = torch.clamp((confidence * len(self.survival)).long(), 0, len(self.survival) - 1)
+        bins = confidence_bin(confidence, len(self.survival))
         return torch.as_tensor(self.survival, dtype=torch.float32)[bins.cpu()]
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from blockpilot.decoding.acceptance import (
     accept_greedy,
     accept_match,
     accept_rejection,
+    draft_confidence,
     sample_next,
     sample_tokens,
     temperature_probs,
@@ -321,8 +322,7 @@ class SpeculativeEngine:
             keep = getattr(row.policy, "verify_count", None)
             if keep is None or size < 2 or draft_logits is None:
                 continue
-            confidence = torch.softmax(draft_logits[index, : size - 1].float(), dim=-1).amax(dim=-1)
-            count = keep(confidence)
+            count = keep(draft_confidence(draft_logits[index, : size - 1]))
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= size - 1:
                 raise ValueError(f"policy {row.policy.name!r} kept {count!r} drafts; expected an integer in [0, {size - 1}]")
             out[index] = count + 1
