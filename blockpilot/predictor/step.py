@@ -141,18 +141,20 @@ def load_step_model(path_or_uri: str | Path) -> StepModel:
 
 
 class StepPolicy:
-    """b at every cycle from the step model; the first cycle from the prefill's distribution."""
+    """b at every cycle from the step model; the first cycle from the prefill's distribution, or from the
+    per-request policy `prior` when one is given."""
 
     name = "learned-step"
 
-    def __init__(self, model: StepModel) -> None:
-        if model.config.uses_prior:
+    def __init__(self, model: StepModel, prior: BlockSizePolicy | None = None) -> None:
+        if model.config.uses_prior and prior is None:
             raise ValueError(
                 "this step model was trained with a per-request prior: use it beside that predictor "
                 "(learned+step:PREDICTOR,STEP_MODEL)"
             )
         self.model = model
         self.candidates = model.config.candidates
+        self.prior = prior
 
     def _choose(self, logits: torch.Tensor, temperature: float, cursor: int, prior_block_size: int | None = None) -> int:
         entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
@@ -166,6 +168,8 @@ class StepPolicy:
         return self.candidates[int(self.model.choose(features)[0])]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
+        if self.prior is not None:
+            return self.prior.initial_block_size(prefill)
         return self._choose(prefill.next_token_logits, prefill.temperature, 1)
 
     def next_block_size(self, cycle: CycleState) -> int:
@@ -182,12 +186,7 @@ class PriorStepPolicy(StepPolicy):
     name = "learned+step"
 
     def __init__(self, model: StepModel, prior: BlockSizePolicy) -> None:
-        self.model = model
-        self.candidates = model.config.candidates
-        self.prior = prior
-
-    def initial_block_size(self, prefill: PrefillState) -> int:
-        return self.prior.initial_block_size(prefill)
+        super().__init__(model, prior)
 
 
 # ----------------------------------------------------------------------------- data from label rows
@@ -348,10 +347,12 @@ def evaluate_step_model(
     walked = [_walk_row(row, model, cost) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
-    temperatures = sorted({r.temperature for r in rows})
-    member_rows = {"": rows} | {f"T{t:g}/": [r for r in rows if r.temperature == t] for t in temperatures}
-    groups = {"": walked} | {f"T{t:g}/": [w for w, r in zip(walked, rows) if r.temperature == t] for t in temperatures}
-    for prefix, members in groups.items():
+    pairs = list(zip(walked, rows, strict=True))
+    groups = {"": pairs} | {
+        f"T{t:g}/": [(w, r) for w, r in pairs if r.temperature == t] for t in sorted({r.temperature for r in rows})
+    }
+    for prefix, group in groups.items():
+        members = [w for w, _ in group]
         tokens = sum(w.tokens for w in members)
 
         def put(name: str, spent_cycles: float, spent_cost: float) -> None:
@@ -371,7 +372,7 @@ def evaluate_step_model(
             sum(w.fixed_cycles[k] for w, k in zip(members, static)),
             sum(w.fixed_cost[k] for w, k in zip(members, static)),
         )
-        with_prior = [(w, r) for w, r in zip(members, member_rows[prefix]) if r.prior_block_size is not None]
+        with_prior = [(w, r) for w, r in group if r.prior_block_size is not None]
         if with_prior:  # the per-request predictor's b0, kept for the whole generation
             chosen = [(w, candidates.index(r.prior_block_size)) for w, r in with_prior]
             put("request", sum(w.fixed_cycles[k] for w, k in chosen), sum(w.fixed_cost[k] for w, k in chosen))
