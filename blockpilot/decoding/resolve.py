@@ -30,6 +30,17 @@ from blockpilot.checks import positive_int
 from blockpilot.decoding.policies import Autoregressive, BlockSizePolicy, EntropyHeuristic, FixedBlockSize
 
 POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive")
+# Kinds that take files: the spec fields their argument fills (comma-separated when several), and what is missing
+# when one is absent.
+_ARGUMENTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "learned": (("predictor",), "a model: learned:FOLDER (a folder or models:/NAME@ALIAS)"),
+    "learned-step": (("step_model",), "a model: learned-step:FOLDER (a folder or models:/NAME@ALIAS)"),
+    "learned+step": (
+        ("predictor", "step_model"),
+        "a model: learned+step:PREDICTOR,STEP_MODEL (each a folder or models:/NAME@ALIAS)",
+    ),
+    "trim": (("calibration",), "a calibration: trim:FILE (make one with `blockpilot calibrate-trim`)"),
+}
 
 
 @dataclass(frozen=True)
@@ -45,33 +56,28 @@ class PolicySpec:
             raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.decoding.resolve), got {self.kind!r}")
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
-        needs = {"learned": (self.predictor,), "learned-step": (self.step_model,), "learned+step": (self.predictor, self.step_model)}
-        if self.kind == "trim" and not self.calibration:
-            raise ValueError("the trim policy needs a calibration: trim:FILE (make one with `blockpilot calibrate-trim`)")
-        if self.kind in needs and not all(needs[self.kind]):
-            shape = "PREDICTOR,STEP_MODEL" if self.kind == "learned+step" else "FOLDER"
-            raise ValueError(f"the {self.kind} policy needs a model: {self.kind}:{shape} (each a folder or models:/NAME@ALIAS)")
+        if self.kind in _ARGUMENTS:
+            fields, needed = _ARGUMENTS[self.kind]
+            if not all(getattr(self, name) for name in fields):
+                raise ValueError(f"the {self.kind} policy needs {needed}")
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
-        """`fixed`, `fixed:8`, `entropy`, `learned:PATH_OR_URI`, `autoregressive`."""
+        """`fixed`, `fixed:8`, `entropy`, `learned:PATH_OR_URI`, `learned+step:P,S`, `trim:FILE`, `autoregressive`."""
         kind, _, argument = text.strip().partition(":")
         if kind == "fixed" and argument:
             try:
                 return cls("fixed", block_size=int(argument))
             except ValueError:
                 raise ValueError(f"policy {text!r}: expected fixed:<integer block size>") from None
-        if kind == "learned":
-            return cls(kind, predictor=argument or None)
-        if kind == "learned-step":
-            return cls(kind, step_model=argument or None)
-        if kind == "trim":
-            return cls(kind, calibration=argument or None)
-        if kind == "learned+step":
-            predictor, comma, step_model = argument.partition(",")
-            if not comma:
-                raise ValueError(f"policy {text!r}: expected learned+step:PREDICTOR,STEP_MODEL")
-            return cls(kind, predictor=predictor.strip() or None, step_model=step_model.strip() or None)
+        if kind in _ARGUMENTS:
+            fields, _ = _ARGUMENTS[kind]
+            if len(fields) == 1:
+                return cls(kind, **{fields[0]: argument or None})
+            values = argument.split(",", len(fields) - 1)
+            if argument and len(values) != len(fields):
+                raise ValueError(f"policy {text!r}: expected {kind}:{','.join(name.upper() for name in fields)}")
+            return cls(kind, **{name: value.strip() or None for name, value in zip(fields, values)})
         if argument:
             raise ValueError(f"policy {text!r}: {kind!r} takes no argument")
         return cls(kind)
@@ -79,14 +85,8 @@ class PolicySpec:
     def __str__(self) -> str:
         if self.kind == "fixed" and self.block_size is not None:
             return f"fixed:{self.block_size}"
-        if self.kind == "learned":
-            return f"learned:{self.predictor}"
-        if self.kind == "learned-step":
-            return f"learned-step:{self.step_model}"
-        if self.kind == "learned+step":
-            return f"learned+step:{self.predictor},{self.step_model}"
-        if self.kind == "trim":
-            return f"trim:{self.calibration}"
+        if self.kind in _ARGUMENTS:
+            return f"{self.kind}:" + ",".join(str(getattr(self, name)) for name in _ARGUMENTS[self.kind][0])
         return self.kind
 
 
