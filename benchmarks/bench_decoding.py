@@ -17,13 +17,13 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.decoding.speed import measure_speed
 from blockpilot.models import load_models
 
 PROMPTS = [
@@ -36,14 +36,8 @@ PROMPTS = [
 
 def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int) -> tuple[str, float, float]:
     """(policy name, generated tokens per wall second, mean tau) of `prompts_ids` at `batch` rows at a time."""
-    policy = resolve_policy(spec, models)  # policies keep no per-request state: one serves every row
-    requests = [GenerationRequest(ids, config, policy) for ids in prompts_ids]
-    started = time.perf_counter()
-    results = generate_many(models, requests, max_batch=batch)
-    seconds = time.perf_counter() - started
-    tokens = sum(len(r.token_ids) for r in results)
-    taus = [r.tau for r in results if r.cycles]
-    return results[0].policy, tokens / seconds, statistics.fmean(taus) if taus else float("nan")
+    speed = measure_speed(models, prompts_ids, resolve_policy(spec, models), config, max_batch=batch)
+    return speed.policy, speed.tokens_per_s, speed.tau
 
 
 def main() -> None:
