@@ -14,8 +14,10 @@ held-out modeled throughput.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -176,8 +178,28 @@ def start_run(
 
 
 def _quiet_artifact_transfers() -> None:
-    """A predictor is a few small files: a progress bar per file is noise in `generate`, `train` and the demo."""
+    """A predictor is a few small files: a progress bar per file is noise in `generate`, `train` and the demo.
+    Nor does a new SQLite store need two INFO lines about creating its tables."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def _without_mlflow_hints() -> Iterator[None]:
+    """MLflow's advice that does not apply here, said once per label set or model logged: a local Parquet
+    folder 'can be interpreted in multiple ways' (both are the local artifact source), integer columns
+    'cannot represent missing values' (labels have none), and a pyfunc whose type hints (a DataFrame in, a
+    list of block sizes out) 'cannot be used to infer' a signature."""
+    pyfunc_logger = logging.getLogger("mlflow.pyfunc")
+    level = pyfunc_logger.level
+    pyfunc_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column")
+            yield
+    finally:
+        pyfunc_logger.setLevel(level)
 
 
 def log_figures(tracker: Tracker, figures: Mapping[str, Any]) -> None:
@@ -202,7 +224,8 @@ def log_label_set(tracker: Tracker, source: str | Path, table: Any, context: str
     """Record a label set (a pyarrow table read from `source`) as the run's `context` dataset input: the
     lineage labels -> model -> registered version, one row per label (prompt, temperature, B*, tau)."""
     frame = table.select(["prompt_id", "source", "temperature", "best_block_size", "tau"]).to_pandas()
-    tracker.log_dataset(source, frame, name=f"labels/{Path(source).name}/{context}", context=context)
+    with _without_mlflow_hints():
+        tracker.log_dataset(source, frame, name=f"labels/{Path(source).name}/{context}", context=context)
 
 
 # ----------------------------------------------------------------------------- the predictor as an MLflow model
@@ -222,14 +245,15 @@ def log_predictor_model(
         return None, False
     import mlflow
 
-    info = mlflow.pyfunc.log_model(
-        name="predictor-model",
-        python_model=str(_MODEL_CODE),
-        artifacts={"predictor": str(predictor_dir)},
-        code_paths=[str(Path(__file__).parent)],
-        pip_requirements=["torch", "safetensors", "numpy", "pandas", "pyarrow"],
-        registered_model_name=registered_name,
-    )
+    with _without_mlflow_hints():
+        info = mlflow.pyfunc.log_model(
+            name="predictor-model",
+            python_model=str(_MODEL_CODE),
+            artifacts={"predictor": str(predictor_dir)},
+            code_paths=[str(Path(__file__).parent)],
+            pip_requirements=["torch", "safetensors", "numpy", "pandas", "pyarrow"],
+            registered_model_name=registered_name,
+        )
     version = getattr(info, "registered_model_version", None)
     if version is None:
         return None, False

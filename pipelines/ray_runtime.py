@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from blockpilot.home import blockpilot_home
 
@@ -37,17 +38,39 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         include_dashboard=False,
         configure_logging=True,
         logging_level="WARNING",
-        runtime_env={"worker_process_setup_hook": "pipelines.ray_runtime.quiet_embedded_workers"},
+        runtime_env={
+            "worker_process_setup_hook": "pipelines.ray_runtime.quiet_embedded_workers",
+            # Train re-logs a worker's `print` at INFO and also passes it through: every epoch line came twice.
+            "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+        },
     )
 
 
 def quiet_embedded_workers() -> None:
     """Runs in every worker process of an embedded cluster. Ray Train's placement-group cleaner asks the State
     API, which a cluster without a dashboard does not serve, whether the controller lives, and warns each
-    second that it could not; the embedded cluster ends with this process, placement groups included."""
+    second that it could not; the embedded cluster ends with this process, placement groups included. And
+    Ray Train's dataset split coordinator announces the end of every epoch's Ray Data execution, which the
+    fit's own per-epoch line already says."""
     import logging
 
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+    # Train's worker context logs 'Reporting training result N' per report under a logger named after its
+    # file path, which `train_logging`'s level (for `ray.train.*` names) does not reach.
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)
+
+
+def train_logging() -> Any:
+    """Ray Train's console at WARNING: no line per report or checkpoint (the fits print their own line per
+    epoch), and a worker's `print`, which Train both passes through and re-logs at INFO, shown once."""
+    from ray.train import LoggingConfig
+
+    return LoggingConfig(log_level="WARNING")
 
 
 def ray_storage(kind: str) -> Path:
@@ -82,3 +105,18 @@ def quiet_ray_data() -> None:
     # Nor the lines that announce that (a warning) and each execution's end (info).
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+    # Train's worker context logs 'Reporting training result N' per report under a logger named after its
+    # file path, which `train_logging`'s level (for `ray.train.*` names) does not reach.
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
+    if spec is not None and spec.origin:
+        logging.getLogger(spec.origin).setLevel(logging.WARNING)
+
+
+def train_logging() -> Any:
+    """Ray Train's console at WARNING: no line per report or checkpoint (the fits print their own line per
+    epoch), and a worker's `print`, which Train both passes through and re-logs at INFO, shown once."""
+    from ray.train import LoggingConfig
+
+    return LoggingConfig(log_level="WARNING")

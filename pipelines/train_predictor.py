@@ -265,7 +265,7 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
     from blockpilot.predictor.training import PredictorTrainConfig, training_columns
     from blockpilot.scoring import label_columns
     from blockpilot.tracking import tracking_uri
-    from pipelines.ray_runtime import ensure_ray, quiet_ray_data
+    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
 
     storage = job.storage or blockpilot_home() / "ray_results" / "predictor"
     _check_run_folder(job, prepared, storage)
@@ -298,6 +298,7 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
             storage_path=str(storage),
             failure_config=FailureConfig(max_failures=job.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            logging_config=train_logging(),
         ),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"]),

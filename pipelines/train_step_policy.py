@@ -112,7 +112,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         step_rows,
     )
     from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
-    from pipelines.ray_runtime import ensure_ray, quiet_ray_data
+    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
 
     from blockpilot.predictor.store import load_predictor
 
@@ -154,7 +154,11 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
                 "tracking_uri": tracking_uri() if tracker.run_id else None,
             },
             scaling_config=ScalingConfig(num_workers=1),
-            run_config=RunConfig(name=job.name, storage_path=str(job.storage or blockpilot_home() / "ray_results" / "step")),
+            run_config=RunConfig(
+                name=job.name,
+                storage_path=str(job.storage or blockpilot_home() / "ray_results" / "step"),
+                logging_config=train_logging(),
+            ),
             datasets={"train": ray.data.from_items([{"features": x, "regret": r} for x, r in zip(features, regret)])},
         )
         result = trainer.fit()

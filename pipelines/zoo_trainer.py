@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.ray_runtime import ensure_ray, ray_storage
+from pipelines.ray_runtime import ensure_ray, ray_storage, train_logging
 
 
 def _reporter(name: str, total_steps: int, every: int):
@@ -120,7 +120,7 @@ class RayTrainer:
             worker,
             train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=self.num_workers, use_gpu=self.use_gpu),
-            run_config=RunConfig(name=name, storage_path=str(ray_storage("zoo"))),
+            run_config=RunConfig(name=name, storage_path=str(ray_storage("zoo")), logging_config=train_logging()),
         )
         return _read_final(trainer.fit())
 
