@@ -1,8 +1,8 @@
-"""The main job on embedded defaults: zoo -> cycle cost -> labels -> predictor + per-step model -> generate ->
-endpoint.
+"""The main job on embedded defaults: zoo -> cycle cost -> labels -> predictor + per-step model -> one traced
+generation -> every policy on the held-out prompts -> endpoint.
 
-    make demo                                  # = python -m blockpilot demo (the small zoo)
-    python -m blockpilot demo --size tiny      # the same flow on the tiny zoo, in a few minutes
+    make demo                                  # = python -m blockpilot demo (the mini zoo, ~10 minutes)
+    python -m blockpilot demo --size small     # the bigger zoo the benchmarks use (~40 minutes to build once)
 
 Everything runs on this machine: an embedded Ray (Ray Data labels, Ray Train fits the predictor, Ray Serve
 serves it on 127.0.0.1), MLflow in SQLite under $BLOCKPILOT_HOME, models from the local zoo. Each stage
@@ -12,26 +12,38 @@ artifact lands under the home folder (the notebooks read them from there).
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from blockpilot.home import HOME_ENV, blockpilot_home
 from blockpilot.options import option, positive_int_arg
+from blockpilot.zoo.build import RECIPES, zoo_cache_dir
+
+
+DEFAULT_SIZE = "mini"
+SIZE_ENV = "BLOCKPILOT_DEMO_SIZE"  # which run's artifacts the notebooks read
 
 
 @dataclass(frozen=True)
 class DemoPaths:
     """Where the main job leaves each artifact of a zoo size, under the home folder."""
 
-    size: str = "small"
+    size: str = DEFAULT_SIZE
     home: Path = field(default_factory=blockpilot_home)
+
+    @classmethod
+    def from_environment(cls) -> DemoPaths:
+        """The run named by $BLOCKPILOT_DEMO_SIZE (default: the demo's default size) under $BLOCKPILOT_HOME."""
+        return cls(os.environ.get(SIZE_ENV, DEFAULT_SIZE))
 
     @property
     def zoo(self) -> Path:
-        from blockpilot.zoo.build import RECIPES, zoo_cache_dir
-
         return zoo_cache_dir(RECIPES[self.size], 0, self.home)
 
     @property
@@ -58,12 +70,88 @@ class DemoPaths:
 @dataclass(frozen=True)
 class DemoJob:
     home: Path | None = option(None, type=Path, help="artifact folder (default: $BLOCKPILOT_HOME)")
-    size: str = option("small", choices=("tiny", "small"), help="which zoo the flow runs on")
+    size: str = option(
+        DEFAULT_SIZE,
+        choices=tuple(RECIPES),
+        help="which zoo the flow runs on: mini (default) ends in about 10 minutes on 2 cores, small is the bigger "
+        "zoo the benchmarks use (about 40 minutes to build once), tiny is the test suite's",
+    )
     port: int = option(8000, type=positive_int_arg, help="port of the endpoint on 127.0.0.1")
+    live_prompts: int = option(24, type=positive_int_arg, help="held-out prompts the policy table decodes live")
 
 
-def _banner(text: str) -> None:
-    print(f"\n=== {text}", flush=True)
+# Families whose answers can be checked by eye; the example is taken from them first.
+_CHECKABLE_SOURCES = ("count", "arithmetic", "sort", "copy", "reverse")
+STAGES = 7
+
+
+class StageClock:
+    """Prints a banner per stage and keeps how long each one took."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[str, float]] = []
+        self._name: str | None = None
+        self._started = 0.0
+
+    def start(self, name: str, text: str) -> None:
+        self._stop()
+        self._name, self._started = name, time.perf_counter()
+        print(f"\n=== {len(self.times) + 1}/{STAGES} {text}", flush=True)
+
+    def _stop(self) -> None:
+        if self._name is not None:
+            self.times.append((self._name, time.perf_counter() - self._started))
+            self._name = None
+
+    def summary(self) -> str:
+        self._stop()
+        total = sum(seconds for _, seconds in self.times)
+        return "stage times: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in self.times) + f" (total {total:.0f}s)"
+
+
+def reference_answers(zoo: Path) -> dict[str, str]:
+    """The held-out prompts' reference responses, by prompt id, where the zoo's corpus is at hand."""
+    corpus = zoo / "corpus.json"
+    if not corpus.is_file():
+        return {}
+    return {row["id"]: row["response"] for row in json.loads(corpus.read_text())["heldout"]}
+
+
+def pick_example(
+    models: Any, heldout: list[dict[str, Any]], references: dict[str, str], tries: int = 32, max_new_tokens: int = 64
+) -> dict[str, Any]:
+    """The held-out prompt, among the checkable families, whose greedy answer comes closest to its reference
+    (difflib's ratio); the first held-out prompt when there are no references."""
+    from blockpilot.decoding import GenerationConfig, generate
+
+    checkable = [row for row in heldout if row["source"] in _CHECKABLE_SOURCES and row["id"] in references][:tries]
+    if not checkable:
+        return {**heldout[0], "reference": None, "similarity": None}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids()))
+    scored = []
+    for row in checkable:
+        result = generate(models, models.encode_prompt(row["prompt"]), config=config)
+        answer = models.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+        similarity = difflib.SequenceMatcher(None, answer, references[row["id"]].strip()).ratio()
+        scored.append((similarity, row))
+    similarity, row = max(scored, key=lambda pair: pair[0])
+    return {**row, "reference": references[row["id"]], "similarity": similarity}
+
+
+def policy_table(label_metrics: dict[str, float], live: dict[str, Any], specs: dict[str, str], prompts: int) -> str:
+    """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live."""
+    lines = [
+        f"policies on the held-out prompts at T = 0: tau and modeled throughput (tokens per unit of calibrated "
+        f"cost) walked on their acceptance tables; tau and tokens/s decoded live, {prompts} prompts one at a time",
+        f"  {'policy':<28} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9}",
+    ]
+    for key, name in specs.items():
+        tau, modeled = label_metrics.get(f"T0/tau_{key}", math.nan), label_metrics.get(f"T0/throughput_{key}", math.nan)
+        speed = live.get(key)
+        live_tau = f"{speed.tau:>9.2f}" if speed else f"{'-':>9}"
+        rate = f"{speed.tokens_per_s:>9.1f}" if speed else f"{'-':>9}"
+        lines.append(f"  {name:<28} {tau:>6.2f} {modeled:>9.1f} {live_tau} {rate}")
+    return "\n".join(lines)
 
 
 def run_demo(job: DemoJob) -> int:
@@ -74,10 +162,11 @@ def run_demo(job: DemoJob) -> int:
     from blockpilot.cost import calibrate
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.resolve import resolve_policy
+    from blockpilot.decoding.speed import measure_speed
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.tracking import tracking_uri
-    from blockpilot.zoo.build import RECIPES, build_zoo
+    from blockpilot.zoo.build import build_zoo
     from pipelines.label import LabelJob, run_label_job
     from pipelines.serve import ModelLoader, serve_locally
     from pipelines.train_predictor import TrainJob, run_train_job
@@ -86,7 +175,8 @@ def run_demo(job: DemoJob) -> int:
     size = job.size
     paths = DemoPaths(size)
     recipe = RECIPES[size]
-    _banner(f"1/6 the {size} zoo (target + DFlash drafter, trained here from local text)")
+    clock = StageClock()
+    clock.start("zoo", f"the {size} zoo (target + DFlash drafter, trained here from local text)")
     zoo = build_zoo(size)
     info = json.loads((zoo / "zoo.json").read_text())["evaluation"]
     print(
@@ -95,12 +185,12 @@ def run_demo(job: DemoJob) -> int:
     )
     models = load_models(zoo / "target", zoo / "drafter")
 
-    _banner("2/6 the cost of a draft/verify cycle at each block size, on this machine")
+    clock.start("cost", "the cost of a draft/verify cycle at each block size, on this machine")
     if not paths.cost.is_file():
         calibrate(models, range(1, 2 * recipe.block_size + 1)).save(paths.cost)
     print(f"cost curve: {paths.cost}")
 
-    _banner("3/6 labels: the acceptance table of every prompt on Ray Data")
+    clock.start("labels", "labels: the acceptance table of every prompt on Ray Data")
     # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
     settings = LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4)
     for split in ("train", "heldout"):
@@ -118,7 +208,7 @@ def run_demo(job: DemoJob) -> int:
             )
         )
 
-    _banner("4/6 the per-request predictor and the per-step model on Ray Train, tracked in MLflow")
+    clock.start("training", "the per-request predictor and the per-step model on Ray Train, tracked in MLflow")
     outcome = run_train_job(
         TrainJob(
             labels=paths.labels / "train",
@@ -147,18 +237,42 @@ def run_demo(job: DemoJob) -> int:
     )
     adaptive = f"learned+step:{predictor},{step.model_dir}"
 
-    _banner(f"5/6 one held-out prompt under {adaptive}")
-    prompt = json.loads((zoo / "prompts" / "heldout.jsonl").read_text().splitlines()[0])["prompt"]
+    clock.start("example", f"one held-out prompt under {adaptive}")
+    heldout = [json.loads(line) for line in (zoo / "prompts" / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    example = pick_example(models, heldout, reference_answers(zoo))
     result = generate(
         models,
-        models.encode_prompt(prompt),
+        models.encode_prompt(example["prompt"]),
         policy=resolve_policy(adaptive, models),
         config=GenerationConfig(max_new_tokens=64, stop_token_ids=tuple(models.stop_token_ids())),
     )
-    print(f"prompt: {prompt!r}\nanswer: {models.tokenizer.decode(result.token_ids, skip_special_tokens=True)!r}")
+    print(f"prompt ({example['source']}): {example['prompt']!r}")
+    print(f"answer:    {models.tokenizer.decode(result.token_ids, skip_special_tokens=True)!r}")
+    if example["reference"] is not None:
+        print(f"reference: {example['reference']!r} (similarity {example['similarity']:.2f}, the closest of its families)")
     print(result.format_stats())
 
-    _banner(f"6/6 the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")
+    clock.start("policies", "every policy on the held-out prompts: tables and live")
+    best_fixed = int(step.metrics["T0/best_fixed_b"])
+    specs = {
+        "B": (f"fixed:{recipe.block_size}", f"fixed B = {recipe.block_size}"),
+        "best_fixed": (f"fixed:{best_fixed}", f"best fixed b = {best_fixed}"),
+        "request": (f"learned:{predictor}", "learned (per request)"),
+        "step": (adaptive, "learned+step (per step)"),
+        "oracle": (None, "static oracle"),
+        "step_oracle": (None, "per-step oracle"),
+    }
+    prompts_ids = [models.encode_prompt(row["prompt"]) for row in heldout[: job.live_prompts]]
+    config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
+    measure_speed(models, prompts_ids[:2], resolve_policy(f"fixed:{recipe.block_size}", models), config)  # warm-up
+    live = {
+        key: measure_speed(models, prompts_ids, resolve_policy(spec, models), config)
+        for key, (spec, _) in specs.items()
+        if spec is not None
+    }
+    print(policy_table(step.metrics, live, {key: name for key, (_, name) in specs.items()}, len(prompts_ids)))
+
+    clock.start("endpoint", f"the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")
     loader = ModelLoader(
         str(zoo / "target"), str(zoo / "drafter"), predictor, step_model=str(step.model_dir), model_name=f"zoo-{size}"
     )
@@ -170,7 +284,7 @@ def run_demo(job: DemoJob) -> int:
             timeout=120,
             json={
                 "model": f"zoo-{size}",
-                "messages": [{"role": "user", "content": prompt}],
+                "messages": [{"role": "user", "content": example["prompt"]}],
                 "max_tokens": 64,
                 "temperature": 0,
             },
@@ -185,7 +299,10 @@ def run_demo(job: DemoJob) -> int:
         from ray import serve
 
         serve.shutdown()
-    print(f"\nMLflow: mlflow ui --backend-store-uri {tracking_uri()} --host 127.0.0.1 --port 5000, then open")
+    print(f"\n{clock.summary()}")
+    print(f"\nnext: the MLflow UI, the runs of every stage side by side:")
+    print(f"  mlflow ui --backend-store-uri {tracking_uri()} --host 127.0.0.1 --port 5000")
     print("  http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (the runs tables, not the GenAI view)")
-    print(f"notebooks: BLOCKPILOT_HOME={paths.home} BLOCKPILOT_DEMO_SIZE={size} jupyter lab notebooks/")
+    print(f"the notebooks, on these artifacts: BLOCKPILOT_HOME={paths.home} {SIZE_ENV}={size} jupyter lab notebooks/")
+    print(f"the bigger zoo: python -m blockpilot demo --size small")
     return 0

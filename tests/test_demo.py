@@ -1,0 +1,77 @@
+"""The main job's own pieces: the live speed measurement, the example it traces, its policy table, its clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from blockpilot.decoding import GenerationConfig
+from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.decoding.speed import PolicySpeed, measure_speed
+from pipelines.demo import DEFAULT_SIZE, SIZE_ENV, DemoPaths, StageClock, pick_example, policy_table
+
+
+def test_measure_speed_counts_every_generated_token(random_models):
+    prompts = [random_models.encode_prompt(text) for text in ("count to ten", "sort 3 1 2", "hello")]
+    config = GenerationConfig(max_new_tokens=7)  # no stop tokens: every prompt decodes exactly 7 tokens
+    policy = resolve_policy("fixed:3", random_models)
+    speed = measure_speed(random_models, prompts, policy, config, max_batch=2)
+    assert speed.policy == policy.name
+    assert speed.tokens == 3 * 7
+    assert speed.seconds > 0 and speed.tokens_per_s == pytest.approx(21 / speed.seconds)
+    assert 1.0 <= speed.tau <= 4.0  # a cycle at b = 3 commits 1 to b + 1 tokens
+    with pytest.raises(ValueError, match="at least one prompt"):
+        measure_speed(random_models, [], policy, config)
+
+
+def test_the_example_is_the_checkable_prompt_answered_closest_to_its_reference(random_models):
+    from blockpilot.decoding import generate
+
+    rows = [
+        {"id": "a", "source": "count", "prompt": "Count from 1 to 5."},
+        {"id": "b", "source": "sort", "prompt": "Sort these numbers: 3 1 2"},
+        {"id": "c", "source": "code", "prompt": "def f():"},  # not a checkable family: never picked
+    ]
+    config = GenerationConfig(max_new_tokens=8, stop_token_ids=tuple(random_models.stop_token_ids()))
+    answer = generate(random_models, random_models.encode_prompt(rows[1]["prompt"]), config=config)
+    exact = random_models.tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
+    references = {"a": "\x00 nothing alike \x00", "b": exact, "c": exact}
+    example = pick_example(random_models, rows, references, max_new_tokens=8)
+    assert example["id"] == "b" and example["similarity"] == pytest.approx(1.0)
+    assert example["reference"] == exact
+    # Without references (a zoo copied without its corpus) the first held-out prompt is shown, unjudged.
+    fallback = pick_example(random_models, rows, {})
+    assert fallback["id"] == "a" and fallback["reference"] is None
+
+
+def test_policy_table_has_a_row_per_policy_and_dashes_where_nothing_ran():
+    metrics = {"T0/tau_B": 2.5, "T0/throughput_B": 100.0, "T0/tau_step_oracle": 3.0, "T0/throughput_step_oracle": 130.0}
+    live = {"B": PolicySpeed("fixed", tokens=50, seconds=0.5, tau=2.4)}
+    text = policy_table(metrics, live, {"B": "fixed B = 6", "step_oracle": "per-step oracle", "request": "learned"}, 4)
+    rows = {line.split("  ")[1].strip(): line for line in text.splitlines()[2:]}
+    assert set(rows) == {"fixed B = 6", "per-step oracle", "learned"}
+    assert rows["fixed B = 6"].split()[-4:] == ["2.50", "100.0", "2.40", "100.0"]
+    assert rows["per-step oracle"].split()[-4:] == ["3.00", "130.0", "-", "-"]
+    assert rows["learned"].split()[-4:] == ["nan", "nan", "-", "-"]  # not evaluated on the tables
+
+
+def test_stage_clock_keeps_every_stage_in_order(capsys):
+    clock = StageClock()
+    clock.start("zoo", "the zoo")
+    clock.start("labels", "labels")
+    summary = clock.summary()
+    assert [name for name, _ in clock.times] == ["zoo", "labels"]
+    assert all(seconds >= 0 and not math.isnan(seconds) for _, seconds in clock.times)
+    assert summary.startswith("stage times: zoo ") and "labels" in summary
+    printed = capsys.readouterr().out
+    assert "=== 1/7 the zoo" in printed and "=== 2/7 labels" in printed
+
+
+def test_demo_paths_follow_the_size_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOCKPILOT_HOME", str(tmp_path))
+    monkeypatch.delenv(SIZE_ENV, raising=False)
+    assert DemoPaths.from_environment() == DemoPaths(DEFAULT_SIZE, tmp_path)
+    monkeypatch.setenv(SIZE_ENV, "tiny")
+    paths = DemoPaths.from_environment()
+    assert paths.size == "tiny" and paths.run == tmp_path / "demo" / "tiny"
