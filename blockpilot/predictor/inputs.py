@@ -65,7 +65,11 @@ class PredictorInputs:
         """From `input_arrays` output (numpy or torch), rows as they are."""
 
         def tensor(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(arrays[name]).to(dtype)
+            value = arrays[name]
+            # Ray Data hands out read-only numpy views; torch warns on those, and a batch is small to copy.
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                value = value.copy()
+            return torch.as_tensor(value).to(dtype)
 
         return cls(
             topk_ids=tensor("topk_ids", torch.long),
