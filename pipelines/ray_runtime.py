@@ -53,9 +53,14 @@ def quiet_embedded_workers() -> None:
     Ray Train's dataset split coordinator announces the end of every epoch's Ray Data execution, which the
     fit's own per-epoch line already says."""
     import logging
+    import warnings
 
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
     logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+    # The driver turned Ray Data's progress bars off (`quiet_ray_data`); each worker would say so once.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # Ray's own Train dataset manager still passes a deprecated Ray Data option.
+    warnings.filterwarnings("ignore", message=".*exclude_resources.* is deprecated")
     # Train's worker context logs 'Reporting training result N' per report under a logger named after its
     # file path, which `train_logging`'s level (for `ray.train.*` names) does not reach.
     import importlib.util
@@ -105,13 +110,6 @@ def quiet_ray_data() -> None:
     # Nor the lines that announce that (a warning) and each execution's end (info).
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
-    # Train's worker context logs 'Reporting training result N' per report under a logger named after its
-    # file path, which `train_logging`'s level (for `ray.train.*` names) does not reach.
-    import importlib.util
-
-    spec = importlib.util.find_spec("ray.train.v2._internal.execution.context")
-    if spec is not None and spec.origin:
-        logging.getLogger(spec.origin).setLevel(logging.WARNING)
 
 
 def train_logging() -> Any:

@@ -118,7 +118,8 @@ class StepModel(nn.Module):
     @torch.no_grad()
     def choose(self, features: np.ndarray) -> np.ndarray:
         """(N,) chosen candidate index per row of `features`."""
-        return self(torch.as_tensor(features, dtype=torch.float32)).argmax(dim=-1).numpy()
+        # np.array copies: Ray Data hands out read-only views, which torch warns about.
+        return self(torch.as_tensor(np.array(features, dtype=np.float32))).argmax(dim=-1).numpy()
 
     def save(self, directory: str | Path) -> Path:
         return save_weights_folder(directory, self.config.to_dict(), self.state_dict())
