@@ -49,16 +49,15 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 def quiet_embedded_workers() -> None:
     """Runs in every worker process of an embedded cluster. Ray Train's placement-group cleaner asks the State
     API, which a cluster without a dashboard does not serve, whether the controller lives, and warns each
-    second that it could not; the embedded cluster ends with this process, placement groups included. And
-    Ray Train's dataset split coordinator announces the end of every epoch's Ray Data execution, which the
-    fit's own per-epoch line already says."""
+    second that it could not; the embedded cluster ends with this process, placement groups included. The
+    other lines quieted here repeat, per worker or per epoch, what the driver's stages already print."""
     import logging
     import warnings
 
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
-    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
-    # The driver turned Ray Data's progress bars off (`quiet_ray_data`); each worker would say so once.
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # The driver turned Ray Data's progress bars off (`quiet_ray_data`): each worker would say so once, and
+    # Train's split coordinator would announce each epoch's execution end.
+    _quiet_ray_data_logs()
     # Ray's own Train dataset manager still passes a deprecated Ray Data option.
     warnings.filterwarnings("ignore", message=".*exclude_resources.* is deprecated")
     # Train's worker context logs 'Reporting training result N' per report under a logger named after its
@@ -100,21 +99,18 @@ def embedded_auth_token() -> Path:
 
 def quiet_ray_data() -> None:
     """No Ray Data progress block every few seconds, no plan printed per execution: stages show their own bar."""
-    import logging
-
     from ray.data import DataContext
 
     context = DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    # Nor the lines that announce that (a warning) and each execution's end (info).
+    _quiet_ray_data_logs()
+
+
+def _quiet_ray_data_logs() -> None:
+    """Nor the lines that announce that progress bars are off (a warning) and each execution's end (info), in
+    the driver and in every worker of an embedded cluster."""
+    import logging
+
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
-
-
-def train_logging() -> Any:
-    """Ray Train's console at WARNING: no line per report or checkpoint (the fits print their own line per
-    epoch), and a worker's `print`, which Train both passes through and re-logs at INFO, shown once."""
-    from ray.train import LoggingConfig
-
-    return LoggingConfig(log_level="WARNING")
