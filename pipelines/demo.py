@@ -19,11 +19,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockpilot.home import HOME_ENV, blockpilot_home
 from blockpilot.options import option, positive_int_arg
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
+
+if TYPE_CHECKING:
+    from blockpilot.decoding.speed import PolicySpeed
 
 
 DEFAULT_SIZE = "mini"
@@ -138,7 +141,9 @@ def pick_example(
     return {**row, "reference": references[row["id"]], "similarity": similarity}
 
 
-def policy_table(label_metrics: dict[str, float], live: dict[str, Any], specs: dict[str, str], prompts: int) -> str:
+def policy_table(
+    label_metrics: dict[str, float], live: dict[str, PolicySpeed], specs: dict[str, str], prompts: int
+) -> str:
     """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live."""
     lines = [
         f"policies on the held-out prompts at T = 0: tau and modeled throughput (tokens per unit of calibrated "
@@ -300,9 +305,9 @@ def run_demo(job: DemoJob) -> int:
 
         serve.shutdown()
     print(f"\n{clock.summary()}")
-    print(f"\nnext: the MLflow UI, the runs of every stage side by side:")
+    print("\nnext: the MLflow UI, the runs of every stage side by side:")
     print(f"  mlflow ui --backend-store-uri {tracking_uri()} --host 127.0.0.1 --port 5000")
     print("  http://127.0.0.1:5000/#/experiments?workflowType=machine_learning (the runs tables, not the GenAI view)")
     print(f"the notebooks, on these artifacts: BLOCKPILOT_HOME={paths.home} {SIZE_ENV}={size} jupyter lab notebooks/")
-    print(f"the bigger zoo: python -m blockpilot demo --size small")
+    print("the bigger zoo: python -m blockpilot demo --size small")
     return 0
