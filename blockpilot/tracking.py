@@ -129,8 +129,9 @@ class MLflowTracker:
 
     def log_dataset(self, path: str | Path, frame: Any, name: str, context: str) -> None:
         """Record a label set as an input of the run (the lineage labels -> predictor -> registered model)."""
-        dataset = self._mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=name)
-        self._mlflow.log_input(dataset, context=context)
+        with _without_mlflow_hints():
+            dataset = self._mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=name)
+            self._mlflow.log_input(dataset, context=context)
 
 
 def mlflow_available() -> bool:
@@ -224,8 +225,7 @@ def log_label_set(tracker: Tracker, source: str | Path, table: Any, context: str
     """Record a label set (a pyarrow table read from `source`) as the run's `context` dataset input: the
     lineage labels -> model -> registered version, one row per label (prompt, temperature, B*, tau)."""
     frame = table.select(["prompt_id", "source", "temperature", "best_block_size", "tau"]).to_pandas()
-    with _without_mlflow_hints():
-        tracker.log_dataset(source, frame, name=f"labels/{Path(source).name}/{context}", context=context)
+    tracker.log_dataset(source, frame, name=f"labels/{Path(source).name}/{context}", context=context)
 
 
 # ----------------------------------------------------------------------------- the predictor as an MLflow model
