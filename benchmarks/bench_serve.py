@@ -1,6 +1,6 @@
 """Endpoint throughput and latency under load, per policy, and the HTTP overhead over the library.
 
-    python benchmarks/bench_serve.py --zoo ~/.cache/blockpilot/zoo/small-seed0-v3-py311 [--predictor DIR_OR_URI]
+    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI]  # ZOO from `blockpilot zoo build --out ZOO`
 
 Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch
 rows), then for each policy (the server's adaptive one, and fixed b = B) and each concurrency (1, 8, 32)

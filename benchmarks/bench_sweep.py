@@ -1,7 +1,7 @@
 """Sweep throughput: prompts/s of the live sweep (one generation per block size) and of the acceptance-table
 sweep (one reference generation, then every block size walked on its table), on the same prompts.
 
-    python benchmarks/bench_sweep.py --zoo ~/.cache/blockpilot/zoo/small-seed0-v3-py311 [--prompts 40] [--batch 8]
+    python benchmarks/bench_sweep.py --zoo ZOO [--prompts 40] [--batch 8]  # ZOO from `blockpilot zoo build --out ZOO`
 
 Runs both modes with the 5 candidates B-2..B+2 and with the BlockPilot code's 9 ({1,2,4,8,14..18}), in this
 process (no Ray: this measures the sweep itself), `--batch` prompts per engine, and prints prompts/s, the

@@ -1,12 +1,13 @@
 """`blockpilot zoo build`: corpus -> tokenizer -> target -> target's own responses -> drafter -> evaluation.
 
 Every stage writes its output under a work folder in `$BLOCKPILOT_HOME/zoo/<key>`, keyed by size, seed,
-recipe version and Python version (the corpus reads the running Python's stdlib); a stage whose output
+recipe version, a digest of the recipe's numbers and Python version (the corpus reads the running Python's stdlib); a stage whose output
 exists is not run again, so a second build is a copy and a failed one resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -68,7 +69,10 @@ class ZooRecipe:
         return self.gamma if self.gamma is not None else self.block_size / 2
 
     def cache_key(self, seed: int) -> str:
-        return f"{self.name}-seed{seed}-v{RECIPE_VERSION}-{python_version_tag()}"
+        """The build folder's name: a recipe whose numbers change (a schedule, a mix) is a new build, not a reuse
+        of the old one's models."""
+        digest = hashlib.sha256(json.dumps(_recipe_dict(self), sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.name}-seed{seed}-v{RECIPE_VERSION}-{digest}-{python_version_tag()}"
 
 
 RECIPES: dict[str, ZooRecipe] = {
@@ -92,7 +96,9 @@ RECIPES: dict[str, ZooRecipe] = {
         drafter_prompts=600,
         train_prompts=64,
         heldout_prompts=24,
-        target_schedule=Schedule(steps=220, batch_size=32, lr=3e-3, warmup_steps=20),
+        # 140 steps: the test suite builds this zoo first (target loss 3.46 and tau at B 1.97, against 3.30 and
+        # 1.81 after 220 steps, which took 20 s longer).
+        target_schedule=Schedule(steps=140, batch_size=32, lr=3e-3, warmup_steps=20),
         drafter_schedule=Schedule(steps=200, batch_size=16, lr=3e-3, warmup_steps=20),
         response_tokens=48,
     ),
