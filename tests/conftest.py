@@ -94,20 +94,32 @@ def tiny_models(tiny_zoo):
     return load_models(tiny_zoo / "target", tiny_zoo / "drafter", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def _ray_session():
+    """Shuts the embedded Ray down once, at the end of the session."""
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def local_ray(isolated_home):
-    """An embedded Ray with 4 logical CPUs (2 real cores: fractional actors must not take them all)."""
+def local_ray(isolated_home, _ray_session):
+    """An embedded Ray with 4 logical CPUs (2 real cores: fractional actors must not take them all).
+
+    One Ray serves every module that asks for it (starting and stopping it cost about 7 s a module); a module
+    that needs another cluster (the fault-tolerance test's) shuts it down, and the next module starts it again.
+    """
     import ray
     from ray.data import DataContext
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     context = DataContext.get_current()
     context.execution_no_progress_timeout_s = 120  # a hung pool fails the test instead of the CI run
     context.enable_progress_bars = False
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.fixture(scope="session")
