@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
 
-from blockpilot.decoding import EntropyHeuristic, FixedBlockSize, GenerationConfig, generate
+from blockpilot.decoding import (
+    EntropyHeuristic,
+    FixedBlockSize,
+    GenerationConfig,
+    GenerationRequest,
+    generate,
+    generate_many,
+)
 from blockpilot.decoding.resolve import resolve_policy
 
 PROMPTS = ["Count from one to ten.", "def add(a, b):", "The quick brown fox"]
@@ -103,6 +110,32 @@ def test_stop_token_at_the_prefill_ends_before_any_cycle(random_models, prompt_i
     result = generate(random_models, ids, config=GenerationConfig(max_new_tokens=20, stop_token_ids=(first,)))
     assert result.token_ids == [first] and result.cycles == 0 and result.stop_reason == "stop"
     assert result.to_dict()["tau"] is None
+
+
+def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models, prompt_ids):
+    """Prompts of different lengths joining in the same step are prefilled in one padded target pass; each row
+    still gives its own greedy output, a row that stops at its first token leaves at once, the others go on."""
+    assert len({len(ids) for ids in prompt_ids}) == len(prompt_ids), "prompts of different lengths"
+    stop_first = greedy_reference(random_models.target, prompt_ids[1], 1)[0]
+    configs = [
+        GenerationConfig(max_new_tokens=30),
+        GenerationConfig(max_new_tokens=30, stop_token_ids=(stop_first,)),
+        GenerationConfig(max_new_tokens=25),
+    ]
+    requests = [
+        GenerationRequest(ids, config, FixedBlockSize(b))
+        for ids, config, b in zip(prompt_ids, configs, (4, 2, 8), strict=True)
+    ]
+    passes = []
+    hook = random_models.target.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        results = generate_many(random_models, requests)
+    finally:
+        hook.remove()
+    assert results[0].token_ids == greedy_reference(random_models.target, prompt_ids[0], 30)
+    assert results[1].token_ids == [stop_first] and results[1].stop_reason == "stop"
+    assert results[2].token_ids == greedy_reference(random_models.target, prompt_ids[2], 25)
+    assert len(passes) == 1 + max(result.cycles for result in results), "one prefill pass, then one verify a cycle"
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 9, 10, 11, 17])

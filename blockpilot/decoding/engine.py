@@ -1,7 +1,7 @@
 """The speculative decoding engine: rows with their own prompt, block size, temperature, seed and stop rules
 share one drafter call and one target verify per cycle. Batch 1 is the same code with one row.
 
-prefill (target, per row as it joins) -> first token -> policy picks b -> repeat for the batch: draft every
+prefill (one target pass for the rows that join) -> first token -> policy picks b -> repeat for the batch: draft every
 row's block in one drafter call (padded to the widest block; a row attends to its own b slots only) -> a
 policy that trims (`verify_count`, e.g. draft-then-trim) keeps a prefix of its drafts -> verify every block
 in one target pass -> per row: accepted prefix + the target's own token -> write the committed
@@ -198,49 +198,70 @@ class SpeculativeEngine:
     def step(self) -> list[RowUpdate]:
         updates: list[RowUpdate] = []
         self._drop_cancelled(updates)
-        while self.waiting and len(self.rows) < self.max_batch:
-            self._admit(self.waiting.popleft(), updates)
+        joining = []
+        while self.waiting and len(self.rows) + len(joining) < self.max_batch:
+            joining.append(self.waiting.popleft())
+        if joining:
+            self._admit(joining, updates)
         if self.rows:
             self._cycle(updates)
         return updates
 
     # ---------------------------------------------------------------- prefill
 
-    def _admit(self, row: _Row, updates: list[RowUpdate]) -> None:
-        """Prefill a row into the next free cache row and commit its first token."""
+    def _admit(self, joining: list[_Row], updates: list[RowUpdate]) -> None:
+        """Prefill the joining rows into the next free cache rows in one target pass; commit each one's first token.
+
+        Prompts are right-padded to the longest: under causal attention a prompt's positions never see its
+        padding, and the padded slots lie past the row's length, so they are rewritten before anything reads them.
+        """
         started = time.perf_counter()
-        slot = len(self.rows)
-        prompt_length = row.prompt.numel()
-        positions = torch.arange(prompt_length, device=self.device)[None]
-        self.target_cache.window(slice(slot, slot + 1), positions, prompt_length)
+        first_slot, count = len(self.rows), len(joining)
+        lengths = [row.prompt.numel() for row in joining]
+        width = max(lengths)
+        prompts = torch.zeros(count, width, dtype=torch.long, device=self.device)
+        for index, row in enumerate(joining):
+            prompts[index, : lengths[index]] = row.prompt
+        positions = torch.arange(width, device=self.device)[None].expand(count, width)
+        last = torch.tensor(lengths, device=self.device) - 1  # (k,)
+        kept = torch.unique(last)  # (U,) the last positions, sorted: the only ones whose logits are needed
+        slots = slice(first_slot, first_slot + count)
+        self.target_cache.window(slots, positions, width)
         with tapped(self.target, self.layer_ids) as tap:
             out = self.target(
-                input_ids=row.prompt[None],
+                input_ids=prompts,
                 position_ids=positions,
                 past_key_values=self.target_cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=kept,
             )
-        logits = out.logits[0, -1].float()
-        if tap is not None:
-            features = tap.features()
-            self._write_context(slice(slot, slot + 1), positions, features, prompt_length)
-        first = int(sample_next(logits, row.config.temperature, row.generator))
-        row.prefill_state = PrefillState(logits, row.prompt, row.config.temperature, self.models.train_block_size)
-        row.tokens, row.length = [first], prompt_length
-        row.block_size = row.chosen_block_size = _checked(row.policy.initial_block_size(row.prefill_state), row.policy)
-        if row.record is not None and tap is not None:
-            row.record["features"].append(features[0])
-            self._record_distributions(row, logits[None])
+        logits = out.logits[torch.arange(count), torch.searchsorted(kept, last)].float()  # (k, V)
+        features = tap.features() if tap is not None else None  # (k, width, F)
+        if features is not None:
+            self._write_context(slots, positions, features, width)
         _synchronize(self.device)
-        row.prefill_time = time.perf_counter() - started
-        self.rows.append(row)
-        if first in row.config.stop_token_ids:
-            row.stop_reason = "stop"
-        elif row.config.max_new_tokens == 1:
-            row.stop_reason = "length"
-        updates.append(RowUpdate(row.id, [first]))
-        if row.stop_reason is not None:
+        elapsed = time.perf_counter() - started
+        finished = []
+        for index, row in enumerate(joining):
+            first = int(sample_next(logits[index], row.config.temperature, row.generator))
+            temperature = row.config.temperature
+            row.prefill_state = PrefillState(logits[index], row.prompt, temperature, self.models.train_block_size)
+            row.tokens, row.length = [first], lengths[index]
+            initial = row.policy.initial_block_size(row.prefill_state)
+            row.block_size = row.chosen_block_size = _checked(initial, row.policy)
+            if row.record is not None and features is not None:
+                row.record["features"].append(features[index, : lengths[index]])
+                self._record_distributions(row, logits[index][None])
+            row.prefill_time = elapsed
+            self.rows.append(row)
+            if first in row.config.stop_token_ids:
+                row.stop_reason = "stop"
+            elif row.config.max_new_tokens == 1:
+                row.stop_reason = "length"
+            updates.append(RowUpdate(row.id, [first]))
+            if row.stop_reason is not None:
+                finished.append(first_slot + index)
+        for slot in reversed(finished):
             self._retire(slot, updates)
 
     # ---------------------------------------------------------------- one cycle for the whole batch

@@ -1,8 +1,8 @@
 """`blockpilot zoo build`: corpus -> tokenizer -> target -> target's own responses -> drafter -> evaluation.
 
-Every stage writes its output under a work folder in `$BLOCKPILOT_HOME/zoo/<key>`, keyed by size, seed,
-recipe version, a digest of the recipe's numbers and Python version (the corpus reads the running Python's stdlib); a stage whose output
-exists is not run again, so a second build is a copy and a failed one resumes where it stopped.
+Every stage writes its output under a work folder in `$BLOCKPILOT_HOME/zoo/<key>`, keyed by size, seed, recipe
+version, a digest of the recipe's numbers and Python version (the corpus reads the running Python's stdlib); a stage
+whose output exists is not run again, so a second build is a copy and a failed one resumes where it stopped.
 """
 
 from __future__ import annotations
