@@ -52,6 +52,7 @@ from blockpilot.decoding.request import (
     GenerationResult,
     StopReason,
 )
+from blockpilot.models.attention import masked_attention_kernels
 from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels
 
@@ -201,10 +202,11 @@ class SpeculativeEngine:
         joining = []
         while self.waiting and len(self.rows) + len(joining) < self.max_batch:
             joining.append(self.waiting.popleft())
-        if joining:
-            self._admit(joining, updates)
-        if self.rows:
-            self._cycle(updates)
+        with masked_attention_kernels(self.device):
+            if joining:
+                self._admit(joining, updates)
+            if self.rows:
+                self._cycle(updates)
         return updates
 
     # ---------------------------------------------------------------- prefill

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME
+from blockpilot.models.attention import masked_attention_kernels
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -425,7 +426,8 @@ class DFlashDrafter(nn.Module):
         mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(n, 1, width, -1)
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
-        return self(embed(block_ids), positions, context_kv, attention_mask=mask)
+        with masked_attention_kernels(device):
+            return self(embed(block_ids), positions, context_kv, attention_mask=mask)
 
     # ---------------------------------------------------------------- checkpoints (z-lab layout)
 
