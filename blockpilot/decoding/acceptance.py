@@ -25,6 +25,7 @@ committed token is a sample of the target at T given what precedes it):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -68,13 +69,15 @@ def _prefix_length(matches: torch.Tensor) -> int:
 
 
 def accept_greedy(
-    draft_tokens: torch.Tensor,  # (k,)
-    target_logits: torch.Tensor,  # (k + 1, V)
+    draft_tokens: Sequence[int],  # (k,)
+    target_tokens: Sequence[int],  # (k + 1,) the argmax of the target's logits at the block's positions
 ) -> tuple[int, int]:
-    """Temperature 0: (number of accepted drafts, bonus token)."""
-    target_tokens = target_logits.argmax(dim=-1)
-    accepted = _prefix_length(draft_tokens == target_tokens[:-1])
-    return accepted, int(target_tokens[accepted].item())
+    """Temperature 0: (number of accepted drafts, bonus token), from token ids on the host (a batch reads
+    its argmax in one transfer, not one a row)."""
+    accepted = 0
+    while accepted < len(draft_tokens) and draft_tokens[accepted] == target_tokens[accepted]:
+        accepted += 1
+    return accepted, int(target_tokens[accepted])
 
 
 def accept_match(
