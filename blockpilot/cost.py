@@ -108,6 +108,43 @@ def load_cost(path: str | Path | None) -> CycleCost:
     return CycleCost.uniform() if path is None else CycleCost.load(path)
 
 
+def seconds_per_cycle(models: Any, prompts: Sequence[Sequence[int]], block_sizes: Sequence[int], cycles: int) -> float:
+    """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch.
+
+    The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
+    may generate up to its b tokens a cycle, so none finishes inside the timed cycles.
+    """
+    import torch
+
+    from blockpilot.decoding.engine import SpeculativeEngine
+    from blockpilot.decoding.policies import FixedBlockSize
+    from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+
+    if len(prompts) != len(block_sizes) or not prompts:
+        raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
+    engine = SpeculativeEngine(models, max_batch=len(prompts))
+    for prompt, b in zip(prompts, block_sizes, strict=True):
+        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
+        engine.submit(GenerationRequest(list(prompt), config, FixedBlockSize(b)))
+    engine.step()  # admission (prefill) and the first cycle: not timed
+    started = time.perf_counter()
+    ran = 0
+    while engine.busy and ran < cycles:
+        engine.step()
+        ran += 1
+    if models.device.type == "cuda":
+        torch.cuda.synchronize(models.device)
+    return (time.perf_counter() - started) / max(ran, 1)
+
+
+def random_prompts(models: Any, count: int, length: int, generator: Any) -> list[list[int]]:
+    """`count` prompts of `length` uniformly drawn token ids of the target's vocabulary."""
+    import torch
+
+    vocab = models.target.get_input_embeddings().weight.shape[0]
+    return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
 def calibrate(
     models: Any,
     block_sizes: Sequence[int],
@@ -127,37 +164,16 @@ def calibrate(
     """
     import torch
 
-    from blockpilot.decoding.engine import SpeculativeEngine
-    from blockpilot.decoding.policies import FixedBlockSize
-    from blockpilot.decoding.request import GenerationConfig, GenerationRequest
-
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
     generator = torch.Generator().manual_seed(0)
-    vocab = models.target.get_input_embeddings().weight.shape[0]
-
-    def seconds_per_cycle(prompts: list[list[int]], b: int) -> float:
-        engine = SpeculativeEngine(models, max_batch=len(prompts))
-        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
-        for prompt in prompts:
-            engine.submit(GenerationRequest(prompt, config, FixedBlockSize(b)))
-        engine.step()  # admission (prefill) and the first cycle: not timed
-        started = time.perf_counter()
-        ran = 0
-        while engine.busy and ran < cycles:
-            engine.step()
-            ran += 1
-        if models.device.type == "cuda":
-            torch.cuda.synchronize(models.device)
-        return (time.perf_counter() - started) / max(ran, 1)
-
     seconds: dict[int, dict[int, float]] = {}
     for batch in batch_sizes:
-        prompts = {b: [torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(batch)] for b in block_sizes}
+        prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
         times: dict[int, list[float]] = {b: [] for b in block_sizes}
         for attempt in range(warmup + repeats):
             for b in block_sizes:
-                elapsed = seconds_per_cycle(prompts[b], b)
+                elapsed = seconds_per_cycle(models, prompts[b], [b] * batch, cycles)
                 if attempt >= warmup:
                     times[b].append(elapsed)
         seconds[batch] = {b: statistics.median(times[b]) for b in block_sizes}

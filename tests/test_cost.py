@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from blockpilot.cost import CycleCost, calibrate, load_cost
+import torch
+
+from blockpilot.cost import CycleCost, calibrate, load_cost, random_prompts, seconds_per_cycle
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
@@ -27,3 +29,11 @@ def test_a_curve_interpolates_and_refuses_bad_values(tmp_path):
     (tmp_path / "bad.json").write_text('{"seconds": {"1": {"2": "x"}}}')
     with pytest.raises(ValueError, match="not a blockpilot cost curve"):
         load_cost(tmp_path / "bad.json")
+
+
+def test_a_cycle_can_be_timed_with_every_row_at_its_own_block_size(random_models):
+    prompts = random_prompts(random_models, 3, 8, torch.Generator().manual_seed(0))
+    assert all(len(p) == 8 for p in prompts)
+    assert seconds_per_cycle(random_models, prompts, [2, 5, 9], cycles=2) > 0
+    with pytest.raises(ValueError, match="one block size per prompt"):
+        seconds_per_cycle(random_models, prompts, [2, 5], cycles=2)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from blockpilot.decoding.cache import SlotStore
 from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
-from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
+from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target, random_models_like
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB_WEIGHT_NAME = re.compile(
@@ -54,6 +54,22 @@ def test_parses_the_published_qwen3_4b_b16_config():
     assert out["dflash_config"] == {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
     assert out["block_size"] == 16 and out["num_target_layers"] == 36
     assert DFlashConfig.from_dict(out) == config
+
+
+def test_random_models_take_the_shape_a_drafter_config_names():
+    raw = json.loads((FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json").read_text())
+    # The published layout and vocabulary, narrowed so that the test builds in a second.
+    raw.update(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = DFlashConfig.from_dict(raw)
+    models = random_models_like(config, device="cpu", dtype="bfloat16")
+    target_config = models.target.config
+    assert (target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size) == (36, 32, 151936)
+    assert models.drafter.config.target_layer_ids == [1, 9, 17, 25, 33] and models.drafter.block_size == 16
+    assert models.mask_token_id == 151669 and models.tokenizer is None
+    assert models.target.dtype == torch.bfloat16 and models.drafter.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32  # set back after building in bf16
+    with pytest.raises(ValueError, match="num_target_layers"):
+        random_models_like(dataclasses.replace(config, num_target_layers=None), device="cpu")
 
 
 def test_config_fields_may_sit_under_dflash_config_and_rope_parameters():

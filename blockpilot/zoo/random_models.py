@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
+from blockpilot.models.loading import SpeculativeModels, check_drafter_fits_target, resolve_device_dtype
 
 
 @dataclass(frozen=True)
@@ -121,3 +122,48 @@ def write_random_zoo(out: str | Path, *, seed: int = 0, shape: ModelShape = RAND
     tokenizer.save_pretrained(target_dir)
     drafter.save_pretrained(drafter_dir)
     return {"target": target_dir, "drafter": drafter_dir}
+
+
+def random_models_like(
+    config: DFlashConfig,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+) -> SpeculativeModels:
+    """A random Qwen3 target and DFlash drafter at the sizes a drafter config names, built on `device`.
+
+    The target takes the drafter's width, heads, MLP, vocabulary and `num_target_layers` (a DFlash drafter
+    copies its target's layer shape), so z-lab's Qwen3-4B b16 config gives a Qwen3-4B-shaped pair. For
+    timing at a real model's shape: a cycle's cost does not depend on weight values. No tokenizer: prompts
+    are token ids.
+    """
+    if config.num_target_layers is None:
+        raise ValueError("the drafter config names no num_target_layers: the target's depth is unknown")
+    if config.mask_token_id is None:
+        raise ValueError("the drafter config names no mask_token_id")
+    device, dtype = resolve_device_dtype(device, dtype)
+    shape = ModelShape(
+        hidden_size=config.hidden_size,
+        num_layers=config.num_target_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        drafter_layers=config.num_hidden_layers,
+        feature_layers=tuple(config.target_layer_ids),
+        block_size=config.block_size,
+        max_positions=config.max_position_embeddings,
+    )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise in place: a 4B model in fp32 on the host would be 16 GB
+    try:
+        with device:
+            target = qwen3_target(config.vocab_size, shape, seed=seed)
+            drafter = drafter_for(target, shape, mask_token_id=config.mask_token_id, seed=seed + 1)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    check_drafter_fits_target(target, drafter.config, config.mask_token_id)
+    name = f"random ({config.num_target_layers} layers x {config.hidden_size}, vocabulary {config.vocab_size})"
+    drafter_name = f"random DFlash b{config.block_size}"
+    return SpeculativeModels(target, None, drafter, config.mask_token_id, target_id=name, drafter_id=drafter_name)
