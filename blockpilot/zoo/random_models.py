@@ -133,10 +133,10 @@ def random_models_like(
 ) -> SpeculativeModels:
     """A random Qwen3 target and DFlash drafter at the sizes a drafter config names, built on `device`.
 
-    The target takes the drafter's width, heads, MLP, vocabulary and `num_target_layers` (a DFlash drafter
-    copies its target's layer shape), so z-lab's Qwen3-4B b16 config gives a Qwen3-4B-shaped pair. For
-    timing at a real model's shape: a cycle's cost does not depend on weight values. No tokenizer: prompts
-    are token ids.
+    The drafter is `config` itself; the target takes its width, heads, MLP, vocabulary and
+    `num_target_layers` (a DFlash drafter copies its target's layer shape), so z-lab's Qwen3-4B b16 config
+    gives a Qwen3-4B-shaped pair. For timing at a real model's shape: a cycle's cost does not depend on weight
+    values. No tokenizer: prompts are token ids.
     """
     if config.num_target_layers is None:
         raise ValueError("the drafter config names no num_target_layers: the target's depth is unknown")
@@ -150,9 +150,6 @@ def random_models_like(
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
         intermediate_size=config.intermediate_size,
-        drafter_layers=config.num_hidden_layers,
-        feature_layers=tuple(config.target_layer_ids),
-        block_size=config.block_size,
         max_positions=config.max_position_embeddings,
     )
     default_dtype = torch.get_default_dtype()
@@ -160,7 +157,8 @@ def random_models_like(
     try:
         with device:
             target = qwen3_target(config.vocab_size, shape, seed=seed)
-            drafter = drafter_for(target, shape, mask_token_id=config.mask_token_id, seed=seed + 1)
+            torch.manual_seed(seed + 1)
+            drafter = DFlashDrafter(config).init_weights(shape.init_std).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     check_drafter_fits_target(target, drafter.config, config.mask_token_id)
