@@ -39,26 +39,71 @@ def job(label_dirs: dict, tmp_path: Path, **overrides) -> TrainJob:
     return TrainJob(**{**defaults, **overrides})
 
 
-def test_a_tracked_run_checkpoints_logs_and_registers(local_ray, tiny_labels, tmp_path, mlflow_store, capsys):
+def _train_workers() -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+def _committed_checkpoint(snapshot: Path) -> bool:
+    try:
+        return json.loads(snapshot.read_text()).get("latest_checkpoint_result") is not None
+    except (OSError, json.JSONDecodeError):  # not written yet, or being written
+        return False
+
+
+def test_a_tracked_run_survives_a_killed_worker_and_resumes_only_on_request(
+    local_ray, tiny_labels, tmp_path, mlflow_store, capsys
+):
+    """One tracked Ray Train fit whose worker is killed once it has committed a checkpoint: the restarted worker
+    resumes from it, every epoch is logged to the same MLflow run, and the predictor is registered and loads by
+    URI. Afterwards the finished run continues only under --resume, and only as the same job."""
     import mlflow
 
-    outcome = run_train_job(job(tiny_labels, tmp_path))
-    assert (outcome.first_epoch, outcome.last_epoch, outcome.model_version) == (0, 2, "1")
-    assert (outcome.predictor_dir / "model.safetensors").is_file()
-    assert {"tau_pred", "tau_B", "tau_best_fixed", "tau_oracle", "gap_captured", "accuracy"} <= set(outcome.val_metrics)
-    assert "T0/tau_pred" in outcome.eval_metrics and "T1/gap_captured" in outcome.eval_metrics
-    checkpoints = list((tmp_path / "ray" / "tiny").glob("checkpoint_*"))
-    assert checkpoints, "a checkpoint each epoch (the last two kept)"
+    outcome, failures = [], []
+
+    def train() -> None:
+        try:
+            outcome.append(run_train_job(job(tiny_labels, tmp_path, epochs=6)))
+        except BaseException as error:
+            failures.append(error)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    snapshot = tmp_path / "ray" / "tiny" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and thread.is_alive():
+        # Kill once Ray Train has committed a checkpoint (its snapshot names one) and the worker still runs.
+        if _committed_checkpoint(snapshot) and _train_workers():
+            break
+        time.sleep(0.1)
+    victims = _train_workers()
+    assert victims, "a running Ray Train worker to kill"
+    for process in victims:
+        process.kill()
+    thread.join(timeout=600)
+    assert not failures, failures
+    result = outcome[0]
+    assert result.first_epoch > 0, "the restarted worker resumed from a checkpoint instead of epoch 0"
+    assert (result.last_epoch, result.model_version) == (5, "1")
+    assert (result.predictor_dir / "model.safetensors").is_file()
+    assert {"tau_pred", "tau_B", "tau_best_fixed", "tau_oracle", "gap_captured", "accuracy"} <= set(result.val_metrics)
+    assert "T0/tau_pred" in result.eval_metrics and "T1/gap_captured" in result.eval_metrics
+    kept = [path for path in (tmp_path / "ray" / "tiny").glob("checkpoint_*") if path.is_dir()]
+    assert len(kept) == 2, f"the last two checkpoints kept, found {kept}"
 
     mlflow.set_tracking_uri(mlflow_store)
     client = mlflow.MlflowClient()
-    history = client.get_metric_history(outcome.run_id, "val/tau_pred")
-    assert sorted(m.step for m in history) == [0, 1, 2]
-    run = client.get_run(outcome.run_id)
+    # Epochs after the last checkpoint ran twice (before and after the kill); every epoch is there.
+    history = client.get_metric_history(result.run_id, "val/tau_pred")
+    assert {m.step for m in history} == set(range(6))
+    run = client.get_run(result.run_id)
     assert run.data.params["kind"] == "sparse" and "eval/tau_pred" in run.data.metrics
-    artifacts = {a.path for a in client.list_artifacts(outcome.run_id)}
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"confusion_matrix.png", "tau_by_policy.png", "predictor"} <= artifacts
-    assert client.get_model_version("blockpilot-predictor", "1").run_id == outcome.run_id
+    assert client.get_model_version("blockpilot-predictor", "1").run_id == result.run_id
 
     from blockpilot.cli import main
 
@@ -86,68 +131,19 @@ def test_a_tracked_run_checkpoints_logs_and_registers(local_ray, tiny_labels, tm
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert payload["policy"] == "learned" and payload["block_size"] in (2, 3, 4, 5, 6)
 
+    with pytest.raises(ValueError, match="already exists.*--resume"):
+        run_train_job(job(tiny_labels, tmp_path, epochs=7, track=False))
+    with pytest.raises(ValueError, match="differing: .*hidden_size"):
+        run_train_job(job(tiny_labels, tmp_path, epochs=7, hidden_size=32, resume=True, track=False))
+    again = run_train_job(job(tiny_labels, tmp_path, epochs=7, resume=True, track=False))
+    assert (again.first_epoch, again.last_epoch) == (6, 6), "the resumed run starts after the last epoch"
+
 
 def test_runs_are_named_uniquely_unless_named(tiny_labels, tmp_path):
     names = {TrainJob(labels=tiny_labels["train"]).name for _ in range(3)}
     assert len(names) == 3 and all(name.startswith("sparse-ce-") for name in names)
     with pytest.raises(ValueError, match="--resume needs --name"):
         TrainJob(labels=tiny_labels["train"], resume=True)
-
-
-def _train_workers() -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-            found.append(process)
-    return found
-
-
-def _committed_checkpoint(snapshot: Path) -> bool:
-    try:
-        return json.loads(snapshot.read_text()).get("latest_checkpoint_result") is not None
-    except (OSError, json.JSONDecodeError):  # not written yet, or being written
-        return False
-
-
-def test_a_killed_worker_resumes_from_the_last_checkpoint_and_a_named_run_resumes_only_on_request(
-    local_ray, tiny_labels, tmp_path
-):
-    """Ray Train restarts a killed worker from the last checkpoint; afterwards the finished run continues only
-    under --resume, and only as the same job (one Ray Train fit serves both checks)."""
-    outcome, failures = [], []
-
-    def train() -> None:
-        try:
-            outcome.append(run_train_job(job(tiny_labels, tmp_path, epochs=12, name="killed", track=False)))
-        except BaseException as error:
-            failures.append(error)
-
-    thread = threading.Thread(target=train)
-    thread.start()
-    snapshot = tmp_path / "ray" / "killed" / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and thread.is_alive():
-        # Kill once Ray Train has committed a checkpoint (its snapshot names one) and the worker still runs.
-        if _committed_checkpoint(snapshot) and _train_workers():
-            break
-        time.sleep(0.1)
-    victims = _train_workers()
-    assert victims, "a running Ray Train worker to kill"
-    for process in victims:
-        process.kill()
-    thread.join(timeout=600)
-    assert not failures, failures
-    result = outcome[0]
-    assert result.first_epoch > 0, "the restarted worker resumed from a checkpoint instead of epoch 0"
-    assert result.last_epoch == 11
-    assert (result.predictor_dir / "config.json").is_file()
-
-    with pytest.raises(ValueError, match="already exists.*--resume"):
-        run_train_job(job(tiny_labels, tmp_path, epochs=13, name="killed", track=False))
-    with pytest.raises(ValueError, match="differing: .*hidden_size"):
-        run_train_job(job(tiny_labels, tmp_path, epochs=13, name="killed", hidden_size=32, resume=True, track=False))
-    again = run_train_job(job(tiny_labels, tmp_path, epochs=13, name="killed", resume=True, track=False))
-    assert (again.first_epoch, again.last_epoch) == (12, 12), "the resumed run starts after the last epoch"
 
 
 def test_bad_labels_stop_before_training(tiny_labels, tmp_path):
