@@ -1,6 +1,7 @@
 """Endpoint throughput and latency under load, per policy, and the HTTP overhead over the library.
 
-    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI]  # ZOO from `blockpilot zoo build --out ZOO`
+    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI] [--cost COST_JSON]
+    # ZOO from `blockpilot zoo build --out ZOO`; COST_JSON from `blockpilot calibrate --batch-sizes 1,8,32`
 
 Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch
 rows), then for each policy (the server's adaptive one, and fixed b = B) and each concurrency (1, 8, 32)
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=8, help="rows in the replica's engine")
+    parser.add_argument("--cost", default=None, help="cycle cost curve (blockpilot calibrate): the engine prices verify widths")
     args = parser.parse_args()
 
     from blockpilot.serving import ServeLimits
@@ -46,7 +48,7 @@ def main() -> None:
     prompts = [rows[i % len(rows)]["prompt"] for i in range(args.requests)]
     limits = ServeLimits(max_batch=args.max_batch, max_queue=max(64, args.requests))
     loader = ModelLoader(
-        str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, limits=limits
+        str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, cost=args.cost, limits=limits
     )
 
     decoder = loader()
@@ -85,7 +87,8 @@ def main() -> None:
 
     print(
         f"requests per level: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T=0, one replica, "
-        f"engine max_batch {args.max_batch}; adaptive = {adaptive_name}"
+        f"engine max_batch {args.max_batch}; adaptive = {adaptive_name}; verify widths "
+        + (f"priced by {args.cost}" if args.cost else "padded to the widest row")
     )
     print(f"{'policy':<16} {'concurrency':>11} {'req/s':>8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     latencies_at_one = []

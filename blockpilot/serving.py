@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockpilot.checks import check_fits_context
+from blockpilot.cost import CycleCost
 from blockpilot.decoding.engine import SpeculativeEngine
 from blockpilot.decoding.policies import BlockSizePolicy, FixedBlockSize
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
@@ -178,7 +179,8 @@ class DecodeHandle:
 
 
 class BatchedDecoder:
-    """Target + drafter (+ per-request and per-step predictors) serving completions in one batched engine."""
+    """Target + drafter (+ per-request and per-step predictors) serving completions in one batched engine; with a
+    cycle `cost` curve of these models on this device, the engine prices each cycle's verify width."""
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class BatchedDecoder:
         model_name: str = "blockpilot",
         limits: ServeLimits | None = None,
         predictor: Any | None = None,
+        cost: CycleCost | None = None,
     ) -> None:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
@@ -196,7 +199,7 @@ class BatchedDecoder:
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
         self.stop_token_ids = tuple(models.stop_token_ids())
-        self._engine = SpeculativeEngine(models, max_batch=self.limits.max_batch)
+        self._engine = SpeculativeEngine(models, max_batch=self.limits.max_batch, cost=cost)
         self._waiting: deque[DecodeHandle] = deque()
         self._active: dict[int, DecodeHandle] = {}
         self._lock = threading.Condition()

@@ -194,6 +194,7 @@ class ModelLoader:
     predictor: Optional[str] = None
     step_model: Optional[str] = None
     policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
+    cost: Optional[str] = None  # a cycle cost curve (`blockpilot calibrate`): the engine prices verify widths with it
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -209,8 +210,12 @@ class ModelLoader:
         from blockpilot.models.loading import load_models
 
         hf_logging.disable_progress_bar()
+        from blockpilot.cost import CycleCost
+
+        cost = CycleCost.load(self.cost) if self.cost else None
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
-        return BatchedDecoder(models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits).start()
+        decoder = BatchedDecoder(models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits, cost=cost)
+        return decoder.start()
 
 
 api = FastAPI(title="BlockPilot adaptive decoder")
@@ -514,6 +519,9 @@ class ServeJob:
     )
     policy: Optional[str] = option(
         None, help="the adaptive policy's spec (default: learned+step, learned-step or learned from the models given, else fixed)"
+    )
+    cost: Optional[str] = option(
+        None, help="cycle cost curve of these models on this device (blockpilot calibrate): price each cycle's verify width"
     )
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")

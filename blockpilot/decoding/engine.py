@@ -45,6 +45,7 @@ from blockpilot.decoding.policies import (
     PrefillState,
     distribution_summary,
 )
+from blockpilot.cost import CycleCost
 from blockpilot.decoding.request import (
     GenerationConfig,
     GenerationRecord,
@@ -52,11 +53,14 @@ from blockpilot.decoding.request import (
     GenerationResult,
     StopReason,
 )
+from blockpilot.decoding.width import AcceptanceRate, priced_width
 from blockpilot.models.attention import masked_attention_kernels
 from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels
 
 RECORD_TOP_K = 8
+# How many drafts' worth of the engine's pooled acceptance rate a row's own rate starts from (`width.py`).
+POOLED_PRIOR_DRAFTS = 4.0
 
 
 @dataclass
@@ -83,6 +87,7 @@ class _Row:
     chosen_block_size: int = 1  # its choice after prefill
     block_sizes: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
+    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
     drafter_passes: int = 0
     prefill_time: float = 0.0
     decode_time: float = 0.0
@@ -134,11 +139,17 @@ class SpeculativeEngine:
     `submit` queues a request and returns its row id; each `step` admits queued rows (prefill) while the
     batch has room, then runs one draft/verify cycle for every active row and reports what each committed.
     `run` drains the engine as a generator of `RowUpdate`s; `cancel` ends a row before the next cycle.
+
+    With a cycle `cost` curve, each cycle's verify width is priced (`width.py`): greedy rows whose blocks are
+    wider than the batch's best width are capped at it for that cycle. Without one, the batch pads to its
+    widest row.
     """
 
-    def __init__(self, models: SpeculativeModels, *, max_batch: int = 1) -> None:
+    def __init__(self, models: SpeculativeModels, *, max_batch: int = 1, cost: CycleCost | None = None) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
+        self.cost = cost
+        self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
         self.device = models.device
         self.target, self.drafter = models.target, models.drafter
         num_layers = int(self.target.config.get_text_config().num_hidden_layers)
@@ -272,6 +283,7 @@ class SpeculativeEngine:
         started = time.perf_counter()
         rows = self.rows
         sizes = [min(row.block_size, row.config.max_new_tokens - len(row.tokens)) for row in rows]
+        sizes = self._priced_sizes(rows, sizes)
         width = max(sizes)
         lengths = torch.tensor([row.length for row in rows], device=self.device)
         last_tokens = torch.tensor([row.last_token for row in rows], device=self.device)
@@ -289,6 +301,8 @@ class SpeculativeEngine:
         finished = []
         for index, (row, size, (new_tokens, accepted)) in enumerate(zip(rows, sizes, committed, strict=True)):
             self._commit(row, size, new_tokens, features, logits, index)
+            row.acceptance.add(size, accepted)
+            self.acceptance.add(size, accepted)
             row.decode_time += elapsed
             updates.append(RowUpdate(row.id, new_tokens))
             if row.stop_reason is None:
@@ -307,6 +321,17 @@ class SpeculativeEngine:
                 finished.append(index)
         for index in reversed(finished):
             self._retire(index, updates)
+
+    def _priced_sizes(self, rows: list[_Row], sizes: list[int]) -> list[int]:
+        """Greedy rows capped at the width the cost curve prices best for this batch; rows sampled at T > 0 keep
+        their b (their output for a seed must not depend on the batch) and set the narrowest width allowed."""
+        if self.cost is None or len(rows) < 2:
+            return sizes
+        sampled = [size for row, size in zip(rows, sizes, strict=True) if row.config.temperature > 0]
+        pooled = self.acceptance.rate()
+        rates = [row.acceptance.rate(prior=pooled, weight=POOLED_PRIOR_DRAFTS) for row in rows]
+        width = priced_width(sizes, rates, self.cost, floor=max(sampled, default=1))
+        return [size if row.config.temperature > 0 else min(size, width) for row, size in zip(rows, sizes, strict=True)]
 
     def _draft(
         self, rows: list[_Row], lengths: torch.Tensor, last_tokens: torch.Tensor, sizes: list[int], width: int
@@ -497,10 +522,15 @@ class SpeculativeEngine:
 
 
 def generate_many(
-    models: SpeculativeModels, requests: Sequence[GenerationRequest], *, max_batch: int | None = None
+    models: SpeculativeModels,
+    requests: Sequence[GenerationRequest],
+    *,
+    max_batch: int | None = None,
+    cost: CycleCost | None = None,
 ) -> list[GenerationResult]:
-    """Run `requests` through one engine (all at once by default) and return their results in order."""
-    engine = SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)))
+    """Run `requests` through one engine (all at once by default; verify widths priced with `cost` when given)
+    and return their results in order."""
+    engine = SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)), cost=cost)
     ids = [engine.submit(request) for request in requests]
     results: dict[int, GenerationResult] = {}
     for update in engine.run():
