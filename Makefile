@@ -35,12 +35,17 @@ venv: $(VENV)/.installed
 demo: venv
 	$(BIN)/python -m blockpilot demo --home "$(BLOCKPILOT_HOME)"
 
+# Two pytest workers (pytest-xdist): the tests that run Ray share one, in order (tests/conftest.py groups them);
+# the rest spread over both. The tiny zoo and its labels are built once and shared. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # Local iteration: skip the slow end-to-end tests (CI runs everything).
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow" $(PYTEST_ARGS)
 
 bench: venv
 	$(BIN)/python benchmarks/bench_decoding.py

@@ -17,10 +17,61 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # declared dead after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, 10 minutes), so polling faster only ends fits sooner.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Tests that start or stop a Ray cluster (or kill its processes by name) run in one xdist worker, one after
+# another; the others spread over the remaining workers (`make test` runs `-n 2 --dist loadgroup`).
+RAY_FIXTURES = {"local_ray", "two_worker_cluster"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, *, kept: bool = False) -> Path:
+    """A folder every xdist worker of this run sees (the run's base temp), or this session's own without xdist.
+    With `kept`, `BLOCKPILOT_TEST_HOME` when it is set, so that what is built there is kept between runs."""
+    if kept and os.environ.get("BLOCKPILOT_TEST_HOME"):
+        return Path(os.environ["BLOCKPILOT_TEST_HOME"])
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def built_once(folder: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive lock named `name` in `folder`: the first worker builds, the others wait and reuse."""
+    with open(folder / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def home_at(folder: Path) -> Iterator[None]:
+    previous = os.environ.get("BLOCKPILOT_HOME")
+    os.environ["BLOCKPILOT_HOME"] = str(folder)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("BLOCKPILOT_HOME", None)
+        else:
+            os.environ["BLOCKPILOT_HOME"] = previous
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -77,18 +128,33 @@ class RecordingTrainer:
 _TRAINER = RecordingTrainer()
 
 
+def trained_state_record(zoo: Path) -> Path:
+    """Where the worker that trained `zoo` leaves the state dicts training held in memory (beside the zoo)."""
+    return zoo.parent / f"{zoo.name}.trained.pt"
+
+
 @pytest.fixture(scope="session")
-def tiny_zoo(isolated_home) -> Path:
-    """The trained tiny zoo (target, drafter, prompts, zoo.json), built once per session (about a minute)."""
+def tiny_zoo(isolated_home, tmp_path_factory) -> Path:
+    """The trained tiny zoo (target, drafter, prompts, zoo.json), built once per run (about a minute), in a
+    folder the xdist workers share; the worker that trains it leaves what training held in memory beside it."""
     from blockpilot.zoo.build import build_zoo
 
-    return build_zoo("tiny", trainer=_TRAINER, track=False)
+    shared = shared_folder(tmp_path_factory, kept=True)
+    with built_once(shared, "tiny-zoo"), home_at(shared):
+        zoo = build_zoo("tiny", trainer=_TRAINER, track=False)
+        if len(_TRAINER.trained) == 2:
+            torch.save(_TRAINER.trained, trained_state_record(zoo))
+    return zoo
 
 
 @pytest.fixture(scope="session")
 def tiny_zoo_trained(tiny_zoo) -> dict | None:
-    """The state dicts the tiny zoo's training left in memory; None when the zoo came from a kept home."""
-    return _TRAINER.trained if len(_TRAINER.trained) == 2 else None
+    """The state dicts the tiny zoo's training left in memory (saved by the worker that trained it); None when
+    the zoo came from a kept home that has no such record."""
+    if len(_TRAINER.trained) == 2:
+        return _TRAINER.trained
+    record = trained_state_record(tiny_zoo)
+    return torch.load(record, weights_only=True) if record.is_file() else None
 
 
 @pytest.fixture(scope="session")
@@ -135,13 +201,17 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
     from blockpilot.data.sources import load_prompt_source
     from blockpilot.labeling import Labeler, LabelSettings
 
-    labeler = Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16), max_batch=16)
-    folder = tmp_path_factory.mktemp("tiny-labels")
-    out = {}
-    for split in ("train", "heldout"):
-        tasks = [(record, t) for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}") for t in (0.0, 1.0)]
-        rows = [row for rows in labeler.label_many(tasks) for row in rows]
-        (folder / split).mkdir()
-        pq.write_table(rows_to_table(rows), folder / split / "labels.parquet")
-        out[split] = folder / split
+    shared = shared_folder(tmp_path_factory)
+    folder = shared / f"tiny-labels-{tiny_zoo.name}"
+    out = {split: folder / split for split in ("train", "heldout")}
+    with built_once(shared, "tiny-labels"):
+        if all((path / "labels.parquet").is_file() for path in out.values()):
+            return out
+        labeler = Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16), max_batch=16)
+        for split, path in out.items():
+            tasks = [(record, t) for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}") for t in (0.0, 1.0)]
+            rows = [row for rows in labeler.label_many(tasks) for row in rows]
+            path.mkdir(parents=True, exist_ok=True)
+            pq.write_table(rows_to_table(rows), path / ".labels.parquet.tmp")
+            os.replace(path / ".labels.parquet.tmp", path / "labels.parquet")
     return out
