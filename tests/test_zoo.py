@@ -207,7 +207,9 @@ def test_the_saved_zoo_is_the_model_that_was_trained(tiny_zoo, tiny_zoo_trained)
     assert tokenizer.mask_token_id == drafter.mask_token_id
 
 
-def test_a_second_build_reuses_the_cache(tiny_zoo, tmp_path):
+def test_a_second_build_reuses_the_cache(tiny_zoo, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKPILOT_HOME", str(tiny_zoo.parents[1]))  # the home the session's zoo was built in
+
     class NoTraining:
         def train_target(self, *args):
             raise AssertionError("the cached zoo should have been reused")
@@ -219,7 +221,7 @@ def test_a_second_build_reuses_the_cache(tiny_zoo, tmp_path):
     assert (out / "drafter" / "model.safetensors").read_bytes() == (
         tiny_zoo / "drafter" / "model.safetensors"
     ).read_bytes()
-    assert zoo_cache_dir(RECIPES["tiny"], 0).is_dir()
+    assert zoo_cache_dir(RECIPES["tiny"], 0) == tiny_zoo
 
 
 def test_unknown_size():

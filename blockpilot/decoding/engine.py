@@ -45,7 +45,6 @@ from blockpilot.decoding.policies import (
     PrefillState,
     distribution_summary,
 )
-from blockpilot.cost import CycleCost
 from blockpilot.decoding.request import (
     GenerationConfig,
     GenerationRecord,
@@ -53,7 +52,7 @@ from blockpilot.decoding.request import (
     GenerationResult,
     StopReason,
 )
-from blockpilot.decoding.width import AcceptanceRate, priced_width
+from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
 from blockpilot.models.attention import masked_attention_kernels
 from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels
@@ -145,7 +144,7 @@ class SpeculativeEngine:
     widest row.
     """
 
-    def __init__(self, models: SpeculativeModels, *, max_batch: int = 1, cost: CycleCost | None = None) -> None:
+    def __init__(self, models: SpeculativeModels, *, max_batch: int = 1, cost: CyclePrice | None = None) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
         self.cost = cost
@@ -526,7 +525,7 @@ def generate_many(
     requests: Sequence[GenerationRequest],
     *,
     max_batch: int | None = None,
-    cost: CycleCost | None = None,
+    cost: CyclePrice | None = None,
 ) -> list[GenerationResult]:
     """Run `requests` through one engine (all at once by default; verify widths priced with `cost` when given)
     and return their results in order."""

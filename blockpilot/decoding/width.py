@@ -18,8 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from blockpilot.cost import CycleCost
+
+class CyclePrice(Protocol):
+    """What prices a cycle: c(block_size, batch), in any unit. `blockpilot.cost.CycleCost` is one (it times the
+    engine, so the engine reads it through this protocol, not by importing it)."""
+
+    def __call__(self, block_size: int, batch: int = 1) -> float: ...
 
 
 def expected_commit(rate: float, block_size: int) -> float:
@@ -55,14 +61,14 @@ class AcceptanceRate:
 def priced_width(
     block_sizes: Sequence[int],
     rates: Sequence[float],
-    cost: CycleCost,
+    cost: CyclePrice,
     *,
     floor: int = 1,
 ) -> int:
     """The verify width W that maximizes sum_i E(rates[i], min(block_sizes[i], W)) / cost(W, n), n the rows.
 
     Candidates are the rows' block sizes no smaller than `floor` (the widest row that may not be capped); ties go
-    to the narrower width. With one row, or a uniform cost, that is the widest block: nothing to trade.
+    to the narrower width. With one row that is its own block: nothing to trade.
     """
     if len(block_sizes) != len(rates) or not block_sizes:
         raise ValueError(f"expected one acceptance rate per row, got {len(rates)} for {len(block_sizes)} rows")
@@ -70,7 +76,7 @@ def priced_width(
     if floor > widest:
         raise ValueError(f"floor {floor} exceeds the widest block {widest}")
     rows = len(block_sizes)
-    if rows == 1 or cost.is_uniform:
+    if rows == 1:
         return widest
     best, best_value = widest, -1.0
     for width in sorted({b for b in block_sizes if b >= floor}):
