@@ -24,7 +24,10 @@ from collections.abc import Iterator  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Each xdist worker gets its share of the cores: two workers of two threads each on 2 cores made torch's
+# OpenMP threads wait on one another (a 2 s sampling test took 80 s).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS, torch.get_num_threads())))
 
 # Tests that start or stop a Ray cluster (or kill its processes by name) run in one xdist worker, one after
 # another; the others spread over the remaining workers (`make test` runs `-n 2 --dist loadgroup`).
