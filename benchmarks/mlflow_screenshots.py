@@ -59,7 +59,7 @@ def start_server(uri: str, port: int) -> subprocess.Popen:
 
 def render(url: str, *, screenshot: Path | None = None, dom: Path | None = None, wait_ms: int = 8_000) -> None:
     """One page in a fresh headless Chromium profile, after `wait_ms` of (virtual) time for the app's scripts: its
-    screenshot, its rendered DOM, or both from the one load."""
+    screenshot or its rendered DOM."""
     with tempfile.TemporaryDirectory() as profile:
         command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}"]
         command += ["--window-size=1600,1000"]
@@ -95,8 +95,10 @@ def take_screenshots(out: Path, experiment: str, port: int, uri: str) -> list[Pa
     out.mkdir(parents=True, exist_ok=True)
     server = start_server(uri, port)
     try:
+        # The DOM in a load of its own: one Chromium run asked for both a screenshot and the DOM hung (180 s).
+        render(pages["experiment.png"], dom=out / "experiment.html")
         for name, url in pages.items():
-            render(url, screenshot=out / name, dom=out / "experiment.html" if name == "experiment.png" else None)
+            render(url, screenshot=out / name)
     finally:
         server.terminate()
         server.wait(timeout=30)
