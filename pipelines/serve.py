@@ -207,12 +207,11 @@ class ModelLoader:
     def __call__(self) -> BatchedDecoder:
         from transformers.utils import logging as hf_logging
 
+        from blockpilot.cost import CycleCost
         from blockpilot.models.loading import load_models
 
         hf_logging.disable_progress_bar()
-        from blockpilot.cost import CycleCost
-
-        cost = CycleCost.load(self.cost) if self.cost else None
+        cost = CycleCost.load(self.cost) if self.cost else None  # read first: a bad path fails before the models load
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
         decoder = BatchedDecoder(models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits, cost=cost)
         return decoder.start()

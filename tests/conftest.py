@@ -66,6 +66,7 @@ def built_once(folder: Path, name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def home_at(folder: Path) -> Iterator[None]:
+    """BLOCKPILOT_HOME set to `folder` inside the block, restored (or unset) after it."""
     previous = os.environ.get("BLOCKPILOT_HOME")
     os.environ["BLOCKPILOT_HOME"] = str(folder)
     try:
@@ -85,13 +86,8 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory):
     """
     kept = os.environ.get("BLOCKPILOT_TEST_HOME")
     home = Path(kept) if kept else tmp_path_factory.mktemp("blockpilot-home")
-    previous = os.environ.get("BLOCKPILOT_HOME")
-    os.environ["BLOCKPILOT_HOME"] = str(home)
-    yield home
-    if previous is None:
-        os.environ.pop("BLOCKPILOT_HOME", None)
-    else:
-        os.environ["BLOCKPILOT_HOME"] = previous
+    with home_at(home):
+        yield home
 
 
 @pytest.fixture(scope="session")
@@ -208,6 +204,7 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
 
     from blockpilot.data.labels import rows_to_table
     from blockpilot.data.sources import load_prompt_source
+    from blockpilot.files import atomic_folder
     from blockpilot.labeling import Labeler, LabelSettings
 
     shared = shared_folder(tmp_path_factory)
@@ -220,7 +217,6 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
         for split, path in out.items():
             tasks = [(record, t) for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}") for t in (0.0, 1.0)]
             rows = [row for rows in labeler.label_many(tasks) for row in rows]
-            path.mkdir(parents=True, exist_ok=True)
-            pq.write_table(rows_to_table(rows), path / ".labels.parquet.tmp")
-            os.replace(path / ".labels.parquet.tmp", path / "labels.parquet")
+            with atomic_folder(path) as staging:
+                pq.write_table(rows_to_table(rows), staging / "labels.parquet")
     return out
