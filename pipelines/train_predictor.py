@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -30,9 +29,6 @@ from typing import Any
 
 from blockpilot.checks import differing_fields
 from blockpilot.home import blockpilot_home
-from blockpilot.predictor.model import PREDICTOR_KINDS
-from blockpilot.predictor.training import OBJECTIVES
-from blockpilot.scoring import SCORES
 from blockpilot.options import (
     add_options,
     fraction_arg,
@@ -42,6 +38,9 @@ from blockpilot.options import (
     positive_float_arg,
     positive_int_arg,
 )
+from blockpilot.predictor.model import PREDICTOR_KINDS
+from blockpilot.predictor.training import OBJECTIVES
+from blockpilot.scoring import SCORES
 
 FINGERPRINT_FILE = "blockpilot_job.json"
 
@@ -179,9 +178,10 @@ def _check_run_folder(job: TrainJob, prepared: Prepared, storage: Path) -> None:
                 "these labels and settings"
             )
         return
-    if run_folder.exists():
-        raise ValueError(f"run {job.name!r} already exists under {storage}: pass --resume to continue it, or another --name")
     from blockpilot.files import write_text_atomic
+    from pipelines.train_checkpoints import refuse_existing_run
+
+    refuse_existing_run(storage, job.name, resumable=True)
 
     write_text_atomic(recorded, json.dumps(prepared.fingerprint, indent=2) + "\n")
 
@@ -200,18 +200,13 @@ def _worker(config: dict[str, Any]) -> None:
     from blockpilot.predictor.model import BlockSizePredictor, PredictorConfig
     from blockpilot.predictor.training import fit_epochs, make_optimizer
     from blockpilot.scoring import label_arrays
+    from pipelines.train_checkpoints import report_epoch, restore_fit
 
     train_config, dense = config["train"], config["dense"]
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(train_config.seed)
-    predictor = BlockSizePredictor(PredictorConfig.from_dict(config["predictor"]))
-    optimizer_state, start_epoch = None, 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:  # a restarted worker, or an explicit --resume
-        with checkpoint.as_directory() as directory:
-            predictor = BlockSizePredictor.load(Path(directory) / "predictor")
-            state = torch.load(Path(directory) / "trainer_state.pt", weights_only=True)
-            optimizer_state, start_epoch = state["optimizer"], state["epoch"] + 1
+    restored, optimizer_state, start_epoch = restore_fit(lambda folder: BlockSizePredictor.load(folder / "predictor"))
+    predictor = restored or BlockSizePredictor(PredictorConfig.from_dict(config["predictor"]))
     model = ray.train.torch.prepare_model(predictor)
     optimizer = make_optimizer(model, train_config)
     if optimizer_state is not None:
@@ -232,25 +227,23 @@ def _worker(config: dict[str, Any]) -> None:
 
     def on_epoch(epoch: int, loss: float) -> None:
         metrics = {"epoch": epoch, "train/loss": loss, "train/resumed_from_epoch": start_epoch}
-        with tempfile.TemporaryDirectory() as directory:
-            saved = None
-            if rank == 0:
-                unwrapped = model.module if hasattr(model, "module") else model
-                scores = evaluate_predictor(unwrapped, val)
-                metrics |= {f"val/{k}": v for k, v in scores.items() if "/" not in k}
-                unwrapped.save(Path(directory) / "predictor")
-                torch.save({"optimizer": optimizer.state_dict(), "epoch": epoch}, Path(directory) / "trainer_state.pt")
-                saved = ray.train.Checkpoint.from_directory(directory)
-                if config["run_id"]:
-                    from blockpilot.tracking import log_epoch_metrics
+        if rank != 0:
+            report_epoch(metrics, epoch, optimizer, save=None)
+            return
+        unwrapped = model.module if hasattr(model, "module") else model
+        scores = evaluate_predictor(unwrapped, val)
+        metrics |= {f"val/{k}": v for k, v in scores.items() if "/" not in k}
+        if config["run_id"]:
+            from blockpilot.tracking import log_epoch_metrics
 
-                    log_epoch_metrics(config["run_id"], {k: v for k, v in metrics.items() if k != "epoch"}, epoch, config["tracking_uri"])
-                print(
-                    f"[predictor] epoch {epoch + 1}/{train_config.epochs} loss {loss:.4f} "
-                    f"val tau {metrics['val/tau_pred']:.3f} throughput {metrics['val/throughput_pred']:.3f}",
-                    flush=True,
-                )
-            ray.train.report({k: float(v) for k, v in metrics.items()}, checkpoint=saved)
+            logged = {k: v for k, v in metrics.items() if k != "epoch"}
+            log_epoch_metrics(config["run_id"], logged, epoch, config["tracking_uri"])
+        print(
+            f"[predictor] epoch {epoch + 1}/{train_config.epochs} loss {loss:.4f} "
+            f"val tau {metrics['val/tau_pred']:.3f} throughput {metrics['val/throughput_pred']:.3f}",
+            flush=True,
+        )
+        report_epoch(metrics, epoch, optimizer, save=lambda folder: unwrapped.save(folder / "predictor"))
 
     fit_epochs(model, optimizer, range(start_epoch, train_config.epochs), batches, train_config, on_epoch)
 

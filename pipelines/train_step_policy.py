@@ -7,18 +7,18 @@
 prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the
 driver (`blockpilot.predictor.step`); rows without tables stop the job here. fit: a `TorchTrainer` worker
 reads them as a Ray Dataset and minimizes the expected regret, reporting each epoch (and to the MLflow
-run). report: the driver walks the held-out tables with the model's choices and prints, per temperature,
-tau and modeled throughput of fixed B, the best fixed b, the static oracle, the model and the per-step
-oracle; the folder and the metrics go to MLflow, the label sets as the run's dataset inputs, and the model is
-registered as `blockpilot-step-policy` (its `champion` alias moves when a version beats the champion's held-out
-modeled throughput). Generate and serve take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
+run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
+walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
+fixed B, the best fixed b, the static oracle, the model and the per-step oracle; the folder and the metrics go
+to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
+(its `champion` alias moves when a version beats the champion's held-out modeled throughput). Generate and serve
+take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from blockpilot.home import blockpilot_home
-from blockpilot.options import add_options, from_args, option, positive_float_arg, positive_int_arg
+from blockpilot.options import (
+    add_options,
+    from_args,
+    non_negative_int_arg,
+    option,
+    positive_float_arg,
+    positive_int_arg,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class StepTrainJob:
     batch_size: int = option(256, type=positive_int_arg, help="anchors per step")
     lr: float = option(3e-3, type=positive_float_arg, help="AdamW learning rate")
     seed: int = option(0, type=int, help="seed of the weights and the shuffles")
+    max_failures: int = option(2, type=non_negative_int_arg, help="worker failures tolerated per run")
     name: str | None = option(None, help="run name (default: unique)")
     storage: Path | None = option(None, type=Path, help="Ray Train storage (default under the home folder)")
     out: Path | None = option(None, type=Path, help="where the step model folder goes")
@@ -60,43 +68,45 @@ class StepOutcome:
 
 
 def _worker(config: dict[str, Any]) -> None:
-    """One Ray Train worker: the step model fitted on its shard of anchors, a report per epoch."""
+    """One Ray Train worker: the step model fitted on its shard of anchors, a report and a checkpoint per epoch;
+    restarted after a failure, it carries on from the last checkpoint."""
     import numpy as np
     import ray.train
     import torch
 
     from blockpilot.predictor.step import StepModel, StepModelConfig, fit_step_model
+    from pipelines.train_checkpoints import report_epoch, restore_fit
 
     torch.manual_seed(config["seed"])
     rows = list(ray.train.get_dataset_shard("train").iter_batches(batch_size=None, batch_format="numpy"))
     features = np.concatenate([b["features"] for b in rows]).astype(np.float32)
     regret = np.concatenate([b["regret"] for b in rows]).astype(np.float32)
-    model = StepModel(StepModelConfig.from_dict(config["model"]))
+    restored, optimizer_state, first_epoch = restore_fit(lambda folder: StepModel.load(folder / "step"))
+    model = restored or StepModel(StepModelConfig.from_dict(config["model"]))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
     rank = ray.train.get_context().get_world_rank()
 
     def on_epoch(epoch: int, loss: float) -> None:
-        metrics = {"epoch": epoch, "train/expected_regret": loss}
         if rank == 0 and config["run_id"]:
             from blockpilot.tracking import log_epoch_metrics
 
             log_epoch_metrics(config["run_id"], {"train/expected_regret": loss}, epoch, config["tracking_uri"])
-        if epoch < config["epochs"] - 1:
-            ray.train.report(metrics)
-            return
-        with tempfile.TemporaryDirectory() as directory:
-            if rank == 0:
-                model.save(Path(directory) / "step")
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory) if rank == 0 else None)
+        metrics = {"epoch": epoch, "train/expected_regret": loss, "train/resumed_from_epoch": first_epoch}
+        save = (lambda folder: model.save(folder / "step")) if rank == 0 else None
+        report_epoch(metrics, epoch, optimizer, save=save)
 
     fit_step_model(
         model, features, regret, epochs=config["epochs"], batch_size=config["batch_size"], lr=config["lr"],
-        seed=config["seed"], on_epoch=on_epoch,
+        seed=config["seed"], first_epoch=first_epoch, optimizer=optimizer, on_epoch=on_epoch,
     )
 
 
 def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from blockpilot.cost import load_cost
@@ -111,11 +121,13 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         regret_dataset,
         step_rows,
     )
+    from blockpilot.predictor.store import load_predictor
     from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
+    from pipelines.train_checkpoints import refuse_existing_run
 
-    from blockpilot.predictor.store import load_predictor
-
+    storage = job.storage or blockpilot_home() / "ray_results" / "step"
+    refuse_existing_run(storage, job.name, resumable=False)
     cost = load_cost(job.cost)
     prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
@@ -156,7 +168,9 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
             scaling_config=ScalingConfig(num_workers=1),
             run_config=RunConfig(
                 name=job.name,
-                storage_path=str(job.storage or blockpilot_home() / "ray_results" / "step"),
+                storage_path=str(storage),
+                failure_config=FailureConfig(max_failures=job.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
                 logging_config=train_logging(),
             ),
             datasets={"train": ray.data.from_items([{"features": x, "regret": r} for x, r in zip(features, regret)])},

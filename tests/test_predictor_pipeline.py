@@ -184,6 +184,10 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
             out=tmp_path / "step", name="step-tiny",
         )
     )
+    kept = [path for path in (tmp_path / "ray" / "step-tiny").glob("checkpoint_*") if path.is_dir()]
+    assert len(kept) == 2, f"a checkpoint per epoch, the last two kept: found {kept}"
+    with pytest.raises(ValueError, match="already exists.*another --name"):
+        run_step_train_job(StepTrainJob(labels=tiny_labels["train"], storage=tmp_path / "ray", name="step-tiny"))
     for group in ("", "T0/", "T1/"):
         assert outcome.metrics[f"{group}throughput_step"] <= outcome.metrics[f"{group}throughput_step_oracle"] + 1e-9
         assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle"} <= set(outcome.metrics)

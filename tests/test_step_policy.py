@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from support import check_stats_invariants, greedy_reference
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
@@ -28,7 +29,6 @@ from blockpilot.predictor.step import (
 )
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable
-from support import check_stats_invariants, greedy_reference
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
 
@@ -137,6 +137,40 @@ def test_training_lowers_the_expected_regret(tiny_labels):
     with torch.no_grad():
         after = float(expected_regret(model(x), r))
     assert len(losses) == 5 and after < before
+
+
+def test_an_interrupted_fit_continues_exactly(tmp_path):
+    """Stopped after 2 of 4 epochs and restored from what a checkpoint holds (the model's folder and the
+    optimizer's state), the fit ends on the weights of the fit that ran straight through."""
+    rng = np.random.default_rng(3)
+    features = rng.random((300, len(STEP_FEATURES)), dtype=np.float32) * 3
+    regret = rng.random((300, len(CANDIDATES)), dtype=np.float32)
+    settings = dict(epochs=4, batch_size=64, seed=5)
+    straight = fit_step_model(random_step_model(1), features, regret, **settings)
+
+    first = random_step_model(1).train()
+    optimizer = torch.optim.AdamW(first.parameters(), lr=3e-3)
+
+    def stop_after_two(epoch: int, loss: float) -> None:
+        if epoch == 1:
+            first.save(tmp_path / "step")
+            torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_step_model(first, features, regret, optimizer=optimizer, on_epoch=stop_after_two, **settings)
+    restored = StepModel.load(tmp_path / "step").train()
+    optimizer = torch.optim.AdamW(restored.parameters(), lr=3e-3)
+    optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    epochs = []
+    fit_step_model(
+        restored, features, regret, optimizer=optimizer, first_epoch=2, on_epoch=lambda e, _: epochs.append(e), **settings
+    )
+    assert epochs == [2, 3]
+    for name, weight in straight.state_dict().items():
+        assert torch.equal(weight, restored.state_dict()[name]), name
+    with pytest.raises(ValueError, match="first_epoch"):
+        fit_step_model(restored, features, regret, first_epoch=5, **settings)
 
 
 def test_folder_round_trip_and_refusals(tmp_path, tiny_models):

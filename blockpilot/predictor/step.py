@@ -275,15 +275,23 @@ def fit_step_model(
     batch_size: int = 256,
     lr: float = 3e-3,
     seed: int = 0,
+    first_epoch: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
     on_epoch: Any = None,
 ) -> StepModel:
-    """Minimize `expected_regret` with AdamW; `on_epoch(epoch, loss)` after each epoch. A NaN loss stops."""
+    """Minimize `expected_regret` with AdamW (or `optimizer`); `on_epoch(epoch, loss)` after each epoch. A NaN
+    loss stops. An interrupted fit continues exactly from `first_epoch` with the model and optimizer state it
+    had saved after the epoch before: the shuffles of the skipped epochs are drawn again, not used."""
+    if not 0 <= first_epoch <= epochs:
+        raise ValueError(f"first_epoch must be within [0, {epochs}], got {first_epoch}")
     generator = torch.Generator().manual_seed(seed)
     x, r = torch.as_tensor(features), torch.as_tensor(regret)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for epoch in range(epochs):
         order, total = torch.randperm(len(x), generator=generator), 0.0
+        if epoch < first_epoch:
+            continue
         for start in range(0, len(x), batch_size):
             index = order[start : start + batch_size]
             loss = expected_regret(model(x[index]), r[index])
