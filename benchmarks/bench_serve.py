@@ -1,6 +1,6 @@
 """Endpoint throughput and latency under load, per policy, and the HTTP overhead over the library.
 
-    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI] [--cost COST_JSON]
+    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI] [--cost COST_JSON|auto]
     # ZOO from `blockpilot zoo build --out ZOO`; COST_JSON from `blockpilot calibrate --batch-sizes 1,8,32`
 
 Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch
@@ -38,7 +38,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=8, help="rows in the replica's engine")
-    parser.add_argument("--cost", default=None, help="cycle cost curve (blockpilot calibrate): the engine prices verify widths")
+    parser.add_argument(
+        "--cost",
+        default=None,
+        help="cycle cost curve (blockpilot calibrate), or auto (measured as the replica starts): the engine prices "
+        "verify widths",
+    )
     args = parser.parse_args()
 
     from blockpilot.serving import ServeLimits

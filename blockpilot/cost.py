@@ -187,6 +187,27 @@ def calibrate(
     )
 
 
+def ladder(top: int, step: int) -> tuple[int, ...]:
+    """1, step, step^2, ... below `top`, then `top`: the sizes a short calibration measures up to `top`."""
+    if top < 1 or step < 2:
+        raise ValueError(f"a ladder needs top >= 1 and step >= 2, got top={top}, step={step}")
+    rungs, size = [], 1
+    while size < top:
+        rungs.append(size)
+        size *= step
+    return (*rungs, top)
+
+
+def serving_calibration(
+    models: Any, max_block_size: int, max_batch: int, *, cycles: int = 4, repeats: int = 3
+) -> CycleCost:
+    """A short `calibrate` for an engine about to serve: b = 1, 2, 4, ... up to `max_block_size` (the cost is
+    linear in b between them) at batch sizes 1, 4, 16, ... up to `max_batch` (the nearest one prices a batch)."""
+    return calibrate(
+        models, ladder(max_block_size, 2), ladder(max_batch, 4), cycles=cycles, repeats=repeats, warmup=1
+    )
+
+
 def _device_name(device: Any) -> str:
     import torch
 

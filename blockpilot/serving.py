@@ -319,6 +319,23 @@ class BatchedDecoder:
 
     # ---------------------------------------------------------------- the engine loop
 
+    @property
+    def cost(self) -> CycleCost | None:
+        """The cycle cost curve pricing the engine's verify widths (None: padded to the widest row)."""
+        return self._engine.cost
+
+    def calibrate(self) -> CycleCost:
+        """Measure this engine's cycle cost on its device (`serving_calibration`: b up to `max_block_size`, batch
+        up to `max_batch`) and price its verify widths with it from now on. Before `start`: it runs the engine."""
+        from blockpilot.cost import serving_calibration
+
+        with self._lock:
+            if self._running:
+                raise RuntimeError("calibrate the decoder before start(): calibration runs the engine")
+        cost = serving_calibration(self.models, self.max_block_size, self.limits.max_batch)
+        self._engine.cost = cost
+        return cost
+
     def start(self) -> BatchedDecoder:
         with self._lock:
             if self._running:

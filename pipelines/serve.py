@@ -31,10 +31,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 from ray import serve
 
 from blockpilot.decoding.resolve import adaptive_spec
-from blockpilot.options import add_options, from_args, model_ref, nested, non_negative_float_arg, option, positive_int_arg
+from blockpilot.options import (
+    add_options,
+    from_args,
+    model_ref,
+    nested,
+    non_negative_float_arg,
+    option,
+    positive_int_arg,
+)
 from blockpilot.serving import BatchedDecoder, DecodeRequest, Overloaded, RequestError, ServeLimits, new_id
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
+AUTO_COST = "auto"  # --cost auto: the replica measures its cycle cost as it starts
 # OpenAI fields of features this server does not have: refused unless absent or at their neutral value.
 UNSUPPORTED_FIELDS = (
     "logprobs",
@@ -194,7 +203,8 @@ class ModelLoader:
     predictor: Optional[str] = None
     step_model: Optional[str] = None
     policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
-    cost: Optional[str] = None  # a cycle cost curve (`blockpilot calibrate`): the engine prices verify widths with it
+    # A cycle cost curve (`blockpilot calibrate`) the engine prices verify widths with, or "auto": measured at start.
+    cost: Optional[str] = None
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -205,15 +215,24 @@ class ModelLoader:
         return self.policy or str(adaptive_spec(self.predictor, self.step_model))
 
     def __call__(self) -> BatchedDecoder:
+        import logging
+
         from transformers.utils import logging as hf_logging
 
         from blockpilot.cost import CycleCost
         from blockpilot.models.loading import load_models
 
         hf_logging.disable_progress_bar()
-        cost = CycleCost.load(self.cost) if self.cost else None  # read first: a bad path fails before the models load
+        measured = self.cost == AUTO_COST
+        # Read first: a bad path fails before the models load.
+        cost = CycleCost.load(self.cost) if self.cost and not measured else None
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
         decoder = BatchedDecoder(models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits, cost=cost)
+        if measured:
+            started = time.perf_counter()
+            cost = decoder.calibrate()
+            elapsed = time.perf_counter() - started
+            logging.getLogger("ray.serve").info("cycle cost measured in %.1f s: %s", elapsed, cost.describe())
         return decoder.start()
 
 
@@ -520,7 +539,9 @@ class ServeJob:
         None, help="the adaptive policy's spec (default: learned+step, learned-step or learned from the models given, else fixed)"
     )
     cost: Optional[str] = option(
-        None, help="cycle cost curve of these models on this device (blockpilot calibrate): price each cycle's verify width"
+        None,
+        help="cycle cost curve of these models on this device (blockpilot calibrate), or 'auto' to measure one as the "
+        "replica starts: price each cycle's verify width",
     )
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")

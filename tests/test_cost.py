@@ -4,10 +4,9 @@ prices any b (interpolated between measured points)."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
-from blockpilot.cost import CycleCost, calibrate, load_cost, random_prompts, seconds_per_cycle
+from blockpilot.cost import CycleCost, calibrate, ladder, load_cost, random_prompts, seconds_per_cycle
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
@@ -37,3 +36,10 @@ def test_a_cycle_can_be_timed_with_every_row_at_its_own_block_size(random_models
     assert seconds_per_cycle(random_models, prompts, [2, 5, 9], cycles=2) > 0
     with pytest.raises(ValueError, match="one block size per prompt"):
         seconds_per_cycle(random_models, prompts, [2, 5], cycles=2)
+
+
+def test_a_short_calibration_climbs_a_ladder_to_the_top():
+    assert ladder(12, 2) == (1, 2, 4, 8, 12) and ladder(8, 2) == (1, 2, 4, 8)
+    assert ladder(32, 4) == (1, 4, 16, 32) and ladder(1, 4) == (1,)
+    with pytest.raises(ValueError, match="top >= 1"):
+        ladder(0, 2)

@@ -10,7 +10,7 @@ import pytest
 
 from blockpilot.decoding import FixedBlockSize, GenerationConfig, generate
 from blockpilot.serving import BatchedDecoder, IncrementalText, Overloaded, RequestError, ServeLimits
-from pipelines.serve import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
+from pipelines.serve import ChatCompletionRequest, CompletionRequest, ModelLoader, decode_request, parse_request
 
 HUGE = 10**400
 
@@ -197,6 +197,32 @@ def test_requests_join_the_running_batch_and_match_the_library(tiny_models):
             config = GenerationConfig(max_new_tokens=body["max_tokens"], stop_token_ids=tuple(tiny_models.stop_token_ids()))
             expected = generate(tiny_models, ids, policy=FixedBlockSize(body["block_size"]), config=config)
             assert text == tiny_models.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    finally:
+        decoder.stop()
+
+
+def test_a_replica_with_cost_auto_measures_its_curve_and_stays_exact(tiny_zoo, tiny_models):
+    """`--cost auto`: the replica's decoder times cycles up to its largest block and batch before it serves, then
+    prices widths with that curve; greedy rows of mixed b still equal their own unbatched generations."""
+    limits = ServeLimits(max_batch=4, max_block_size=6)
+    decoder = ModelLoader(str(tiny_zoo / "target"), str(tiny_zoo / "drafter"), cost="auto", limits=limits)()
+    try:
+        cost = decoder.cost
+        assert cost is not None and set(cost.seconds) == {1, 4}
+        assert all(set(by_b) == {1, 2, 4, 6} for by_b in cost.seconds.values())
+        bodies = [
+            {"prompt": f"Count from {i} to {i + 9}.", "max_tokens": 16, "temperature": 0, "block_size": b}
+            for i, b in enumerate((1, 3, 6, 6))
+        ]
+        handles = [decoder.submit(checked(decoder, body)) for body in bodies]
+        for body, handle in zip(bodies, handles, strict=True):
+            text = "".join(value for kind, value in handle.events(timeout_s=120) if kind == "delta")
+            config = GenerationConfig(max_new_tokens=16, stop_token_ids=tuple(tiny_models.stop_token_ids()))
+            ids = decoder.encode_completion(body["prompt"])
+            expected = generate(tiny_models, ids, policy=FixedBlockSize(body["block_size"]), config=config)
+            assert text == tiny_models.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+        with pytest.raises(RuntimeError, match="before start"):
+            decoder.calibrate()
     finally:
         decoder.stop()
 
