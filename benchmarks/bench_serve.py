@@ -44,6 +44,7 @@ def main() -> None:
         help="cycle cost curve (blockpilot calibrate), or auto (measured as the replica starts): the engine prices "
         "verify widths",
     )
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (its torch threads)")
     args = parser.parse_args()
 
     from blockpilot.serving import ServeLimits
@@ -74,7 +75,7 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = serve_locally(loader, port=port)
+    server = serve_locally(loader, port=port, num_cpus=args.num_cpus)
     url = f"{server.url}/v1/completions"
     server.wait_healthy()
 
@@ -92,7 +93,7 @@ def main() -> None:
 
     print(
         f"requests per level: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T=0, one replica, "
-        f"engine max_batch {args.max_batch}; adaptive = {adaptive_name}; verify widths "
+        f"engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs; adaptive = {adaptive_name}; verify widths "
         + (f"priced by {args.cost}" if args.cost else "padded to the widest row")
     )
     print(f"{'policy':<16} {'concurrency':>11} {'req/s':>8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")

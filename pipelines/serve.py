@@ -38,6 +38,7 @@ from blockpilot.options import (
     nested,
     non_negative_float_arg,
     option,
+    positive_float_arg,
     positive_int_arg,
 )
 from blockpilot.serving import BatchedDecoder, DecodeRequest, Overloaded, RequestError, ServeLimits, new_id
@@ -548,6 +549,7 @@ class ServeJob:
     model_name: str = option("blockpilot", help="the model id the API reports")
     replicas: int = option(1, type=positive_int_arg, help="replicas (each runs one batched engine)")
     num_gpus: float = option(0.0, type=non_negative_float_arg, help="GPUs per replica")
+    num_cpus: float = option(1.0, type=positive_float_arg, help="CPUs per replica: Ray runs its torch on as many threads")
     api_key: Optional[str] = option(None, help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV})")
     device: Optional[str] = option(None, help="cpu, cuda, ... (default: cuda when present)")
     dtype: Optional[str] = option(None, help="float32, bfloat16, ...")
@@ -560,7 +562,9 @@ class ServeJob:
 
 def run_serve_job(job: ServeJob) -> int:
     """Serve until Ctrl-C."""
-    server = serve_locally(job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus)
+    server = serve_locally(
+        job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus, num_cpus=job.num_cpus
+    )
     server.wait_healthy()
     print(f"serving {job.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
     try:

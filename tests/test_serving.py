@@ -10,7 +10,7 @@ import pytest
 
 from blockpilot.decoding import FixedBlockSize, GenerationConfig, generate
 from blockpilot.serving import BatchedDecoder, IncrementalText, Overloaded, RequestError, ServeLimits
-from pipelines.serve import ChatCompletionRequest, CompletionRequest, ModelLoader, decode_request, parse_request
+from pipelines.serve import ChatCompletionRequest, CompletionRequest, ModelLoader, ServeJob, decode_request, parse_request
 
 HUGE = 10**400
 
@@ -225,6 +225,20 @@ def test_a_replica_with_cost_auto_measures_its_curve_and_stays_exact(tiny_zoo, t
             decoder.calibrate()
     finally:
         decoder.stop()
+
+
+def test_serve_options_reserve_cpus_per_replica(tiny_zoo):
+    import argparse
+
+    from blockpilot.options import add_options, from_args
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, ServeJob)
+    target = ["--target", str(tiny_zoo / "target")]
+    assert from_args(ServeJob, parser.parse_args(target)).num_cpus == 1.0
+    assert from_args(ServeJob, parser.parse_args([*target, "--num-cpus", "2"])).num_cpus == 2.0
+    with pytest.raises(SystemExit):
+        parser.parse_args([*target, "--num-cpus", "0"])
 
 
 def _long(decoder: BatchedDecoder):
