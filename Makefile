@@ -35,10 +35,10 @@ venv: $(VENV)/.installed
 demo: venv
 	$(BIN)/python -m blockpilot demo --home "$(BLOCKPILOT_HOME)"
 
-# Two pytest workers (pytest-xdist): the tests that run Ray share one, in order (tests/conftest.py groups them);
-# the rest spread over both. The tiny zoo and its labels are built once and shared. PYTEST_WORKERS=0: one process.
+# Two pytest workers (pytest-xdist), each with its own embedded Ray when a test asks for one; the tiny zoo and its
+# labels are built once and shared. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS))
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)

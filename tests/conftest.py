@@ -29,18 +29,6 @@ import torch  # noqa: E402
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS, torch.get_num_threads())))
 
-# Tests that start or stop a Ray cluster (or kill its processes by name) run in one xdist worker, one after
-# another; the others spread over the remaining workers (`make test` runs `-n 2 --dist loadgroup`).
-RAY_FIXTURES = {"local_ray", "two_worker_cluster"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-
 
 def shared_folder(tmp_path_factory: pytest.TempPathFactory, *, kept: bool = False) -> Path:
     """A folder every xdist worker of this run sees (the run's base temp), or this session's own without xdist.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -40,10 +41,13 @@ def job(label_dirs: dict, tmp_path: Path, **overrides) -> TrainJob:
 
 
 def _train_workers() -> list[psutil.Process]:
+    """This test process's Ray Train workers: its embedded Ray's processes descend from it. Another pytest worker
+    runs a Ray of its own, whose Train workers must not be killed here (CI once lost a step-model fit so)."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-            found.append(process)
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if "RayTrainWorker" in " ".join(process.cmdline()):
+                found.append(process)
     return found
 
 
@@ -91,8 +95,10 @@ def test_a_tracked_run_survives_a_killed_worker_and_resumes_only_on_request(
     assert (result.predictor_dir / "model.safetensors").is_file()
     assert {"tau_pred", "tau_B", "tau_best_fixed", "tau_oracle", "gap_captured", "accuracy"} <= set(result.val_metrics)
     assert "T0/tau_pred" in result.eval_metrics and "T1/gap_captured" in result.eval_metrics
-    kept = [path for path in (tmp_path / "ray" / "tiny").glob("checkpoint_*") if path.is_dir()]
-    assert len(kept) == 2, f"the last two checkpoints kept, found {kept}"
+    # Ray Train tracks the last two checkpoints (a checkpoint the killed worker was writing may stay on disk).
+    tracked = json.loads(snapshot.read_text())["checkpoint_results"]
+    assert [entry["metrics"]["epoch"] for entry in tracked] == [4, 5], tracked
+    assert all((snapshot.parent / entry["checkpoint_dir_name"]).is_dir() for entry in tracked)
 
     mlflow.set_tracking_uri(mlflow_store)
     client = mlflow.MlflowClient()
