@@ -14,6 +14,7 @@ concurrency 1 is the HTTP + Serve overhead per request.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import statistics
@@ -57,7 +58,9 @@ def main() -> None:
         str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, cost=args.cost, limits=limits
     )
 
-    decoder = loader()
+    # One request at a time: a batch of one has no verify width to price, so the library skips --cost auto's
+    # calibration here (the replica below measures its own).
+    decoder = dataclasses.replace(loader, cost=None)()
     requests = [
         decoder.check(decoder.encode_completion(p), max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         for p in prompts

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockpilot.checks import check_fits_context
-from blockpilot.cost import CycleCost
+from blockpilot.cost import CycleCost, serving_calibration
 from blockpilot.decoding.engine import SpeculativeEngine
 from blockpilot.decoding.policies import BlockSizePolicy, FixedBlockSize
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
@@ -327,8 +327,6 @@ class BatchedDecoder:
     def calibrate(self) -> CycleCost:
         """Measure this engine's cycle cost on its device (`serving_calibration`: b up to `max_block_size`, batch
         up to `max_batch`) and price its verify widths with it from now on. Before `start`: it runs the engine."""
-        from blockpilot.cost import serving_calibration
-
         with self._lock:
             if self._running:
                 raise RuntimeError("calibrate the decoder before start(): calibration runs the engine")

@@ -83,7 +83,6 @@ def _worker(config: dict[str, Any]) -> None:
     regret = np.concatenate([b["regret"] for b in rows]).astype(np.float32)
     restored, optimizer_state, first_epoch = restore_fit(lambda folder: StepModel.load(folder / "step"))
     model = restored or StepModel(StepModelConfig.from_dict(config["model"]))
-    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
