@@ -178,7 +178,9 @@ def local_ray(isolated_home, _ray_session):
     from ray.data import DataContext
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        # address="local": without it ray.init joins the last cluster started on this machine, which may be
+        # the other xdist worker's (the fault-tolerance test's), and refuses num_cpus for a cluster it joins.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     context = DataContext.get_current()
     context.execution_no_progress_timeout_s = 120  # a hung pool fails the test instead of the CI run
     context.enable_progress_bars = False
