@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -222,6 +223,60 @@ def test_a_second_build_reuses_the_cache(tiny_zoo, tmp_path, monkeypatch):
         tiny_zoo / "drafter" / "model.safetensors"
     ).read_bytes()
     assert zoo_cache_dir(RECIPES["tiny"], 0) == tiny_zoo
+
+
+def _mean_log_likelihood(target, sequences: list[list[int]], starts: list[int]) -> float:
+    """Mean log-probability the target gives each sequence's tokens from its start on."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for sequence, start in zip(sequences, starts, strict=True):
+            logits = target(input_ids=torch.tensor([sequence])).logits[0, :-1].float()
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(sequence[1:])[:, None])[start - 1 :]
+            total, count = total + picked.sum().item(), count + picked.numel()
+    return total / count
+
+
+def test_self_distillation_makes_the_target_surer_of_its_own_answers(tmp_path):
+    """The stage fine-tunes the target on its own greedy responses: they become likelier. A finished stage is read
+    back from disk instead of run again; a recipe without it leaves the target as it is."""
+    from blockpilot.zoo.build import ZooBuild, chat_ids, greedy_responses
+    from blockpilot.zoo.corpus import Example
+    from blockpilot.zoo.training import Schedule
+
+    tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
+    shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    target = qwen3_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
+    corpus = {"lm": [Example(f"lm-{i}", "count", f"Count from {i} to {i + 9}.", "") for i in range(40)]}
+    recipe = dataclasses.replace(
+        RECIPES["tiny"],
+        self_distill_schedule=Schedule(steps=12, batch_size=8, lr=1e-2, warmup_steps=1, log_every=4),
+        self_distill_prompts=16,
+        response_tokens=10,
+    )
+    prompts = [chat_ids(tokenizer, e.prompt) for e in corpus["lm"][:16]]
+    responses = greedy_responses(target, tokenizer, prompts, recipe.response_tokens)
+    sequences, starts = [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts]
+    before = _mean_log_likelihood(target, sequences, starts)
+
+    from blockpilot.zoo.build import LocalTrainer
+
+    build = ZooBuild(recipe, 0, tmp_path, torch.device("cpu"), log=lambda _: None)
+    tuned = build.self_distill_stage(target, tokenizer, corpus, LocalTrainer())
+    assert _mean_log_likelihood(tuned, sequences, starts) > before + 0.5
+    assert len(build.losses["self_distill"]) == 3
+
+    class NoTraining:
+        def train_target(self, *args):
+            raise AssertionError("the finished stage should have been read back")
+
+    again = ZooBuild(recipe, 0, tmp_path, torch.device("cpu"), log=lambda _: None)
+    reloaded = again.self_distill_stage(qwen3_target(len(tokenizer), shape, seed=1), tokenizer, corpus, NoTraining())
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), tuned.state_dict().values()))
+    assert again.losses["self_distill"] == build.losses["self_distill"]
+
+    plain = ZooBuild(RECIPES["tiny"], 0, tmp_path / "plain", torch.device("cpu"), log=lambda _: None)
+    assert plain.self_distill_stage(target, tokenizer, corpus, NoTraining()) is target
+    assert not (tmp_path / "plain").exists()
 
 
 def test_unknown_size():
