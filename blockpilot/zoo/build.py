@@ -266,16 +266,14 @@ class ZooBuild:
         return AutoTokenizer.from_pretrained(directory)
 
     def target_stage(self, tokenizer: Any, corpus: dict[str, list[Example]], trainer: Trainer) -> Any:
-        from transformers import AutoModelForCausalLM
-
         from blockpilot.zoo.random_models import qwen3_target
 
         # With self-distillation to follow, the pretrained target is kept apart: a build stopped during the
         # self-distillation resumes after the pretraining.
         directory = self.work / ("pretrained-target" if self.recipe.self_distill_schedule else "target")
-        if (directory / "model.safetensors").is_file():
-            self.losses["target"] = json.loads((directory / "losses.json").read_text())
-            return AutoModelForCausalLM.from_pretrained(directory).to(self.device).eval()
+        saved = self._saved_target(directory, "target", "losses.json")
+        if saved is not None:
+            return saved
         sequences = [chat_ids(tokenizer, e.prompt, e.response) for e in corpus["lm"]]
         # The prompts of most families are random (word lists, tables, numbers): learning the responses only
         # spends the small target's capacity where generation happens.
@@ -291,11 +289,7 @@ class ZooBuild:
         self.log(f"[zoo] training the target: {_millions(target)} params on {len(sequences)} pairs ({tokens} tokens)")
         fit = TargetFit(sequences, loss_from, tokenizer.pad_token_id, self.recipe.target_schedule, self.seed)
         self.losses["target"] = trainer.train_target(target, fit)
-        with atomic_folder(directory) as staging:
-            target.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            (staging / "losses.json").write_text(json.dumps(self.losses["target"]))
-        return target.eval()
+        return self._save_target(directory, target, tokenizer, "target", "losses.json")
 
     def self_distill_stage(
         self, target: Any, tokenizer: Any, corpus: dict[str, list[Example]], trainer: Trainer
@@ -307,15 +301,13 @@ class ZooBuild:
         path, is rarely right (tau at T = 1 was 0.37x tau at T = 0, against 0.85x for Qwen3-4B with z-lab's drafter).
         Chat models are tuned on their own outputs and answer with confidence; this stage does that.
         """
-        from transformers import AutoModelForCausalLM
-
         schedule = self.recipe.self_distill_schedule
         directory = self.work / "target"
         if schedule is None:
             return target
-        if (directory / "model.safetensors").is_file():
-            self.losses["self_distill"] = json.loads((directory / "self_distill_losses.json").read_text())
-            return AutoModelForCausalLM.from_pretrained(directory).to(self.device).eval()
+        saved = self._saved_target(directory, "self_distill", "self_distill_losses.json")
+        if saved is not None:
+            return saved
         examples = corpus["lm"][: self.recipe.self_distill_prompts]
         prompts = [chat_ids(tokenizer, e.prompt) for e in examples]
         self.log(f"[zoo] self-distilling the target on its own responses to {len(prompts)} prompts")
@@ -329,10 +321,23 @@ class ZooBuild:
             self.seed + 2,
         )
         self.losses["self_distill"] = trainer.train_target(target, fit)
+        return self._save_target(directory, target, tokenizer, "self_distill", "self_distill_losses.json")
+
+    def _saved_target(self, directory: Path, kind: str, losses_file: str) -> Any | None:
+        """The target a finished stage left in `directory`, its `kind` losses read back; None if not finished."""
+        from transformers import AutoModelForCausalLM
+
+        if not (directory / "model.safetensors").is_file():
+            return None
+        self.losses[kind] = json.loads((directory / losses_file).read_text())
+        return AutoModelForCausalLM.from_pretrained(directory).to(self.device).eval()
+
+    def _save_target(self, directory: Path, target: Any, tokenizer: Any, kind: str, losses_file: str) -> Any:
+        """A stage's trained target, its tokenizer and its `kind` losses, written atomically to `directory`."""
         with atomic_folder(directory) as staging:
             target.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            (staging / "self_distill_losses.json").write_text(json.dumps(self.losses["self_distill"]))
+            (staging / losses_file).write_text(json.dumps(self.losses[kind]))
         return target.eval()
 
     def responses_stage(self, target: Any, tokenizer: Any, corpus: dict[str, list[Example]]) -> list[dict[str, Any]]:
