@@ -13,6 +13,7 @@ from blockpilot.decoding import (
     generate,
     generate_many,
 )
+from blockpilot.decoding.engine import PREFILL_MAX_PADDING, prefill_groups
 from blockpilot.decoding.resolve import resolve_policy
 
 PROMPTS = ["Count from one to ten.", "def add(a, b):", "The quick brown fox"]
@@ -113,7 +114,7 @@ def test_stop_token_at_the_prefill_ends_before_any_cycle(random_models, prompt_i
 
 
 def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models, prompt_ids):
-    """Prompts of different lengths joining in the same step are prefilled in one padded target pass; each row
+    """Prompts of similar lengths joining in the same step are prefilled in one padded target pass; each row
     still gives its own greedy output, a row that stops at its first token leaves at once, the others go on."""
     assert len({len(ids) for ids in prompt_ids}) == len(prompt_ids), "prompts of different lengths"
     stop_first = greedy_reference(random_models.target, prompt_ids[1], 1)[0]
@@ -136,6 +137,36 @@ def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models,
     assert results[1].token_ids == [stop_first] and results[1].stop_reason == "stop"
     assert results[2].token_ids == greedy_reference(random_models.target, prompt_ids[2], 25)
     assert len(passes) == 1 + max(result.cycles for result in results), "one prefill pass, then one verify a cycle"
+
+
+def test_prefill_groups_keep_padding_bounded():
+    lengths = [40, 3, 5, 41, 4, 120, 6, 39, 4]
+    groups = prefill_groups(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths))), "every prompt once"
+    for group in groups:
+        assert len(group) * max(lengths[i] for i in group) <= PREFILL_MAX_PADDING * sum(lengths[i] for i in group)
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[3, 4, 4, 5, 6], [39, 40, 41], [120]]
+    assert prefill_groups([7, 7, 7]) == [[0, 1, 2]], "prompts of one length share a pass"
+    assert prefill_groups([3, 9], max_padding=1.0) == [[0], [1]]
+    with pytest.raises(ValueError, match="max_padding must be >= 1"):
+        prefill_groups([3], max_padding=0.5)
+
+
+def test_prompts_of_very_different_lengths_prefill_apart_and_stay_exact(random_models, prompt_ids):
+    """A long prompt joining with short ones gets its own prefill pass (padding every short prompt to it would
+    multiply their work); every row still gives its own greedy output."""
+    long_prompt = (prompt_ids[0] * 4)[:150]
+    prompts = [prompt_ids[1], long_prompt, prompt_ids[2]]
+    requests = [GenerationRequest(ids, GenerationConfig(max_new_tokens=12), FixedBlockSize(4)) for ids in prompts]
+    passes = []
+    hook = random_models.target.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        results = generate_many(random_models, requests)
+    finally:
+        hook.remove()
+    for ids, result in zip(prompts, results, strict=True):
+        assert result.token_ids == greedy_reference(random_models.target, ids, 12)
+    assert len(passes) == 2 + max(result.cycles for result in results), "two prefill passes, then one verify a cycle"
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 9, 10, 11, 17])

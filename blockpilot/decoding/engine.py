@@ -58,6 +58,9 @@ from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels
 
 RECORD_TOP_K = 8
+# Joining prompts share a prefill pass while its padding stays under half its real tokens. One padded pass
+# for a burst of 32 prompts of 20 to 283 tokens computed 4x their tokens: 2.3 s of a 3.4 s batch on a CPU.
+PREFILL_MAX_PADDING = 1.5
 # How many drafts' worth of the engine's pooled acceptance rate a row's own rate starts from (`width.py`).
 POOLED_PRIOR_DRAFTS = 4.0
 
@@ -111,6 +114,23 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     else:
         generator.manual_seed(seed)
     return generator
+
+
+def prefill_groups(lengths: Sequence[int], max_padding: float = PREFILL_MAX_PADDING) -> list[list[int]]:
+    """Indices of the joining prompts, grouped into prefill passes: by length, shortest first, a group growing
+    while its padded size (rows x longest prompt) stays within `max_padding` x its real tokens."""
+    if max_padding < 1:
+        raise ValueError(f"max_padding must be >= 1 (padded tokens per real token), got {max_padding!r}")
+    groups: list[list[int]] = []
+    real = 0
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[index] <= max_padding * (real + lengths[index]):
+            groups[-1].append(index)
+            real += lengths[index]
+        else:
+            groups.append([index])
+            real = lengths[index]
+    return groups
 
 
 def truncate_at_stop(tokens: list[int], stop_token_ids: Sequence[int]) -> list[int]:
@@ -222,7 +242,12 @@ class SpeculativeEngine:
     # ---------------------------------------------------------------- prefill
 
     def _admit(self, joining: list[_Row], updates: list[RowUpdate]) -> None:
-        """Prefill the joining rows into the next free cache rows in one target pass; commit each one's first token.
+        """Prefill the joining rows, a few target passes of prompts of similar length (`prefill_groups`)."""
+        for group in prefill_groups([row.prompt.numel() for row in joining]):
+            self._prefill([joining[index] for index in group], updates)
+
+    def _prefill(self, joining: list[_Row], updates: list[RowUpdate]) -> None:
+        """Prefill rows into the next free cache rows in one target pass; commit each one's first token.
 
         Prompts are right-padded to the longest: under causal attention a prompt's positions never see its
         padding, and the padded slots lie past the row's length, so they are rewritten before anything reads them.
