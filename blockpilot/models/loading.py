@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from blockpilot.models.attention import register_grouped_sdpa
 from blockpilot.models.drafter import DFlashConfig, DFlashDrafter
 from blockpilot.models.hub import resolve_model_dir
 
@@ -45,12 +46,13 @@ def resolve_device_dtype(
 def load_target(
     path_or_id: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> Any:
-    """The target causal LM (`AutoModelForCausalLM`) in eval mode, SDPA attention."""
+    """The target causal LM (`AutoModelForCausalLM`) in eval mode, SDPA attention (grouped-query heads under a
+    mask without copies: `grouped_query_attention`)."""
     from transformers import AutoModelForCausalLM
 
     device, dtype = resolve_device_dtype(device, dtype)
     directory = resolve_model_dir(path_or_id)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=register_grouped_sdpa())
     return model.to(device).eval()
 
 
