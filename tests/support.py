@@ -72,7 +72,7 @@ class OracleDrafter(nn.Module):
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> list:
         return []
 
-    def draft_blocks(self, embed, context_kv, first_tokens, anchors, block_sizes, width, mask_token_id, context_rows=None):
+    def draft_blocks(self, embed, context_kv, first_tokens, anchors, block_sizes, width, mask_token_id, context_rows=None, block_at=None):
         positions = anchors[:, None] + torch.arange(width, device=anchors.device)
         return self.hidden[(positions - 1).clamp(0, self.hidden.shape[0] - 1)]
 

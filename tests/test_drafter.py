@@ -270,3 +270,26 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     for row, (anchor, size) in enumerate(zip(anchors.tolist(), sizes.tolist(), strict=True)):
         expected = zlab_reference_logits(drafter, target, features[:anchor], int(ids[0, anchor]), size)
         torch.testing.assert_close(logits[row, : size - 1], expected, rtol=1e-4, atol=1e-4)
+
+    # In place (decoding's form): a context row per block with scratch entries past the last anchor, holding
+    # garbage beforehand; the blocks' keys and values go there instead of a concatenated copy. Same logits.
+    block_at, width = 24, 8
+    noise = torch.Generator().manual_seed(6)
+    scratch = [
+        tuple(
+            torch.cat([t.expand(4, -1, -1, -1), torch.randn(4, t.shape[1], width, t.shape[3], generator=noise)], dim=2)
+            for t in pair
+        )
+        for pair in context_kv
+    ]
+    kept = [tuple(t[:, :, :block_at].clone() for t in pair) for pair in scratch]
+    with torch.no_grad():
+        in_place = drafter.draft_blocks(
+            target.get_input_embeddings(), scratch, ids[0, anchors], anchors, sizes, width, 79, block_at=block_at
+        )
+    torch.testing.assert_close(target.get_output_embeddings()(in_place[:, 1:]), logits, rtol=1e-5, atol=1e-5)
+    for pair, before in zip(scratch, kept, strict=True):
+        for tensor, old in zip(pair, before, strict=True):
+            assert torch.equal(tensor[:, :, :block_at], old), "the context before block_at is left as it was"
+    with pytest.raises(ValueError, match="needs one context row per block and 32 entries"):
+        drafter.draft_blocks(target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79, block_at=24)

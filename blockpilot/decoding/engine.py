@@ -366,14 +366,18 @@ class SpeculativeEngine:
         if width == 1:
             return torch.empty(n, 0, dtype=torch.long, device=self.device), [None] * n, None
         span = int(lengths.max())
+        # The slots past the longest row hold the blocks' keys and values while drafting: every row's context is
+        # read in place, never copied. Each row's slots from its length on are rewritten before they are read.
+        self.context.reserve(n, span + width)
         hidden = self.drafter.draft_blocks(
             self.embed,
-            self.context.read_all(slice(0, n), span),
+            self.context.read_all(slice(0, n), span + width),
             first_tokens=last_tokens,
             anchors=lengths,
             block_sizes=torch.tensor(sizes, device=self.device),
             width=width,
             mask_token_id=self.models.mask_token_id,
+            block_at=span,
         )
         draft_logits = self.head(hidden[:, 1:])  # (n, W - 1, V)
         drafts = draft_logits.argmax(dim=-1)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME
-from blockpilot.models.attention import masked_attention_kernels
+from blockpilot.models.attention import grouped_query_attention, masked_attention_kernels
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -278,17 +278,21 @@ class DrafterAttention(nn.Module):
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],  # (N or 1, kv_heads, C, head_dim) each
         attention_mask: torch.Tensor | None,  # bool (N or 1, 1, S, C + S), True = may attend
+        block_at: int | None = None,  # see `DFlashDrafter.draft_blocks`
     ) -> torch.Tensor:
         n, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(n, s, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k_block, v_block = self._keys_values(x, cos, sin)
         k_ctx, v_ctx = context_kv
-        k = torch.cat([k_ctx.expand(n, -1, -1, -1), k_block], dim=2)
-        v = torch.cat([v_ctx.expand(n, -1, -1, -1), v_block], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        if block_at is None:
+            k = torch.cat([k_ctx.expand(n, -1, -1, -1), k_block], dim=2)
+            v = torch.cat([v_ctx.expand(n, -1, -1, -1), v_block], dim=2)
+        else:
+            k, v = k_ctx[:, :, : block_at + s], v_ctx[:, :, : block_at + s]
+            k[:, :, block_at:] = k_block
+            v[:, :, block_at:] = v_block
+        out = grouped_query_attention(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim))
 
 
@@ -318,8 +322,9 @@ class DrafterLayer(nn.Module):
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
+        block_at: int | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_at)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -386,12 +391,13 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,  # (N or 1, S)
         context_kv: ContextKV,  # from encode_context, batch N or 1
         attention_mask: torch.Tensor | None = None,  # bool (N or 1, 1, S, C + S); None = see everything
+        block_at: int | None = None,  # see `draft_blocks`; then C = block_at
     ) -> torch.Tensor:
         """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head."""
         cos, sin = self._rotary(block_positions)
         x = block_embeds.to(self.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):
-            x = layer(x, cos, sin, kv, attention_mask)
+            x = layer(x, cos, sin, kv, attention_mask, block_at)
         return self.norm(x)
 
     def draft_blocks(
@@ -404,6 +410,7 @@ class DFlashDrafter(nn.Module):
         width: int,  # the padded width W >= max(block_sizes)
         mask_token_id: int,
         context_rows: torch.Tensor | None = None,  # (N,) the context row each block reads; None: row n (or the one)
+        block_at: int | None = None,  # scratch entries [block_at, block_at + W) of a per-block context; see below
     ) -> torch.Tensor:
         """The one drafting primitive: hidden states (N, W, hidden) of N blocks drafted in one call.
 
@@ -413,21 +420,34 @@ class DFlashDrafter(nn.Module):
         Decoding (one block per row), the acceptance table (every anchor of a sequence) and drafter training
         (random anchors of many sequences) all draft through here; `target head(hidden[:, 1:])` gives the
         logits of the W - 1 drafted tokens.
+
+        With `block_at`, context_kv holds one row per block and at least block_at + W entries, and every anchor is
+        <= block_at: each layer writes the blocks' keys and values into entries [block_at, block_at + W) (they are
+        overwritten; decoding passes the slots past its longest row) and attends over the context in place,
+        instead of concatenating a copy of the whole context to every block in every layer.
         """
         device = first_tokens.device
         n = first_tokens.shape[0]
+        if block_at is not None:
+            rows, _, entries, _ = context_kv[0][0].shape
+            if context_rows is not None or rows != n or entries < block_at + width:
+                raise ValueError(
+                    f"block_at={block_at} needs one context row per block and {block_at + width} entries; got "
+                    f"{rows} rows of {entries} for {n} blocks of width {width}"
+                    + (" and context_rows" if context_rows is not None else "")
+                )
         block_ids = torch.full((n, width), mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = first_tokens
         slots = torch.arange(width, device=device)
         positions = anchors[:, None] + slots
-        context_length = context_kv[0][0].shape[2] if context_kv else 0
+        context_length = block_at if block_at is not None else context_kv[0][0].shape[2] if context_kv else 0
         sees_context = torch.arange(context_length, device=device)[None, :] < anchors[:, None]
         sees_block = slots[None, :] < block_sizes[:, None]
         mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(n, 1, width, -1)
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
         with masked_attention_kernels(device):
-            return self(embed(block_ids), positions, context_kv, attention_mask=mask)
+            return self(embed(block_ids), positions, context_kv, attention_mask=mask, block_at=block_at)
 
     # ---------------------------------------------------------------- checkpoints (z-lab layout)
 
