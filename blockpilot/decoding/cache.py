@@ -4,7 +4,9 @@ Row r's token at position p lives at slot p of row r. Each forward pass writes i
 the positions it computes them for; attention reads slots [0, span) under a mask that lets a query at
 position q see only slots <= q of its own row (the target) or < its block's anchor (the drafter's context).
 So a rejected draft needs no crop: its slots lie past the row's committed length, are masked from then on,
-and are overwritten by the next cycle. Rows of different lengths share one tensor without compaction.
+and are overwritten by the next cycle. Rows of different lengths share one tensor without compaction. While
+drafting, the drafter's blocks borrow the slots past the longest row for their own keys and values (the
+verify's context write then rewrites every slot a row will read).
 
 Active rows occupy the first rows of each buffer; a row that leaves is replaced by the last one (one row
 copied), so a decoding pass reads plain views, never a gather.
