@@ -113,6 +113,16 @@ def test_stop_token_at_the_prefill_ends_before_any_cycle(random_models, prompt_i
     assert result.to_dict()["tau"] is None
 
 
+def generate_counting_target_passes(models, requests) -> tuple[list, int]:
+    """`generate_many`'s results and how many forward passes the target ran for them."""
+    passes = []
+    hook = models.target.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        return generate_many(models, requests), len(passes)
+    finally:
+        hook.remove()
+
+
 def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models, prompt_ids):
     """Prompts of similar lengths joining in the same step are prefilled in one padded target pass; each row
     still gives its own greedy output, a row that stops at its first token leaves at once, the others go on."""
@@ -127,16 +137,11 @@ def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models,
         GenerationRequest(ids, config, FixedBlockSize(b))
         for ids, config, b in zip(prompt_ids, configs, (4, 2, 8), strict=True)
     ]
-    passes = []
-    hook = random_models.target.register_forward_hook(lambda *_: passes.append(1))
-    try:
-        results = generate_many(random_models, requests)
-    finally:
-        hook.remove()
+    results, passes = generate_counting_target_passes(random_models, requests)
     assert results[0].token_ids == greedy_reference(random_models.target, prompt_ids[0], 30)
     assert results[1].token_ids == [stop_first] and results[1].stop_reason == "stop"
     assert results[2].token_ids == greedy_reference(random_models.target, prompt_ids[2], 25)
-    assert len(passes) == 1 + max(result.cycles for result in results), "one prefill pass, then one verify a cycle"
+    assert passes == 1 + max(result.cycles for result in results), "one prefill pass, then one verify a cycle"
 
 
 def test_prefill_groups_keep_padding_bounded():
@@ -158,15 +163,10 @@ def test_prompts_of_very_different_lengths_prefill_apart_and_stay_exact(random_m
     long_prompt = (prompt_ids[0] * 4)[:150]
     prompts = [prompt_ids[1], long_prompt, prompt_ids[2]]
     requests = [GenerationRequest(ids, GenerationConfig(max_new_tokens=12), FixedBlockSize(4)) for ids in prompts]
-    passes = []
-    hook = random_models.target.register_forward_hook(lambda *_: passes.append(1))
-    try:
-        results = generate_many(random_models, requests)
-    finally:
-        hook.remove()
+    results, passes = generate_counting_target_passes(random_models, requests)
     for ids, result in zip(prompts, results, strict=True):
         assert result.token_ids == greedy_reference(random_models.target, ids, 12)
-    assert len(passes) == 2 + max(result.cycles for result in results), "two prefill passes, then one verify a cycle"
+    assert passes == 2 + max(result.cycles for result in results), "two prefill passes, then one verify a cycle"
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 9, 10, 11, 17])
