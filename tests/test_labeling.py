@@ -12,6 +12,7 @@ import pytest
 from blockpilot.data.labels import LABEL_SCHEMA, deduplicate, read_label_files, read_labels, rows_to_table
 from blockpilot.data.sources import PromptRecord
 from blockpilot.blocks import best_block_size, candidates_around
+from blockpilot.decoding.engine import generate_many
 from blockpilot.labeling import Labeler, LabelSettings, summarize, task_keys, task_seed
 from blockpilot.sweep import SweepConfig, sweep_prompt, sweep_prompts
 from blockpilot.table import tables_from_row
@@ -44,6 +45,24 @@ def test_table_walks_equal_live_runs_on_random_models(random_models):
     config = dict(candidates=(1, 2, 4, 8, 14, 15, 16, 17, 18), max_new_tokens=30)
     live = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="live", **config))
     replay = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="replay", **config))
+    assert [s.acceptance_lengths for s in replay] == [s.acceptance_lengths for s in live]
+
+
+def test_the_reference_generation_drafts_at_the_training_block_size(random_models, monkeypatch):
+    """B need not be a candidate: the reference is the target's own sequence, drafted where drafts are best."""
+    prompts = [random_models.encode_prompt(p) for p in ("hello there", "def f(x):")]
+    config = dict(candidates=(1, 3, 16), max_new_tokens=30)
+    assert random_models.train_block_size not in config["candidates"]
+    live = sweep_prompts(random_models, prompts, [0, 1], SweepConfig(mode="live", **config))
+    reference_sizes = []
+
+    def spy(models, requests, **kwargs):
+        reference_sizes.extend(request.policy.block_size for request in requests)
+        return generate_many(models, requests, **kwargs)
+
+    monkeypatch.setattr("blockpilot.sweep.generate_many", spy)
+    replay = sweep_prompts(random_models, prompts, [0, 1], SweepConfig(mode="replay", **config))
+    assert reference_sizes == [random_models.train_block_size] * len(prompts)
     assert [s.acceptance_lengths for s in replay] == [s.acceptance_lengths for s in live]
 
 
