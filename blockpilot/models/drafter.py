@@ -37,6 +37,11 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # One (keys, values) pair per drafter layer, each (batch, kv_heads, length, head_dim).
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
 
+# Blocks over one shared context (the acceptance table) are packed side by side into rows of about this many
+# slots. Attending row by row copies the context's keys and values once per row instead of once per block
+# (those copies were 22% of a table on the small zoo), for a few masked-out keys more per query.
+PACKED_SLOTS = 64
+
 
 def dflash_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     """DFlash's rule: `num_ids` layers spread evenly over [1, num_target_layers - 3].
@@ -277,23 +282,54 @@ class DrafterAttention(nn.Module):
         cos: torch.Tensor,  # (N or 1, S, head_dim) at the block positions
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],  # (N or 1, kv_heads, C, head_dim) each
-        attention_mask: torch.Tensor | None,  # bool (N or 1, 1, S, C + S), True = may attend
+        attention_mask: torch.Tensor | None,  # bool (N or 1, 1, S, C + S), True = may attend; packed: see below
         block_at: int | None = None,  # see `DFlashDrafter.draft_blocks`
+        blocks_per_row: int = 1,  # > 1: N / G rows of G blocks side by side, mask (N / G, 1, G * S, C + G * S)
     ) -> torch.Tensor:
         n, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(n, s, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k_block, v_block = self._keys_values(x, cos, sin)
         k_ctx, v_ctx = context_kv
-        if block_at is None:
-            k = torch.cat([k_ctx.expand(n, -1, -1, -1), k_block], dim=2)
-            v = torch.cat([v_ctx.expand(n, -1, -1, -1), v_block], dim=2)
-        else:
+        if block_at is not None:
             k, v = k_ctx[:, :, : block_at + s], v_ctx[:, :, : block_at + s]
             k[:, :, block_at:] = k_block
             v[:, :, block_at:] = v_block
-        out = grouped_query_attention(q, k, v, attention_mask)
+        else:
+            q, k_block, v_block = (_pack(t, blocks_per_row) for t in (q, k_block, v_block))
+            rows = q.shape[0]
+            k = torch.cat([k_ctx.expand(rows, -1, -1, -1), k_block], dim=2)
+            v = torch.cat([v_ctx.expand(rows, -1, -1, -1), v_block], dim=2)
+        out = _unpack(grouped_query_attention(q, k, v, attention_mask), blocks_per_row)
         return self.o_proj(out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim))
+
+
+def _packed_mask(sees_context: torch.Tensor, sees_block: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
+    """Per block, (N, C) context and (N, S) slot visibility -> the mask of rows of G packed blocks,
+    (N / G, 1, G * S, C + G * S): each block's queries see its context and its own slots, nothing of the others."""
+    n, width = sees_block.shape
+    rows = n // blocks_per_row
+    own = torch.eye(blocks_per_row, dtype=torch.bool, device=sees_block.device)  # (query block, key block)
+    block_keys = (own[None, :, :, None] & sees_block.view(rows, 1, blocks_per_row, width)).reshape(rows, blocks_per_row, -1)
+    keys = torch.cat([sees_context.view(rows, blocks_per_row, -1), block_keys], dim=-1)
+    return keys[:, :, None, :].expand(-1, -1, width, -1).reshape(rows, 1, blocks_per_row * width, keys.shape[-1])
+
+
+def _pack(x: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
+    """(N, heads, S, d) -> (N / G, heads, G * S, d): G consecutive blocks side by side on the sequence axis."""
+    if blocks_per_row == 1:
+        return x
+    n, heads, s, d = x.shape
+    return x.view(n // blocks_per_row, blocks_per_row, heads, s, d).transpose(1, 2).reshape(-1, heads, blocks_per_row * s, d)
+
+
+def _unpack(x: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
+    """The inverse of `_pack`."""
+    if blocks_per_row == 1:
+        return x
+    rows, heads, packed, d = x.shape
+    s = packed // blocks_per_row
+    return x.view(rows, heads, blocks_per_row, s, d).transpose(1, 2).reshape(rows * blocks_per_row, heads, s, d)
 
 
 class DrafterMLP(nn.Module):
@@ -323,8 +359,9 @@ class DrafterLayer(nn.Module):
         context_kv: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         block_at: int | None = None,
+        blocks_per_row: int = 1,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_at)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_at, blocks_per_row)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -392,12 +429,13 @@ class DFlashDrafter(nn.Module):
         context_kv: ContextKV,  # from encode_context, batch N or 1
         attention_mask: torch.Tensor | None = None,  # bool (N or 1, 1, S, C + S); None = see everything
         block_at: int | None = None,  # see `draft_blocks`; then C = block_at
+        blocks_per_row: int = 1,  # see `draft_blocks`
     ) -> torch.Tensor:
         """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head."""
         cos, sin = self._rotary(block_positions)
         x = block_embeds.to(self.dtype)
         for layer, kv in zip(self.layers, context_kv, strict=True):
-            x = layer(x, cos, sin, kv, attention_mask, block_at)
+            x = layer(x, cos, sin, kv, attention_mask, block_at, blocks_per_row)
         return self.norm(x)
 
     def draft_blocks(
@@ -425,6 +463,8 @@ class DFlashDrafter(nn.Module):
         <= block_at: each layer writes the blocks' keys and values into entries [block_at, block_at + W) (they are
         overwritten; decoding passes the slots past its longest row) and attends over the context in place,
         instead of concatenating a copy of the whole context to every block in every layer.
+
+        Blocks over one shared context row are attended `PACKED_SLOTS // W` at a time, side by side in one row.
         """
         device = first_tokens.device
         n = first_tokens.shape[0]
@@ -436,18 +476,27 @@ class DFlashDrafter(nn.Module):
                     f"{rows} rows of {entries} for {n} blocks of width {width}"
                     + (" and context_rows" if context_rows is not None else "")
                 )
-        block_ids = torch.full((n, width), mask_token_id, dtype=torch.long, device=device)
+        shared = block_at is None and context_rows is None and bool(context_kv) and context_kv[0][0].shape[0] == 1
+        per_row = min(n, max(1, PACKED_SLOTS // width)) if shared else 1
+        padding = -n % per_row
+        if padding:  # the last row is filled up with copies of the last block, dropped at the end
+            first_tokens, anchors, block_sizes = (torch.cat([t, t[-1:].expand(padding)]) for t in (first_tokens, anchors, block_sizes))
+        block_ids = torch.full((n + padding, width), mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = first_tokens
         slots = torch.arange(width, device=device)
         positions = anchors[:, None] + slots
         context_length = block_at if block_at is not None else context_kv[0][0].shape[2] if context_kv else 0
         sees_context = torch.arange(context_length, device=device)[None, :] < anchors[:, None]
         sees_block = slots[None, :] < block_sizes[:, None]
-        mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(n, 1, width, -1)
+        if per_row > 1:
+            mask = _packed_mask(sees_context, sees_block, per_row)
+        else:
+            mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(n, 1, width, -1)
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
         with masked_attention_kernels(device):
-            return self(embed(block_ids), positions, context_kv, attention_mask=mask, block_at=block_at)
+            hidden = self(embed(block_ids), positions, context_kv, mask, block_at, per_row)
+        return hidden[:n]
 
     # ---------------------------------------------------------------- checkpoints (z-lab layout)
 
