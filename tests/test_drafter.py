@@ -281,9 +281,8 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     # garbage beforehand; the blocks' keys and values go there instead of a concatenated copy. Same logits.
     anchors, sizes = torch.tensor(cases[0][0]), torch.tensor(cases[0][1])
     with torch.no_grad():
-        logits = target.get_output_embeddings()(
-            drafter.draft_blocks(target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, 8, 79)[:, 1:]
-        )
+        hidden = drafter.draft_blocks(target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, 8, 79)
+        logits = target.get_output_embeddings()(hidden[:, 1:])
     block_at, width = 24, 8
     noise = torch.Generator().manual_seed(6)
     scratch = [

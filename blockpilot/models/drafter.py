@@ -310,7 +310,8 @@ def _packed_mask(sees_context: torch.Tensor, sees_block: torch.Tensor, blocks_pe
     n, width = sees_block.shape
     rows = n // blocks_per_row
     own = torch.eye(blocks_per_row, dtype=torch.bool, device=sees_block.device)  # (query block, key block)
-    block_keys = (own[None, :, :, None] & sees_block.view(rows, 1, blocks_per_row, width)).reshape(rows, blocks_per_row, -1)
+    block_keys = own[None, :, :, None] & sees_block.view(rows, 1, blocks_per_row, width)
+    block_keys = block_keys.reshape(rows, blocks_per_row, -1)
     keys = torch.cat([sees_context.view(rows, blocks_per_row, -1), block_keys], dim=-1)
     return keys[:, :, None, :].expand(-1, -1, width, -1).reshape(rows, 1, blocks_per_row * width, keys.shape[-1])
 
@@ -320,7 +321,8 @@ def _pack(x: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
     if blocks_per_row == 1:
         return x
     n, heads, s, d = x.shape
-    return x.view(n // blocks_per_row, blocks_per_row, heads, s, d).transpose(1, 2).reshape(-1, heads, blocks_per_row * s, d)
+    packed = x.view(n // blocks_per_row, blocks_per_row, heads, s, d).transpose(1, 2)
+    return packed.reshape(-1, heads, blocks_per_row * s, d)
 
 
 def _unpack(x: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
@@ -480,7 +482,9 @@ class DFlashDrafter(nn.Module):
         per_row = min(n, max(1, PACKED_SLOTS // width)) if shared else 1
         padding = -n % per_row
         if padding:  # the last row is filled up with copies of the last block, dropped at the end
-            first_tokens, anchors, block_sizes = (torch.cat([t, t[-1:].expand(padding)]) for t in (first_tokens, anchors, block_sizes))
+            first_tokens, anchors, block_sizes = (
+                torch.cat([t, t[-1:].expand(padding)]) for t in (first_tokens, anchors, block_sizes)
+            )
         block_ids = torch.full((n + padding, width), mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = first_tokens
         slots = torch.arange(width, device=device)
