@@ -18,7 +18,7 @@ import torch
 
 from blockpilot.blocks import candidates_around
 from blockpilot.decoding import GenerationConfig, generate
-from blockpilot.decoding.policies import CycleState
+from blockpilot.decoding.policies import CycleState, FixedBlockSize
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.models import load_models
 from blockpilot.predictor.step import StepModel, StepModelConfig, StepPolicy
@@ -41,11 +41,13 @@ def main() -> None:
     models = load_models(args.target, args.drafter, device=args.device)
     train = models.train_block_size
     model = StepModel.load(args.model) if args.model else StepModel(StepModelConfig(candidates_around(train), train_block_size=train))
-    policy = StepPolicy(model)
+    # A model trained beside a per-request predictor reads its b0 from the cycle (first_block_size); which
+    # predictor chose it does not change what a decision costs.
+    policy = StepPolicy(model, FixedBlockSize(train) if model.config.uses_prior else None)
     vocab = args.vocab or models.target.get_output_embeddings().weight.shape[0]
     generator = torch.Generator(device="cpu").manual_seed(0)
     logits = [(torch.randn(vocab, generator=generator) * 4).to(models.device) for _ in range(args.repeats + 10)]
-    states = [CycleState(i, train, 2, 10, 128, 0.0, anchor_logits=x) for i, x in enumerate(logits)]
+    states = [CycleState(i, train, 2, 10, 128, 0.0, anchor_logits=x, first_block_size=train) for i, x in enumerate(logits)]
     for state in states[:10]:
         policy.next_block_size(state)
     times = []

@@ -46,7 +46,7 @@ class StepTrainJob:
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
-    batch_size: int = option(256, type=positive_int_arg, help="anchors per step")
+    batch_size: int = option(256, type=positive_int_arg, help="training cycles per step")
     lr: float = option(3e-3, type=positive_float_arg, help="AdamW learning rate")
     seed: int = option(0, type=int, help="seed of the weights and the shuffles")
     max_failures: int = option(2, type=non_negative_int_arg, help="worker failures tolerated per run")
@@ -68,7 +68,7 @@ class StepOutcome:
 
 
 def _worker(config: dict[str, Any]) -> None:
-    """One Ray Train worker: the step model fitted on its shard of anchors, a report and a checkpoint per epoch;
+    """One Ray Train worker: the step model fitted on its shard of training cycles, a report and a checkpoint per epoch;
     restarted after a failure, it carries on from the last checkpoint."""
     import numpy as np
     import ray.train
@@ -145,12 +145,12 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
     print(
-        f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} anchors, candidates {list(config.candidates)}, "
-        f"cost {cost.describe()}",
+        f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} training cycles (every candidate's walk), "
+        f"candidates {list(config.candidates)}, cost {cost.describe()}",
         flush=True,
     )
     with start_run("blockpilot-step-policy", job.name, enabled=job.track, tags={"stage": "train-step"}) as tracker:
-        tracker.log_params({**asdict(job), "anchors": len(features), "candidates": list(config.candidates)})
+        tracker.log_params({**asdict(job), "training_cycles": len(features), "candidates": list(config.candidates)})
         ensure_ray()
         quiet_ray_data()
         trainer = TorchTrainer(

@@ -20,12 +20,15 @@ from blockpilot.predictor.step import (
     StepModel,
     StepModelConfig,
     StepPolicy,
+    anchor_features,
     evaluate_step_model,
     expected_regret,
     fit_step_model,
+    fixed_walk_cycles,
     regret_dataset,
     step_features,
     step_rows,
+    walk_step_model,
 )
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable
@@ -44,7 +47,8 @@ def random_step_model(seed: int, candidates=CANDIDATES, train_block_size: int | 
 
 def growing_step_model() -> StepModel:
     """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's entropy and top
-    probability, so the choices change within one generation whatever the target's weights."""
+    probability and by the last cycle, so the choices change within one generation whatever the target's
+    weights."""
     model = StepModel(StepModelConfig(CANDIDATES, hidden_size=3, train_block_size=4))
     first, out = model.net[0], model.net[2]
     with torch.no_grad():
@@ -52,6 +56,7 @@ def growing_step_model() -> StepModel:
         first.weight[:, STEP_FEATURES.index("log_cursor")] = 1.0
         first.weight[:, STEP_FEATURES.index("entropy")] = 0.05
         first.weight[:, STEP_FEATURES.index("top1")] = 0.05
+        first.weight[:, STEP_FEATURES.index("log1p_last_accepted")] = 0.4
         first.bias.copy_(-torch.log1p(torch.tensor([2.0, 6.0, 14.0])))
         k = torch.arange(len(CANDIDATES), dtype=torch.float32)
         out.weight.copy_(k[:, None].expand(-1, 3))  # logit_k = k * H - 0.3 k^2: argmax grows with H
@@ -81,14 +86,16 @@ def test_step_policies_batched_beside_other_rows_keep_their_outputs(tiny_models)
 
 
 def test_the_live_choices_are_the_table_walk_of_the_same_model(tiny_models):
-    """The features the engine computes before a cycle are the ones labels keep for that anchor."""
+    """The features the engine computes before a cycle are the ones labels keep for that anchor, with the
+    last cycle the walk ran."""
     model = growing_step_model()
     prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
     sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
     (table,) = sweep.tables
-    features = step_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
-    choices = model.choose(features)
-    sizes, lengths = table.walk_policy(lambda cursor, *_: CANDIDATES[int(choices[cursor - 1])])
+    anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
+    sizes, lengths = walk_step_model(model, table, anchors)
+    no_history = model.choose(step_features(anchors, 0, 0))
+    assert (model.choose(step_features(anchors, 6, 6)) != no_history).any(), "the model reads the last cycle"
     live = generate(tiny_models, prompt, policy=StepPolicy(model), config=GenerationConfig(max_new_tokens=40))
     assert live.token_ids == sweep.token_ids
     cursors = np.cumsum([1, *lengths[:-1]])
@@ -102,6 +109,8 @@ def test_regret_is_zero_at_the_per_step_oracle_and_evaluation_orders_policies(ti
     cost = CycleCost.uniform()
     features, regret = regret_dataset(rows, cost)
     assert features.shape[1] == len(STEP_FEATURES) and features.shape[0] == regret.shape[0]
+    cycles = sum(len(t.walk(b)) for r in rows for t in r.tables for b in t.candidates)
+    assert features.shape[0] == cycles, "one example per cycle of every candidate's walk"
     assert (regret >= -1e-6).all() and np.allclose(regret.min(axis=1), 0.0)
 
     with pytest.raises(ValueError, match="candidates"):
@@ -123,6 +132,18 @@ def test_a_model_that_follows_the_oracle_walks_it():
     sizes, _ = table.walk_policy(lambda cursor, *_: (1, 2, 3)[int(np.argmin(q[:, cursor - 1]))])
     assert table.walk_cost(sizes, cost=cost) == pytest.approx(best[1])
     assert best[1] < min(len(table.walk(b)) for b in (1, 2, 3))
+
+
+def test_training_cycles_carry_the_last_cycle_of_their_walk():
+    commits = np.asarray([[1, 1, 1, 1, 1], [2, 1, 2, 1, 1], [3, 1, 1, 2, 1]], dtype=np.int16)
+    table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8)  # n = 6: cursors 1..5
+    cursors, last_accepted, last_sizes = fixed_walk_cycles(table)
+    # b = 1: 1, 2, 3, 4, 5; b = 2: 1 (+2) 3 (+2) 5; b = 3: 1 (+3) 4 (+2) -> 6.
+    assert cursors.tolist() == [1, 2, 3, 4, 5, 1, 3, 5, 1, 4]
+    assert last_accepted.tolist() == [0, 1, 1, 1, 1, 0, 2, 2, 0, 3]
+    assert last_sizes.tolist() == [0, 1, 1, 1, 1, 0, 2, 2, 0, 3]
+    features = step_features(np.zeros((3, len(STEP_FEATURES) - 2)), np.array([0, 2, 3]), np.array([0, 4, 3]), 5)
+    assert np.allclose(features[:, -3:], [[0.0, 0.0, np.log(5)], [np.log(3), 0.5, np.log(5)], [np.log(4), 1.0, np.log(5)]])
 
 
 def test_training_lowers_the_expected_regret(tiny_labels):
@@ -248,11 +269,13 @@ def test_label_rows_carry_the_prior_and_evaluation_walks_it(tiny_labels):
     predictor = random_predictor(candidates, vocab, 3)
     rows = step_rows(table, predictor)
     assert [r.prompt_id for r in rows] == [r.prompt_id for r in plain]
+    cost = CycleCost.uniform()
     for row, without in zip(rows, plain, strict=True):
         assert row.prior_block_size in candidates
-        for x, y in zip(row.features, without.features, strict=True):
-            assert np.array_equal(x[:, :-1], y) and np.allclose(x[:, -1], np.log(row.prior_block_size))
-    cost = CycleCost.uniform()
+        assert all(np.array_equal(x, y) for x, y in zip(row.anchors, without.anchors, strict=True))
+        with_prior, _ = regret_dataset([row], cost)
+        assert np.array_equal(with_prior[:, :-1], regret_dataset([without], cost)[0])
+        assert np.allclose(with_prior[:, -1], np.log(row.prior_block_size))
     metrics = evaluate_step_model(random_prior_step_model(11, candidates), rows, cost)
     # The per-request walk is each row's fixed-b0 walk: between the worst and the best fixed b of every row.
     fixed = np.array([[len(w) for w in (sum((t.walk(b) for t in r.tables), []) for b in candidates)] for r in rows])
@@ -282,8 +305,8 @@ def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():
 
     empty = AcceptanceTable((1, 2, 3), np.ones((3, 0), dtype=np.int16), max_new_tokens=8)
     table = AcceptanceTable((1, 2, 3), np.asarray([[1, 1, 1], [2, 1, 1], [3, 2, 1]], dtype=np.int16), max_new_tokens=8)
-    features = [step_features(np.zeros(t.n - 1), np.zeros((t.n - 1, 4)), 0.0, np.arange(1, t.n), 3) for t in (empty, table)]
-    row = StepRow("p", 0.0, [empty, table], features, prior_block_size=3)
+    anchors = [anchor_features(np.zeros(t.n - 1), np.zeros((t.n - 1, 4)), 0.0, np.arange(1, t.n)) for t in (empty, table)]
+    row = StepRow("p", 0.0, [empty, table], anchors, prior_block_size=3)
     metrics = evaluate_step_model(random_prior_step_model(13, (1, 2, 3)), [row], CycleCost.uniform())
     assert metrics["tau_request"] == pytest.approx(3 / len(table.walk(3)))
     assert 1.0 <= metrics["tau_step"] <= metrics["tau_step_oracle"] + 1e-9

@@ -2,17 +2,20 @@
 verify pass already computed.
 
 Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing extra is computed for them):
-the target's distribution that produced g_{i-1} (its entropy and top-`ANCHOR_TOP_K` probabilities; at the
-first cycle that is the prefill's distribution), the sampling temperature, and log(1 + i); a model trained
-with a per-request prior also reads log(b0), b0 the per-request predictor's choice for the request (which
-also drafts the first cycle: `PriorStepPolicy`). They do not depend on the path that led to cursor i, so
-every anchor of a label row's acceptance table is a training example, and a model that picks
-argmin_b Q(i, b) at every cursor walks exactly the per-step oracle.
+- at the anchor (`ANCHOR_FEATURES`, kept in the labels for every cursor): the target's distribution that
+  produced g_{i-1} (its entropy and top-`ANCHOR_TOP_K` probabilities; at the first cycle that is the prefill's
+  distribution), the sampling temperature, and log(1 + i);
+- the last cycle (`HISTORY_FEATURES`): log(1 + a) and a / b of its acceptance length a and block size b (both
+  0 before the first cycle);
+- with a per-request prior, log(b0), b0 the per-request predictor's choice for the request (which also drafts
+  the first cycle: `PriorStepPolicy`).
 
 Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
-is maximized). Training minimizes the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1).
-Evaluation walks each held-out table with the model's choices (`walk_policy`) beside fixed B, the best
-fixed b, the static oracle and the per-step oracle.
+is maximized). The last cycle depends on the path to cursor i, so the training examples are the cycles of
+every candidate's fixed-b walk over each table, each with the last cycle that walk ran. Training minimizes
+the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1). Evaluation walks each held-out
+table cycle by cycle with the model's choices (`walk_step_model`) beside fixed B, the best fixed b, the
+static oracle and the per-step oracle.
 """
 
 from __future__ import annotations
@@ -37,21 +40,18 @@ from blockpilot.files import load_weights_folder, save_weights_folder
 from blockpilot.scoring import format_table
 from blockpilot.table import AcceptanceTable, tables_from_row
 
-STEP_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "temperature", "log_cursor")
+ANCHOR_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "temperature", "log_cursor")
+HISTORY_FEATURES = ("log1p_last_accepted", "last_accepted_share")
+STEP_FEATURES = (*ANCHOR_FEATURES, *HISTORY_FEATURES)
 PRIOR_FEATURE = "log_prior_b"  # log of the per-request predictor's block size for the request
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens"]
 STEP_COLUMNS += ["table_commits", "table_anchors", "anchor_entropy", "anchor_top_probs"]
 
 
-def step_features(
-    entropy: np.ndarray,
-    top_probs: np.ndarray,
-    temperature: float | np.ndarray,
-    cursor: np.ndarray,
-    prior_block_size: int | None = None,
+def anchor_features(
+    entropy: np.ndarray, top_probs: np.ndarray, temperature: float | np.ndarray, cursor: np.ndarray
 ) -> np.ndarray:
-    """(N, F) features of N cycles: entropy (N,), top probabilities (N, >= ANCHOR_TOP_K), cursor (N,), and
-    with a per-request prior b0, log(b0) as the last column."""
+    """(N, len(ANCHOR_FEATURES)) of N cycles: entropy (N,), top probabilities (N, >= ANCHOR_TOP_K), cursor (N,)."""
     entropy = np.asarray(entropy, dtype=np.float32)
     columns = [
         entropy,
@@ -59,8 +59,22 @@ def step_features(
         np.broadcast_to(np.asarray(temperature, dtype=np.float32), entropy.shape),
         np.log1p(np.asarray(cursor, dtype=np.float32)),
     ]
+    return np.column_stack(columns).astype(np.float32)
+
+
+def step_features(
+    anchors: np.ndarray,  # (N, len(ANCHOR_FEATURES))
+    last_accepted: np.ndarray | int,  # (N,) the last cycle's acceptance length; 0 before the first cycle
+    last_block_size: np.ndarray | int,  # (N,) the last cycle's b; 0 before the first cycle
+    prior_block_size: int | None = None,
+) -> np.ndarray:
+    """(N, F) features of N cycles: the anchor's, the last cycle's, and with a per-request prior b0, log(b0)."""
+    shape = (anchors.shape[0],)
+    accepted = np.broadcast_to(np.asarray(last_accepted, dtype=np.float32), shape)
+    size = np.broadcast_to(np.asarray(last_block_size, dtype=np.float32), shape)
+    columns = [anchors, np.log1p(accepted), np.where(size > 0, accepted / np.maximum(size, 1.0), 0.0)]
     if prior_block_size is not None:
-        columns.append(np.full(entropy.shape, math.log(prior_block_size), dtype=np.float32))
+        columns.append(np.full(shape, math.log(prior_block_size), dtype=np.float32))
     return np.column_stack(columns).astype(np.float32)
 
 
@@ -157,15 +171,21 @@ class StepPolicy:
         self.candidates = model.config.candidates
         self.prior = prior
 
-    def _choose(self, logits: torch.Tensor, temperature: float, cursor: int, prior_block_size: int | None = None) -> int:
+    def _choose(
+        self,
+        logits: torch.Tensor,
+        temperature: float,
+        cursor: int,
+        last_accepted: int = 0,
+        last_block_size: int = 0,
+        prior_block_size: int | None = None,
+    ) -> int:
         entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
-        features = step_features(
-            np.asarray([float(entropy)]),
-            top_probs.float().cpu().numpy()[None],
-            temperature,
-            np.asarray([cursor]),
-            prior_block_size if self.model.config.uses_prior else None,
+        anchor = anchor_features(
+            np.asarray([float(entropy)]), top_probs.float().cpu().numpy()[None], temperature, np.asarray([cursor])
         )
+        prior = prior_block_size if self.model.config.uses_prior else None
+        features = step_features(anchor, last_accepted, last_block_size, prior)
         return self.candidates[int(self.model.choose(features)[0])]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
@@ -177,7 +197,14 @@ class StepPolicy:
         if cycle.anchor_logits is None:
             return cycle.block_size
         # After this cycle the row holds `new_tokens` tokens: the next block's cursor.
-        return self._choose(cycle.anchor_logits, cycle.temperature, cycle.new_tokens, cycle.first_block_size)
+        return self._choose(
+            cycle.anchor_logits,
+            cycle.temperature,
+            cycle.new_tokens,
+            cycle.acceptance_length,
+            cycle.block_size,
+            cycle.first_block_size,
+        )
 
 
 class PriorStepPolicy(StepPolicy):
@@ -195,19 +222,19 @@ class PriorStepPolicy(StepPolicy):
 
 @dataclass
 class StepRow:
-    """One label row's tables with the features of every anchor (samples in table order)."""
+    """One label row's tables with the anchor features of every cursor (samples in table order)."""
 
     prompt_id: str
     temperature: float
     tables: list[AcceptanceTable]
-    features: list[np.ndarray]  # per table, (n - 1, F): row i - 1 is cursor i
+    anchors: list[np.ndarray]  # per table, (n - 1, len(ANCHOR_FEATURES)): row i - 1 is cursor i
     prior_block_size: int | None = None  # the per-request predictor's b0 for the row, when there is one
 
 
 def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
     """Label rows with acceptance tables and anchor features as `StepRow`s; rows without them are skipped.
-    With a per-request predictor `prior` (a `BlockSizePredictor`), each row's features end with log(b0) of
-    its choice from the row's prefill distribution."""
+    With a per-request predictor `prior` (a `BlockSizePredictor`), each row carries b0, its choice from the
+    row's prefill distribution."""
     missing = [c for c in STEP_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"labels lack the columns a step model needs: {missing} (relabel with this version)")
@@ -220,14 +247,14 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
             continue
         entropy = np.asarray(row["anchor_entropy"], dtype=np.float32)
         top = np.asarray(row["anchor_top_probs"], dtype=np.float32).reshape(len(entropy), -1)
-        features, start = [], 0
+        anchors, start = [], 0
         for t in tables:
             span = slice(start, start + t.n - 1)
-            features.append(step_features(entropy[span], top[span], row["temperature"], np.arange(1, t.n), b0))
+            anchors.append(anchor_features(entropy[span], top[span], row["temperature"], np.arange(1, t.n)))
             start += t.n - 1
         if start != len(entropy):
             raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
-        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, features, b0))
+        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0))
     if not out:
         raise ValueError("no label row carries an acceptance table with anchor features (label with --mode replay)")
     return out
@@ -248,16 +275,32 @@ def _prior_choices(predictor: Any, table: pa.Table) -> list[int]:
     return [int(b) for b in predictor.predict(PredictorInputs.from_arrays(input_arrays(columns, dense)))]
 
 
+def fixed_walk_cycles(table: AcceptanceTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every cycle of every candidate's fixed-b walk over `table`: (cursor, last acceptance length, last b)
+    per cycle, each (M,), M = the cycles of all walks; (0, 0) before a walk's first cycle."""
+    cursors, last_accepted, last_sizes = [], [], []
+    for b in table.candidates:
+        cursor, accepted, size = 1, 0, 0
+        for step in table.walk(b):
+            cursors.append(cursor)
+            last_accepted.append(accepted)
+            last_sizes.append(size)
+            cursor, accepted, size = cursor + step, step, b
+    return np.asarray(cursors, dtype=np.int64), np.asarray(last_accepted), np.asarray(last_sizes)
+
+
 def regret_dataset(rows: list[StepRow], cost: CycleCost) -> tuple[np.ndarray, np.ndarray]:
-    """(X (M, F), R (M, K)): every anchor's features and the relative regret of choosing each candidate there."""
+    """(X (M, F), R (M, K)): the features of every cycle of every candidate's fixed-b walk
+    (`fixed_walk_cycles`), and the relative regret of choosing each candidate there."""
     features, regrets = [], []
     for row in rows:
-        for t, x in zip(row.tables, row.features, strict=True):
+        for t, anchors in zip(row.tables, row.anchors, strict=True):
             if t.n < 2:
                 continue
             _, q = t.cost_to_go(cost)  # (K, n - 1)
-            features.append(x)
-            regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T)
+            cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
+            features.append(step_features(anchors[cursors - 1], last_accepted, last_sizes, row.prior_block_size))
+            regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T[cursors - 1])
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
 
@@ -322,10 +365,27 @@ class _RowWalks:
     step_cost: float = 0.0
 
 
+def walk_step_model(
+    model: StepModel, table: AcceptanceTable, anchors: np.ndarray, prior_block_size: int | None = None
+) -> tuple[list[int], list[int]]:
+    """(block sizes, acceptance lengths) of the step model's walk over `table`, cycle by cycle, as the engine
+    runs it: b0 drafts the first cycle when there is one, the model picks every other b from the anchor's
+    features (`anchors`, (n - 1, len(ANCHOR_FEATURES))) and the last cycle."""
+    candidates = table.candidates
+
+    def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
+        if last_size is None and prior_block_size is not None:
+            return prior_block_size
+        features = step_features(anchors[cursor - 1 : cursor], last_accepted or 0, last_size or 0, prior_block_size)
+        return candidates[int(model.choose(features)[0])]
+
+    return table.walk_policy(choose)
+
+
 def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWalks:
     candidates = row.tables[0].candidates
     walks = _RowWalks(0.0, np.zeros(len(candidates)), np.zeros(len(candidates)), 0.0, 0.0)
-    for t, x in zip(row.tables, row.features, strict=True):
+    for t, anchors in zip(row.tables, row.anchors, strict=True):
         walks.tokens += t.n - 1
         for k, b in enumerate(candidates):
             cycles = len(t.walk(b))
@@ -334,10 +394,7 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
         walks.oracle_cost += t.cost_to_go(cost)[0][1]
         walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
         if model is not None:
-            choices = [candidates[int(k)] for k in model.choose(x)]
-            if row.prior_block_size is not None and choices:  # the per-request predictor drafts the first cycle
-                choices[0] = row.prior_block_size
-            sizes, _ = t.walk_policy(lambda cursor, *_: choices[cursor - 1])
+            sizes, _ = walk_step_model(model, t, anchors, row.prior_block_size)
             walks.step_cycles += len(sizes)
             walks.step_cost += t.walk_cost(sizes, cost=cost)
     return walks
