@@ -67,15 +67,12 @@ def home_at(folder: Path) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The first test that needs the trained tiny zoo runs first, then every test that needs none, then the rest
-    (each group in its order).
+    """Tests that need no trained tiny zoo run first (in their order), the others after.
 
-    The zoo takes about 75 s to build, and a worker that needs it while another builds it waits on its lock.
-    xdist hands the first tests out in turn, so one worker starts the build at once while the other runs tests
-    that need no zoo. No module's Ray tests are split apart by this (its module-scoped cluster would start twice)."""
-    needs_zoo = {id(item): "tiny_zoo" in item.fixturenames for item in items}
-    first = next((item for item in items if needs_zoo[id(item)]), None)
-    items.sort(key=lambda item: 0 if item is first else 2 if needs_zoo[id(item)] else 1)
+    The zoo takes about 75 s to build; one xdist worker builds it while the other waits on its lock. Ordered so,
+    the other worker spends that time on tests that need no zoo. No module's Ray tests are split apart by this
+    (its module-scoped cluster would start twice)."""
+    items.sort(key=lambda item: "tiny_zoo" in item.fixturenames)
 
 
 @pytest.fixture(autouse=True, scope="session")
