@@ -304,9 +304,10 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim))
 
 
-def _packed_mask(sees_context: torch.Tensor, sees_block: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
-    """Per block, (N, C) context and (N, S) slot visibility -> the mask of rows of G packed blocks,
-    (N / G, 1, G * S, C + G * S): each block's queries see its context and its own slots, nothing of the others."""
+def _block_mask(sees_context: torch.Tensor, sees_block: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
+    """Per block, (N, C) context and (N, S) slot visibility -> the mask of rows of G blocks side by side,
+    (N / G, 1, G * S, C + G * S): each block's queries see its context and its own slots, nothing of the others
+    (G = 1: one block a row)."""
     n, width = sees_block.shape
     rows = n // blocks_per_row
     own = torch.eye(blocks_per_row, dtype=torch.bool, device=sees_block.device)  # (query block, key block)
@@ -492,10 +493,7 @@ class DFlashDrafter(nn.Module):
         context_length = block_at if block_at is not None else context_kv[0][0].shape[2] if context_kv else 0
         sees_context = torch.arange(context_length, device=device)[None, :] < anchors[:, None]
         sees_block = slots[None, :] < block_sizes[:, None]
-        if per_row > 1:
-            mask = _packed_mask(sees_context, sees_block, per_row)
-        else:
-            mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(n, 1, width, -1)
+        mask = _block_mask(sees_context, sees_block, per_row)
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
         with masked_attention_kernels(device):
