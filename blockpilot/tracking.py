@@ -273,15 +273,13 @@ def log_predictor_model(
 
 def download_model_folder(uri: str, artifact: str) -> Path:
     """The folder logged as `artifact` inside the MLflow model at `uri` (`models:/NAME/VERSION`, `@ALIAS`,
-    `runs:/...`).
+    `models:/NAME/latest`, `runs:/...`).
 
-    A pinned version (or a run) never changes, so its download is kept under the home folder and reused;
-    an alias (`@champion`, `latest`) is fetched again each time. Downloads stage in a unique folder and are
-    renamed into place, so concurrent readers never see half a model.
+    An alias or `latest` is resolved to the version it names now, so a load follows the alias while every
+    download is of one fixed version: kept under the home folder and reused, never left in a temporary folder.
+    Downloads stage in a unique folder and are renamed into place, so concurrent readers never see half a model.
     """
     import hashlib
-    import re
-    import tempfile
 
     import mlflow
 
@@ -290,18 +288,39 @@ def download_model_folder(uri: str, artifact: str) -> Path:
     _quiet_artifact_transfers()
     uri_of_store = tracking_uri()
     mlflow.set_tracking_uri(uri_of_store)
-    pinned = uri.startswith("runs:/") or re.fullmatch(r"models:/[^/@]+/\d+", uri) is not None
-    key = hashlib.sha256(f"{uri_of_store}|{uri}".encode()).hexdigest()[:16]
-    target = blockpilot_home() / "mlflow" / "downloads" / key if pinned else Path(tempfile.mkdtemp(prefix="predictor-"))
-    if not pinned or not target.is_dir():
-        try:
+    try:
+        fixed = _fixed_model_uri(uri)
+        key = hashlib.sha256(f"{uri_of_store}|{fixed}".encode()).hexdigest()[:16]
+        target = blockpilot_home() / "mlflow" / "downloads" / key
+        if not target.is_dir():
             with atomic_folder(target) as staging:
-                mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(staging))
-        except Exception as error:  # unknown model, version, alias or store: all mean "cannot get it"
-            raise FileNotFoundError(
-                f"could not fetch {uri!r} from the MLflow store at {uri_of_store}: {error}"
-            ) from error
+                mlflow.artifacts.download_artifacts(artifact_uri=fixed, dst_path=str(staging))
+    except Exception as error:  # unknown model, version, alias or store: all mean "cannot get it"
+        raise FileNotFoundError(f"could not fetch {uri!r} from the MLflow store at {uri_of_store}: {error}") from error
     return _artifact_folder(target, uri, artifact)
+
+
+def _fixed_model_uri(uri: str) -> str:
+    """`uri` with a registered model's alias or `latest` replaced by the version it names in the store now; a
+    version, a run or any other artifact URI as it is."""
+    import re
+
+    import mlflow
+
+    alias = re.fullmatch(r"models:/([^/@]+)@([^/@]+)", uri)
+    latest = re.fullmatch(r"models:/([^/@]+)/latest", uri)
+    if alias:
+        name = alias.group(1)
+        version = mlflow.MlflowClient().get_model_version_by_alias(name, alias.group(2)).version
+    elif latest:
+        name = latest.group(1)
+        versions = mlflow.MlflowClient().search_model_versions(f"name = '{name}'")
+        if not versions:
+            raise ValueError(f"registered model {name!r} has no version")
+        version = max(int(v.version) for v in versions)
+    else:
+        return uri
+    return f"models:/{name}/{version}"
 
 
 def _artifact_folder(model_dir: Path, uri: str, artifact: str) -> Path:

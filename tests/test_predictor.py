@@ -308,6 +308,19 @@ def test_registered_model_round_trip(tmp_path, monkeypatch):
     assert load_predictor("models:/blockpilot-predictor@champion").predict(inputs) == model.predict(inputs)
     loaded = load_predictor("models:/blockpilot-predictor/2")
     assert loaded.predict(inputs) == model.predict(inputs)
+    # An alias and `latest` load the version they name now, from that version's one kept download.
+    from blockpilot.predictor.store import resolve_predictor_dir
+
+    monkeypatch.setenv("BLOCKPILOT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "no-temporary-downloads"))
+    third = resolve_predictor_dir("models:/blockpilot-predictor/3")
+    assert resolve_predictor_dir("models:/blockpilot-predictor@champion") == third
+    assert resolve_predictor_dir("models:/blockpilot-predictor/latest") == third
+    assert third.is_relative_to(tmp_path / "home") and third != resolve_predictor_dir("models:/blockpilot-predictor/1")
+    mlflow.MlflowClient().set_registered_model_alias("blockpilot-predictor", "champion", "1")
+    assert resolve_predictor_dir("models:/blockpilot-predictor@champion") == resolve_predictor_dir("models:/blockpilot-predictor/1")
+    with pytest.raises(FileNotFoundError, match="could not fetch"):
+        load_predictor("models:/blockpilot-predictor@nobody")
     # MLflow's own loader runs the models-from-code script: the pyfunc predicts block sizes.
     pyfunc = mlflow.pyfunc.load_model("models:/blockpilot-predictor/1")
     import pandas as pd
