@@ -146,6 +146,21 @@ def test_training_cycles_carry_the_last_cycle_of_their_walk():
     assert np.allclose(features[:, -3:], [[0.0, 0.0, np.log(5)], [np.log(3), 0.5, np.log(5)], [np.log(4), 1.0, np.log(5)]])
 
 
+def test_a_choice_is_the_argmax_of_the_model_before_and_after_its_weights_change():
+    model = random_step_model(3)
+    features = np.random.default_rng(0).normal(size=(64, len(STEP_FEATURES))).astype(np.float32)
+
+    def argmax() -> list[int]:
+        with torch.no_grad():
+            return model(torch.as_tensor(features)).argmax(dim=-1).tolist()
+
+    assert model.choose(features).tolist() == argmax()
+    before = model.choose(features).tolist()
+    with torch.no_grad():
+        model.net[2].bias.copy_(torch.arange(len(CANDIDATES), dtype=torch.float32) * 100)
+    assert model.choose(features).tolist() == argmax() == [len(CANDIDATES) - 1] * 64 != before
+
+
 def test_training_lowers_the_expected_regret(tiny_labels):
     rows = step_rows(pq.read_table(tiny_labels["train"]))
     features, regret = regret_dataset(rows, CycleCost.uniform())
