@@ -69,7 +69,7 @@ def home_at(folder: Path) -> Iterator[None]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that need no trained tiny zoo run first (in their order), the others after.
 
-    The zoo takes about 75 s to build, and a worker that needs it while the other builds it waits on its lock.
+    The zoo takes about 45 s to build, and a worker that needs it while the other builds it waits on its lock.
     Ordered so, the first worker to run out of zoo-free tests starts the build while the other still runs its
     own, which shortens that wait. Measured on 2 cores: 476 and 507 s of pytest for the whole suite, against 494 s
     before; this machine's own drift is as large. No module's Ray tests are split apart by this (its
@@ -133,14 +133,15 @@ def trained_state_record(zoo: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_zoo(isolated_home, tmp_path_factory) -> Path:
-    """The trained tiny zoo (target, drafter, prompts, zoo.json), built once per run (about a minute), in a
+    """The trained tiny zoo (target, drafter, prompts, zoo.json), built once per run (about 45 s), in a
     folder the xdist workers share; the worker that trains it leaves what training held in memory beside it."""
     from blockpilot.zoo.build import build_zoo
 
     shared = shared_folder(tmp_path_factory, kept=True)
     threads = torch.get_num_threads()
     with built_once(shared, "tiny-zoo"), home_at(shared):
-        # The other worker mostly waits for this zoo: the build takes both cores (80 s, against 104 s on one).
+        # The other worker mostly waits for this zoo: the build takes both cores (80 s, against 104 s on one, when
+        # its mix still had code).
         torch.set_num_threads(min(2, os.cpu_count() or 1))
         try:
             zoo = build_zoo("tiny", trainer=_TRAINER, track=False)
