@@ -1,6 +1,7 @@
 """Held-out tau and modeled throughput of saved predictors on any label set, per temperature.
 
-    python benchmarks/eval_predictor.py --labels labels/heldout --predictor DIR_OR_URI [--predictor ...] [--cost FILE]
+    python benchmarks/eval_predictor.py --labels labels/heldout --predictor DIR_OR_URI [--predictor ...] \
+        [--cost FILE [--cost-batch N]]
 
 For each predictor: per temperature, tau and modeled throughput (tau / c(b), with the cost curve of
 `blockpilot calibrate`; uniform without --cost) of the fixed training B, of the best single fixed b, of the
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from blockpilot.cost import load_cost
 from blockpilot.data.labels import read_labels
+from blockpilot.options import positive_int_arg
 from blockpilot.predictor import load_predictor
 from blockpilot.predictor.evaluation import evaluate_predictor
 from blockpilot.predictor.training import valid_rows
@@ -27,10 +29,11 @@ def main() -> None:
     parser.add_argument("--labels", type=Path, required=True, help="label Parquet file or folder")
     parser.add_argument("--predictor", action="append", required=True, help="a predictor folder or models:/ URI")
     parser.add_argument("--cost", type=Path, default=None, help="a cost curve (blockpilot calibrate)")
+    parser.add_argument("--cost-batch", type=positive_int_arg, default=1, help="price cycles at this batch size")
     args = parser.parse_args()
 
     table = valid_rows(read_labels(args.labels))
-    cost = load_cost(args.cost)
+    cost = load_cost(args.cost, args.cost_batch)
     print(f"labels: {args.labels} ({table.num_rows} rows); cost {cost.describe()}")
     for source in args.predictor:
         predictor = load_predictor(source)

@@ -15,11 +15,11 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from blockpilot.checks import distinct_block_sizes
+from blockpilot.checks import distinct_block_sizes, positive_int
 from blockpilot.files import write_text_atomic
 
 
@@ -56,13 +56,26 @@ class CycleCost:
         """c(b) at `batch` (the nearest measured batch size), linear in b between and beyond measured points."""
         if self.is_uniform:
             return 1.0
-        nearest = min(self.seconds, key=lambda measured: (abs(measured - batch), measured))
-        points = sorted(self.seconds[nearest].items())
+        points = sorted(self.seconds[self._nearest_batch(batch)].items())
         if len(points) == 1:
             return points[0][1]
         right = next((i for i, (b, _) in enumerate(points) if b >= block_size), len(points) - 1)
         (b0, c0), (b1, c1) = points[max(right - 1, 0)], points[max(right, 1)]
         return max(c0 + (c1 - c0) * (block_size - b0) / (b1 - b0), min(c for _, c in points) / 10)
+
+    def _nearest_batch(self, batch: int) -> int:
+        return min(self.seconds, key=lambda measured: (abs(measured - batch), measured))
+
+    def at_batch(self, batch: int) -> CycleCost:
+        """The curve at one load: c(b) of the result is c(b, batch) of this one (the nearest measured batch size).
+
+        Training and scoring price every cycle with c(b); a policy meant for a replica that runs `batch` rows
+        at a time is trained and scored with this curve, where a wider block costs more than at batch 1."""
+        positive_int(batch, "batch")
+        if self.is_uniform:
+            return self
+        nearest = self._nearest_batch(batch)
+        return replace(self, seconds={nearest: dict(self.seconds[nearest])})
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -103,9 +116,11 @@ class CycleCost:
         return f"{self.device} {self.dtype}, batch {batch}: {curve}"
 
 
-def load_cost(path: str | Path | None) -> CycleCost:
-    """The cost curve in `path`, or the uniform one when no path is given."""
-    return CycleCost.uniform() if path is None else CycleCost.load(path)
+def load_cost(path: str | Path | None, batch: int | None = None) -> CycleCost:
+    """The cost curve in `path`, or the uniform one when no path is given; with `batch`, at that load only
+    (`CycleCost.at_batch`)."""
+    cost = CycleCost.uniform() if path is None else CycleCost.load(path)
+    return cost if batch is None else cost.at_batch(batch)
 
 
 def seconds_per_cycle(models: Any, prompts: Sequence[Sequence[int]], block_sizes: Sequence[int], cycles: int) -> float:

@@ -64,6 +64,9 @@ class TrainJob:
     )
     score: str = option("tau", choices=SCORES, help="what B* maximizes: tau, or tau / c(b) (needs --cost)")
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate) pricing modeled throughput")
+    cost_batch: int = option(
+        1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
+    )
     val_share: float = option(0.2, type=fraction_arg, help="share of prompts held out for validation")
     seed: int = option(0, type=int, help="seed of the split, the weights and the shuffles")
     workers: int = option(1, type=positive_int_arg, help="Ray Train workers")
@@ -128,7 +131,7 @@ def prepare(job: TrainJob) -> Prepared:
     from blockpilot.predictor.training import check_same_candidates, split_by_prompt, valid_rows
     from blockpilot.scoring import candidates_of
 
-    cost = load_cost(job.cost)
+    cost = load_cost(job.cost, job.cost_batch)
     table = valid_rows(read_labels(job.labels), what=f"labels {str(job.labels)!r}")
     if job.val is not None:
         train, val = table, valid_rows(read_labels(job.val), what=f"validation labels {str(job.val)!r}")

@@ -41,6 +41,9 @@ class StepTrainJob:
     labels: Path = option(type=Path, help="label Parquet file or folder (replay labels: they carry the tables)")
     eval: Path | None = option(None, type=Path, help="held-out labels for the report (default: --labels)")
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate); default: every cycle costs 1")
+    cost_batch: int = option(
+        1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
+    )
     prior: str | None = option(
         None, help="per-request predictor (folder or models:/ URI): its choice drafts the first cycle and is a feature"
     )
@@ -127,7 +130,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
 
     storage = job.storage or blockpilot_home() / "ray_results" / "step"
     refuse_existing_run(storage, job.name, resumable=False)
-    cost = load_cost(job.cost)
+    cost = load_cost(job.cost, job.cost_batch)
     prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
     train_rows = step_rows(train_table, prior)

@@ -30,6 +30,20 @@ def test_a_curve_interpolates_and_refuses_bad_values(tmp_path):
         load_cost(tmp_path / "bad.json")
 
 
+def test_a_curve_at_one_load_prices_every_b_as_the_full_curve_does_at_that_batch(tmp_path):
+    cost = CycleCost({1: {2: 1.0, 4: 1.2}, 8: {2: 2.0, 4: 3.0}, 32: {2: 5.0, 4: 9.0}}, device="cpu")
+    for batch in (1, 6, 8, 20, 64):
+        loaded = cost.at_batch(batch)
+        assert len(loaded.seconds) == 1 and loaded.device == "cpu"
+        assert all(loaded(b) == pytest.approx(cost(b, batch=batch)) for b in (1, 2, 3, 4, 7))
+    assert "batch 32" in cost.at_batch(30).describe() and "batch 1:" in cost.describe()
+    path = cost.save(tmp_path / "cost.json")
+    assert load_cost(path, batch=8) == cost.at_batch(8) and load_cost(path) == cost
+    assert load_cost(None, batch=8).is_uniform
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        cost.at_batch(0)
+
+
 def test_a_cycle_can_be_timed_with_every_row_at_its_own_block_size(random_models):
     prompts = random_prompts(random_models, 3, 8, torch.Generator().manual_seed(0))
     assert all(len(p) == 8 for p in prompts)

@@ -184,10 +184,14 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     from blockpilot.decoding.resolve import resolve_policy
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
 
+    from blockpilot.cost import CycleCost
+
+    # Priced at a load of 8 rows: the curve measured at batch 8, not the one at batch 1.
+    cost = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}}, device="test").save(tmp_path / "cost.json")
     outcome = run_step_train_job(
         StepTrainJob(
-            labels=tiny_labels["train"], eval=tiny_labels["heldout"], epochs=2, storage=tmp_path / "ray",
-            out=tmp_path / "step", name="step-tiny",
+            labels=tiny_labels["train"], eval=tiny_labels["heldout"], cost=cost, cost_batch=8, epochs=2,
+            storage=tmp_path / "ray", out=tmp_path / "step", name="step-tiny",
         )
     )
     kept = [path for path in (tmp_path / "ray" / "step-tiny").glob("checkpoint_*") if path.is_dir()]
@@ -220,6 +224,7 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
 
     features = np.random.default_rng(0).random((16, len(STEP_FEATURES)), dtype=np.float32) * 3
     model = StepModel.load(outcome.model_dir)
+    assert "batch 8: b=1: 20.00 ms, b=8: 45.00 ms" in model.config.extra["cost"]
     pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")
     expected = [model.config.candidates[k] for k in model.choose(features)]
     assert list(pyfunc.predict(pd.DataFrame(features, columns=list(STEP_FEATURES)))) == expected
