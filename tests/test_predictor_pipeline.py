@@ -180,11 +180,10 @@ def test_bad_labels_stop_before_training(tiny_labels, tmp_path):
 def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_labels, tmp_path, mlflow_store, tiny_models):
     import mlflow
 
+    from blockpilot.cost import CycleCost
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.resolve import resolve_policy
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
-
-    from blockpilot.cost import CycleCost
 
     # Priced at a load of 8 rows: the curve measured at batch 8, not the one at batch 1.
     cost = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}}, device="test").save(tmp_path / "cost.json")
