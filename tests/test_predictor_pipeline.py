@@ -224,6 +224,7 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     features = np.random.default_rng(0).random((16, len(STEP_FEATURES)), dtype=np.float32) * 3
     model = StepModel.load(outcome.model_dir)
     assert "batch 8: b=1: 20.00 ms, b=8: 45.00 ms" in model.config.extra["cost"]
+    assert model.feature_mean.abs().sum() > 0  # standardized on its training cycles
     pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")
     expected = [model.config.candidates[k] for k in model.choose(features)]
     assert list(pyfunc.predict(pd.DataFrame(features, columns=list(STEP_FEATURES)))) == expected

@@ -149,6 +149,7 @@ def test_training_cycles_carry_the_last_cycle_of_their_walk():
 def test_a_choice_is_the_argmax_of_the_model_before_and_after_its_weights_change():
     model = random_step_model(3)
     features = np.random.default_rng(0).normal(size=(64, len(STEP_FEATURES))).astype(np.float32)
+    model.standardize(features * 4 + 1)  # choose standardizes as forward does
 
     def argmax() -> list[int]:
         with torch.no_grad():
@@ -173,6 +174,21 @@ def test_training_lowers_the_expected_regret(tiny_labels):
     with torch.no_grad():
         after = float(expected_regret(model(x), r))
     assert len(losses) == 5 and after < before
+
+
+def test_a_fit_standardizes_its_inputs_on_the_training_cycles():
+    rng = np.random.default_rng(4)
+    features = (rng.normal(size=(500, len(STEP_FEATURES))) * np.arange(1, len(STEP_FEATURES) + 1) + 7).astype(np.float32)
+    features[:, STEP_FEATURES.index("temperature")] = 1.0  # labels of one temperature: constant
+    regret = rng.random((500, len(CANDIDATES)), dtype=np.float32)
+    model = fit_step_model(random_step_model(2), features, regret, epochs=1)
+    standardized = (torch.as_tensor(features) - model.feature_mean) / model.feature_scale
+    varying = [k for k, name in enumerate(STEP_FEATURES) if name != "temperature"]
+    assert torch.allclose(standardized[:, varying].mean(dim=0), torch.zeros(len(varying)), atol=1e-4)
+    assert torch.allclose(standardized[:, varying].std(dim=0, unbiased=False), torch.ones(len(varying)), atol=1e-4)
+    assert model.feature_scale[STEP_FEATURES.index("temperature")] == 1.0
+    with pytest.raises(ValueError, match="standardize needs"):
+        model.standardize(features[:, :-1])
 
 
 def test_an_interrupted_fit_continues_exactly(tmp_path):
@@ -211,10 +227,20 @@ def test_an_interrupted_fit_continues_exactly(tmp_path):
 
 def test_folder_round_trip_and_refusals(tmp_path, tiny_models):
     model = random_step_model(8)
+    model.standardize(np.random.default_rng(1).random((50, len(STEP_FEATURES)), dtype=np.float32) * 5)
     model.save(tmp_path / "step")
     loaded = StepModel.load(tmp_path / "step")
     x = torch.randn(5, len(STEP_FEATURES))
     assert torch.equal(model(x), loaded(x)) and loaded.config == model.config
+
+    # A folder from before the standardization (no such weights) loads as the raw-feature model it was.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "step" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("feature_")}, tmp_path / "step" / "model.safetensors")
+    older = StepModel.load(tmp_path / "step")
+    assert torch.equal(older.feature_mean, torch.zeros(len(STEP_FEATURES)))
+    assert torch.equal(older(x), older.net(x))
     policy = resolve_policy(f"learned-step:{tmp_path / 'step'}", tiny_models)
     assert policy.name == "learned-step"
 

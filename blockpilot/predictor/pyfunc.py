@@ -13,8 +13,8 @@ from mlflow.pyfunc import PythonModel
 
 class BlockSizeModel(PythonModel):
     """pyfunc input: a DataFrame with the model's input columns; output: the chosen block size per row.
-    Per-request: `blockpilot.predictor.INPUT_COLUMNS` (and `probs_fp16` for the dense kind). Per-step:
-    `blockpilot.predictor.step.STEP_FEATURES`."""
+    Per-request: `blockpilot.predictor.INPUT_COLUMNS` (and `probs_fp16` for the dense kind). Per-step: the model's
+    `config.features`."""
 
     def load_context(self, context):
         folder = Path(context.artifacts["predictor"])
@@ -30,9 +30,8 @@ class BlockSizeModel(PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[int]:
         if self.step:
-            from blockpilot.predictor.step import STEP_FEATURES
-
-            chosen = self.model.choose(model_input[list(STEP_FEATURES)].to_numpy(dtype="float32"))
+            features = list(self.model.config.features)
+            chosen = self.model.choose(model_input[features].to_numpy(dtype="float32"))
             return [int(self.model.config.candidates[k]) for k in chosen]
         from blockpilot.predictor.inputs import PredictorInputs, input_arrays
 
