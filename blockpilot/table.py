@@ -27,10 +27,14 @@ import torch
 
 from blockpilot.checks import distinct_block_sizes, mean_or_nan
 from blockpilot.decoding.acceptance import confidence_bin, draft_confidence
+from blockpilot.models.drafter import DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
 
 # Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.
 LOGITS_BUDGET = 1 << 26
+# Draft slots computed at a time past the last layer's attention, each time only for the blocks whose drafts
+# were all right so far (a block commits up to its first wrong draft).
+SLOTS_PER_STAGE = 4
 
 CostFn = Callable[[int], float]
 
@@ -126,6 +130,8 @@ def acceptance_table(
 ) -> AcceptanceTable:
     """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked).
 
+    A block's drafts past its first wrong one change nothing, so the last layer's per-token part and the head run
+    only on the slots blocks reach (`_accepted_drafts`), unless `slot_hits` asks for every slot's accuracy.
     `confidence_hits` collects, for the largest candidate's drafts, what draft-then-trim calibrates on
     (`blockpilot.trim`): per bin of the drafter's top probability, the drafts whose earlier slots were all
     right (reached) and how many of them were right."""
@@ -155,7 +161,7 @@ def acceptance_table(
         for start in range(0, drafting.numel(), chunk):
             rows = drafting[start : start + chunk]
             width = int(sizes[rows].max())
-            hidden = drafter.draft_blocks(
+            blocks = drafter.draft_blocks(
                 embed,
                 context_kv,
                 first_tokens=sequence[cursors[rows] - 1],
@@ -163,22 +169,55 @@ def acceptance_table(
                 block_sizes=sizes[rows],
                 width=width,
                 mask_token_id=models.mask_token_id,
+                defer_last_layer=True,
             )
-            draft_logits = head(hidden[:, 1:])  # (m, W - 1, V)
-            drafts = draft_logits.argmax(dim=-1)
-            slots = torch.arange(width - 1, device=device)
-            wanted = padded[cursors[rows][:, None] + slots]
-            in_block = slots[None, :] < (sizes[rows] - 1)[:, None]
-            right = (drafts == wanted) & in_block
-            accepted = right.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            accepted = _accepted_drafts(
+                blocks,
+                head,
+                padded,
+                cursors[rows],
+                sizes[rows],
+                slot_hits[column] if slot_hits is not None else None,
+                confidence_hits if b == max(candidates) else None,
+            )
             step = torch.minimum(accepted + 1, n - cursors[rows])
             commits[column, rows.cpu().numpy()] = step.cpu().numpy()
-            if slot_hits is not None:
-                slot_hits[column, : width - 1, 0] += right.sum(dim=0).cpu().numpy()
-                slot_hits[column, : width - 1, 1] += in_block.sum(dim=0).cpu().numpy()
-            if confidence_hits is not None and b == max(candidates):
-                _count_confidence(confidence_hits, draft_logits, right, in_block)
     return AcceptanceTable(candidates, commits, max_new_tokens)
+
+
+def _accepted_drafts(
+    blocks: DeferredSlots,  # m blocks of width W
+    head: torch.nn.Module,
+    padded: torch.Tensor,  # the sequence, padded past its end with a token no draft equals
+    cursors: torch.Tensor,  # (m,) each block's cursor: slot j drafts g_{cursor + j - 1}
+    sizes: torch.Tensor,  # (m,) each block's slots
+    slot_hits: np.ndarray | None,  # (>= W - 1, 2) of this candidate: every slot computed and counted
+    confidence_hits: np.ndarray | None,
+) -> torch.Tensor:
+    """(m,) drafts of each block that match the sequence before its first wrong one. Slots are computed
+    `SLOTS_PER_STAGE` at a time, each stage only for the blocks whose drafts were all right before it."""
+    width = blocks.residual.shape[1]
+    stage = width if slot_hits is not None else SLOTS_PER_STAGE
+    accepted = torch.zeros(cursors.shape[0], dtype=torch.int64, device=cursors.device)
+    alive = torch.arange(cursors.shape[0], device=cursors.device)
+    for start in range(1, width, stage):
+        stop = min(width, start + stage)
+        draft_logits = head(blocks.hidden(alive, start, stop))  # (a, stop - start, V)
+        slots = torch.arange(start, stop, device=cursors.device)
+        wanted = padded[cursors[alive][:, None] + slots - 1]
+        in_block = slots[None, :] < sizes[alive][:, None]
+        right = (draft_logits.argmax(dim=-1) == wanted) & in_block
+        run = right.to(torch.int64).cumprod(dim=1)
+        accepted[alive] += run.sum(dim=1)
+        if slot_hits is not None:
+            slot_hits[start - 1 : stop - 1, 0] += right.sum(dim=0).cpu().numpy()
+            slot_hits[start - 1 : stop - 1, 1] += in_block.sum(dim=0).cpu().numpy()
+        if confidence_hits is not None:
+            _count_confidence(confidence_hits, draft_logits, right, in_block)
+        alive = alive[run[:, -1] > 0]
+        if alive.numel() == 0:
+            break
+    return accepted
 
 
 def _count_confidence(hits: np.ndarray, draft_logits: torch.Tensor, right: torch.Tensor, in_block: torch.Tensor) -> None:

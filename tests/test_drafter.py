@@ -278,6 +278,14 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
         for row, (anchor, size) in enumerate(zip(anchor_list, size_list, strict=True)):
             expected = zlab_reference_logits(drafter, target, features[:anchor], int(ids[0, anchor]), size)
             torch.testing.assert_close(logits[row, : size - 1], expected, rtol=1e-4, atol=1e-4)
+        # Deferred, the last layer's per-token part runs for the chosen slots of the chosen blocks only.
+        with torch.no_grad():
+            deferred = drafter.draft_blocks(
+                target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79,
+                defer_last_layer=True,
+            )
+            chosen = torch.tensor([len(anchor_list) - 1, 0])
+            torch.testing.assert_close(deferred.hidden(chosen, 2, 5), hidden[chosen, 2:5], rtol=1e-5, atol=1e-5)
 
     # In place (decoding's form): a context row per block with scratch entries past the last anchor, holding
     # garbage beforehand; the blocks' keys and values go there instead of a concatenated copy. Same logits.

@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -46,6 +47,24 @@ def test_table_walks_equal_live_runs_on_random_models(random_models):
     live = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="live", **config))
     replay = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="replay", **config))
     assert [s.acceptance_lengths for s in replay] == [s.acceptance_lengths for s in live]
+
+
+def test_slots_past_a_wrong_draft_change_nothing_in_the_table(tiny_models, heldout):
+    """The table computes a block's slots only up to its first wrong draft; asking for every slot's accuracy
+    computes them all. Same tables, same confidence counts (they count reached slots only)."""
+    config = SweepConfig(candidates=(2, 3, 4, 8, 16), max_new_tokens=40, stop_token_ids=tuple(tiny_models.stop_token_ids()))
+    prompts, seeds = heldout[:4], [0, 1, 2, 3]
+    slots = np.zeros((5, 15, 2), dtype=np.int64)
+    staged_confidence, every_confidence = np.zeros((10, 2), dtype=np.int64), np.zeros((10, 2), dtype=np.int64)
+    staged = sweep_prompts(tiny_models, prompts, seeds, config, confidence_hits=staged_confidence)
+    every = sweep_prompts(tiny_models, prompts, seeds, config, slot_hits=slots, confidence_hits=every_confidence)
+    for a, b in zip(staged, every, strict=True):
+        assert [t.commits.tolist() for t in a.tables] == [t.commits.tolist() for t in b.tables]
+    assert np.array_equal(staged_confidence, every_confidence) and staged_confidence[:, 1].sum() > 0
+    assert (slots[..., 0] <= slots[..., 1]).all()
+    anchors = sum(t.n - 1 for s in every for t in s.tables)
+    # Slot j of candidate b is drafted at every anchor whose block (cut at the budget) still has it.
+    assert slots[4, 0, 1] <= anchors and slots[4, 0, 1] > slots[4, 14, 1] > 0 and slots[0, 1:, 1].sum() == 0
 
 
 def test_the_reference_generation_drafts_at_the_training_block_size(random_models, monkeypatch):

@@ -276,7 +276,7 @@ class DrafterAttention(nn.Module):
         """context: (N, C, hidden) projected target features -> keys, values (N, kv_heads, C, head_dim)."""
         return self._keys_values(context, cos, sin)
 
-    def forward(
+    def attend(
         self,
         x: torch.Tensor,  # (N, S, hidden), already normalised
         cos: torch.Tensor,  # (N or 1, S, head_dim) at the block positions
@@ -286,6 +286,8 @@ class DrafterAttention(nn.Module):
         block_at: int | None = None,  # see `DFlashDrafter.draft_blocks`
         blocks_per_row: int = 1,  # > 1: N / G rows of G blocks side by side, mask (N / G, 1, G * S, C + G * S)
     ) -> torch.Tensor:
+        """The attention's output before `o_proj`, (N, S, heads * head_dim): the layer projects it token by token
+        (`DrafterLayer.finish`)."""
         n, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(n, s, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
@@ -301,7 +303,7 @@ class DrafterAttention(nn.Module):
             k = torch.cat([k_ctx.expand(rows, -1, -1, -1), k_block], dim=2)
             v = torch.cat([v_ctx.expand(rows, -1, -1, -1), v_block], dim=2)
         out = _unpack(grouped_query_attention(q, k, v, attention_mask), blocks_per_row)
-        return self.o_proj(out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim)
 
 
 def _block_mask(sees_context: torch.Tensor, sees_block: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
@@ -364,8 +366,31 @@ class DrafterLayer(nn.Module):
         block_at: int | None = None,
         blocks_per_row: int = 1,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask, block_at, blocks_per_row)
+        normed = self.input_layernorm(x)
+        return self.finish(x, self.self_attn.attend(normed, cos, sin, context_kv, attention_mask, block_at, blocks_per_row))
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention, token by token: (..., hidden) input and (..., heads * head_dim)
+        attention output -> (..., hidden)."""
+        x = x + self.self_attn.o_proj(attended)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DeferredSlots:
+    """Blocks drafted up to the last layer's attention. What is left (the rest of that layer, the final norm) is
+    token by token, so `hidden` computes it for chosen slots of chosen blocks only: the acceptance table asks
+    only for the slots a block reaches, up to its first wrong draft."""
+
+    residual: torch.Tensor  # (N, W, hidden) the last layer's input
+    attended: torch.Tensor  # (N, W, heads * head_dim) its attention output before o_proj
+    layer: DrafterLayer
+    norm: RMSNorm
+
+    def hidden(self, blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """(len(blocks), stop - start, hidden): slots [start, stop) of `blocks` (indices), the same entries as the
+        primitive's full output."""
+        return self.norm(self.layer.finish(self.residual[blocks, start:stop], self.attended[blocks, start:stop]))
 
 
 class DFlashDrafter(nn.Module):
@@ -433,13 +458,22 @@ class DFlashDrafter(nn.Module):
         attention_mask: torch.Tensor | None = None,  # bool (N or 1, 1, S, C + S); None = see everything
         block_at: int | None = None,  # see `draft_blocks`; then C = block_at
         blocks_per_row: int = 1,  # see `draft_blocks`
-    ) -> torch.Tensor:
-        """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head."""
+        defer_last_layer: bool = False,
+    ) -> torch.Tensor | DeferredSlots:
+        """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head. With
+        `defer_last_layer`, a `DeferredSlots` that computes them slot by slot on demand."""
         cos, sin = self._rotary(block_positions)
         x = block_embeds.to(self.dtype)
-        for layer, kv in zip(self.layers, context_kv, strict=True):
+        if len(context_kv) != len(self.layers):
+            raise ValueError(f"context_kv has {len(context_kv)} layers; the drafter has {len(self.layers)}")
+        for layer, kv in zip(self.layers[:-1], context_kv[:-1], strict=True):
             x = layer(x, cos, sin, kv, attention_mask, block_at, blocks_per_row)
-        return self.norm(x)
+        last = self.layers[-1]
+        normed = last.input_layernorm(x)
+        attended = last.self_attn.attend(normed, cos, sin, context_kv[-1], attention_mask, block_at, blocks_per_row)
+        if defer_last_layer:
+            return DeferredSlots(x, attended, last, self.norm)
+        return self.norm(last.finish(x, attended))
 
     def draft_blocks(
         self,
@@ -452,7 +486,8 @@ class DFlashDrafter(nn.Module):
         mask_token_id: int,
         context_rows: torch.Tensor | None = None,  # (N,) the context row each block reads; None: row n (or the one)
         block_at: int | None = None,  # scratch entries [block_at, block_at + W) of a per-block context; see below
-    ) -> torch.Tensor:
+        defer_last_layer: bool = False,  # a `DeferredSlots` instead: the last layer's per-token part on demand
+    ) -> torch.Tensor | DeferredSlots:
         """The one drafting primitive: hidden states (N, W, hidden) of N blocks drafted in one call.
 
         Block n is `[first_tokens[n], MASK, ...]` at positions anchors[n] .. anchors[n] + W - 1. It sees the
@@ -497,7 +532,9 @@ class DFlashDrafter(nn.Module):
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
         with masked_attention_kernels(device):
-            hidden = self(embed(block_ids), positions, context_kv, mask, block_at, per_row)
+            hidden = self(embed(block_ids), positions, context_kv, mask, block_at, per_row, defer_last_layer)
+        if isinstance(hidden, DeferredSlots):
+            return dataclasses.replace(hidden, residual=hidden.residual[:n], attended=hidden.attended[:n])
         return hidden[:n]
 
     # ---------------------------------------------------------------- checkpoints (z-lab layout)
