@@ -120,6 +120,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         StepModelConfig,
         evaluate_step_model,
         format_step_metrics,
+        prior_probability_features,
         regret_dataset,
         step_rows,
     )
@@ -138,13 +139,16 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
     features, regret = regret_dataset(train_rows, cost)
     first = train_table.slice(0, 1).to_pylist()[0]
+    candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(
-        candidates=train_rows[0].tables[0].candidates,
+        candidates=candidates,
         hidden_size=job.hidden_size,
         train_block_size=first["train_block_size"],
         target_id=first["target_id"] or "",
         drafter_id=first["drafter_id"] or "",
-        features=(*STEP_FEATURES, PRIOR_FEATURE) if prior is not None else STEP_FEATURES,
+        features=(
+            STEP_FEATURES if prior is None else (*STEP_FEATURES, PRIOR_FEATURE, *prior_probability_features(candidates))
+        ),
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
     print(

@@ -52,7 +52,8 @@ def test_table_walks_equal_live_runs_on_random_models(random_models):
 def test_slots_past_a_wrong_draft_change_nothing_in_the_table(tiny_models, heldout):
     """The table computes a block's slots only up to its first wrong draft; asking for every slot's accuracy
     computes them all. Same tables, same confidence counts (they count reached slots only)."""
-    config = SweepConfig(candidates=(2, 3, 4, 8, 16), max_new_tokens=40, stop_token_ids=tuple(tiny_models.stop_token_ids()))
+    stop = tuple(tiny_models.stop_token_ids())
+    config = SweepConfig(candidates=(2, 3, 4, 8, 16), max_new_tokens=40, stop_token_ids=stop)
     prompts, seeds = heldout[:4], [0, 1, 2, 3]
     slots = np.zeros((5, 15, 2), dtype=np.int64)
     staged_confidence, every_confidence = np.zeros((10, 2), dtype=np.int64), np.zeros((10, 2), dtype=np.int64)

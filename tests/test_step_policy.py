@@ -28,6 +28,7 @@ from blockpilot.predictor.step import (
     regret_dataset,
     step_features,
     step_rows,
+    prior_probability_features,
     walk_step_model,
 )
 from blockpilot.sweep import SweepConfig, sweep_prompt
@@ -178,7 +179,8 @@ def test_training_lowers_the_expected_regret(tiny_labels):
 
 def test_a_fit_standardizes_its_inputs_on_the_training_cycles():
     rng = np.random.default_rng(4)
-    features = (rng.normal(size=(500, len(STEP_FEATURES))) * np.arange(1, len(STEP_FEATURES) + 1) + 7).astype(np.float32)
+    spread = np.arange(1, len(STEP_FEATURES) + 1)
+    features = (rng.normal(size=(500, len(STEP_FEATURES))) * spread + 7).astype(np.float32)
     features[:, STEP_FEATURES.index("temperature")] = 1.0  # labels of one temperature: constant
     regret = rng.random((500, len(CANDIDATES)), dtype=np.float32)
     model = fit_step_model(random_step_model(2), features, regret, epochs=1)
@@ -261,9 +263,10 @@ def test_folder_round_trip_and_refusals(tmp_path, tiny_models):
 # ----------------------------------------------------------------------------- with the per-request predictor
 
 
-def random_prior_step_model(seed: int, candidates=CANDIDATES) -> StepModel:
+def random_prior_step_model(seed: int, candidates=CANDIDATES, probabilities: bool = False) -> StepModel:
     torch.manual_seed(seed)
-    config = StepModelConfig(candidates, hidden_size=16, train_block_size=4, features=(*STEP_FEATURES, PRIOR_FEATURE))
+    features = (*STEP_FEATURES, PRIOR_FEATURE, *(prior_probability_features(candidates) if probabilities else ()))
+    config = StepModelConfig(candidates, hidden_size=16, train_block_size=4, features=features)
     model = StepModel(config)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -315,8 +318,13 @@ def test_label_rows_carry_the_prior_and_evaluation_walks_it(tiny_labels):
         assert row.prior_block_size in candidates
         assert all(np.array_equal(x, y) for x, y in zip(row.anchors, without.anchors, strict=True))
         with_prior, _ = regret_dataset([row], cost)
-        assert np.array_equal(with_prior[:, :-1], regret_dataset([without], cost)[0])
-        assert np.allclose(with_prior[:, -1], np.log(row.prior_block_size))
+        plain_width = len(STEP_FEATURES)
+        assert np.array_equal(with_prior[:, :plain_width], regret_dataset([without], cost)[0])
+        assert np.allclose(with_prior[:, plain_width], np.log(row.prior_block_size))
+        # Then the predictor's probability of every candidate, whose most likely one is b0.
+        assert np.allclose(with_prior[:, plain_width + 1 :], row.prior_probabilities)
+        assert row.prior_probabilities.sum() == pytest.approx(1.0, abs=1e-5)
+        assert candidates[int(np.argmax(row.prior_probabilities))] == row.prior_block_size
     metrics = evaluate_step_model(random_prior_step_model(11, candidates), rows, cost)
     # The per-request walk is each row's fixed-b0 walk: between the worst and the best fixed b of every row.
     fixed = np.array([[len(w) for w in (sum((t.walk(b) for t in r.tables), []) for b in candidates)] for r in rows])
@@ -326,6 +334,38 @@ def test_label_rows_carry_the_prior_and_evaluation_walks_it(tiny_labels):
     assert metrics["tau_oracle"] + 1e-9 >= metrics["tau_request"]
     with pytest.raises(ValueError, match="candidates"):
         step_rows(table, random_predictor((2, 3), vocab, 3))
+
+
+def test_a_model_reading_the_predictors_probabilities_decodes_as_it_walks_the_table(tiny_models):
+    """The probabilities the engine's step policy reads (once per request, from the prefill) are the ones the
+    table walk is given: the same block sizes cycle by cycle, and the output is still greedy decoding."""
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    predictor = random_predictor(CANDIDATES, vocab, 5)
+    model = random_prior_step_model(14, probabilities=True)
+    with torch.no_grad():  # lean the choice toward the predictor's most likely candidate, whatever else it reads
+        k, start = len(CANDIDATES), len(STEP_FEATURES) + 1
+        model.net[0].weight[:k, start:] += 40 * torch.eye(k)
+        model.net[2].weight[:, :k] += 40 * torch.eye(k)
+    assert model.config.uses_prior_probabilities and not random_prior_step_model(14).config.uses_prior_probabilities
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
+    (table,) = sweep.tables
+    anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
+    prior = LearnedPolicy(predictor)
+    b0, probabilities = prior.initial_block_size(sweep.prefill), prior.probabilities(sweep.prefill)
+    assert probabilities.shape == (len(CANDIDATES),) and CANDIDATES[int(np.argmax(probabilities))] == b0
+    reversed_probabilities = step_features(anchors, 0, 0, b0, probabilities[::-1].copy())
+    assert (model.choose(step_features(anchors, 0, 0, b0, probabilities)) != model.choose(reversed_probabilities)).any()
+    sizes, lengths = walk_step_model(model, table, anchors, b0, probabilities)
+    live = generate(tiny_models, prompt, policy=PriorStepPolicy(model, prior), config=GenerationConfig(max_new_tokens=40))
+    assert live.token_ids == sweep.token_ids == greedy_reference(tiny_models.target, prompt, 40)
+    cursors = np.cumsum([1, *lengths[:-1]])
+    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
+    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    with pytest.raises(ValueError, match="has none"):
+        StepPolicy(model, resolve_policy("fixed:4", tiny_models))
+    with pytest.raises(ValueError, match="walk it with them"):
+        walk_step_model(model, table, anchors, b0)
 
 
 def test_the_resolver_pairs_a_predictor_with_a_step_model(tmp_path, tiny_models):

@@ -339,6 +339,7 @@ class SpeculativeEngine:
                     temperature=row.config.temperature,
                     anchor_logits=logits[index, accepted],
                     first_block_size=row.chosen_block_size,
+                    prefill=row.prefill_state,
                 )
                 row.block_size = _checked(row.policy.next_block_size(state), row.policy)
             else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -40,6 +40,9 @@ class PrefillState:
     prompt_ids: torch.Tensor  # (P,)
     temperature: float
     train_block_size: int | None  # the drafter's training block size B, None without a drafter
+    # What policies derive from the prefill once per request and read again at later cycles (a per-request
+    # predictor's output), by name; it lives as long as the request.
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def probs(self) -> torch.Tensor:
@@ -71,6 +74,7 @@ class CycleState:
     # the anchor" of the next cycle, already computed by this cycle's verify pass.
     anchor_logits: torch.Tensor | None = None
     first_block_size: int | None = None  # the b the request started with (its per-request choice)
+    prefill: PrefillState | None = field(default=None, repr=False)  # the request's, as its first choice saw it
 
 
 @runtime_checkable

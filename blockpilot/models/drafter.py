@@ -367,7 +367,8 @@ class DrafterLayer(nn.Module):
         blocks_per_row: int = 1,
     ) -> torch.Tensor:
         normed = self.input_layernorm(x)
-        return self.finish(x, self.self_attn.attend(normed, cos, sin, context_kv, attention_mask, block_at, blocks_per_row))
+        attended = self.self_attn.attend(normed, cos, sin, context_kv, attention_mask, block_at, blocks_per_row)
+        return self.finish(x, attended)
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of the layer after attention, token by token: (..., hidden) input and (..., heads * head_dim)

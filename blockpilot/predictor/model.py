@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,6 +105,12 @@ class BlockSizePredictor(nn.Module):
         """The top-k probabilities scattered into a V-wide vector (what dense gets from top-k-only labels)."""
         dense = torch.zeros(inputs.topk_ids.shape[0], self.config.vocab_size, device=inputs.topk_ids.device)
         return dense.scatter_(1, inputs.topk_ids, inputs.topk_probs.float())
+
+    @torch.no_grad()
+    def probabilities(self, inputs: PredictorInputs) -> np.ndarray:
+        """(N, C) softmax over the candidates per row, float32."""
+        self.eval()
+        return torch.softmax(self(inputs.to(next(self.parameters()).device)).float(), dim=-1).cpu().numpy()
 
     @torch.no_grad()
     def predict(self, inputs: PredictorInputs) -> list[int]:

@@ -8,7 +8,7 @@ Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing e
 - the last cycle (`HISTORY_FEATURES`): log(1 + a) and a / b of its acceptance length a and block size b (both
   0 before the first cycle);
 - with a per-request prior, log(b0), b0 the per-request predictor's choice for the request (which also drafts
-  the first cycle: `PriorStepPolicy`).
+  the first cycle: `PriorStepPolicy`), and its probability of every candidate (computed once per request).
 
 Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
 is maximized). The last cycle depends on the path to cursor i, so the training examples are the cycles of
@@ -44,6 +44,13 @@ ANCHOR_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "te
 HISTORY_FEATURES = ("log1p_last_accepted", "last_accepted_share")
 STEP_FEATURES = (*ANCHOR_FEATURES, *HISTORY_FEATURES)
 PRIOR_FEATURE = "log_prior_b"  # log of the per-request predictor's block size for the request
+
+
+def prior_probability_features(candidates: tuple[int, ...]) -> tuple[str, ...]:
+    """The per-request predictor's probability of each candidate, as step features. The predictor's choice alone
+    says which b it prefers, not how firmly; under load, where a wrong b costs more, the step model drafts
+    better with both (small zoo, batch-32 cost: +2 to 3% modeled throughput)."""
+    return tuple(f"prior_p_b{b}" for b in candidates)
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens"]
 STEP_COLUMNS += ["table_commits", "table_anchors", "anchor_entropy", "anchor_top_probs"]
 
@@ -68,10 +75,15 @@ def step_features(
     last_accepted: np.ndarray | int,  # (N,) the last cycle's acceptance length; 0 before the first cycle
     last_block_size: np.ndarray | int,  # (N,) the last cycle's b; 0 before the first cycle
     prior_block_size: int | None = None,
+    prior_probabilities: np.ndarray | None = None,  # (K,) the per-request predictor's, with its b0
 ) -> np.ndarray:
-    """(N, F) features of N cycles: the anchor's, the last cycle's, and with a per-request prior b0, log(b0)."""
+    """(N, F) features of N cycles: the anchor's, the last cycle's, and with a per-request prior b0, log(b0)
+    (then the prior's probability of every candidate, when given)."""
+    if prior_probabilities is not None and prior_block_size is None:
+        raise ValueError("prior probabilities come with the prior's block size b0")
     n, width = anchors.shape
-    out = np.empty((n, width + len(HISTORY_FEATURES) + (prior_block_size is not None)), dtype=np.float32)
+    extra = (prior_block_size is not None) + (len(prior_probabilities) if prior_probabilities is not None else 0)
+    out = np.empty((n, width + len(HISTORY_FEATURES) + extra), dtype=np.float32)
     accepted = np.asarray(last_accepted, dtype=np.float32)
     size = np.asarray(last_block_size, dtype=np.float32)
     out[:, :width] = anchors
@@ -79,6 +91,8 @@ def step_features(
     out[:, width + 1] = np.where(size > 0, accepted / np.maximum(size, 1.0), 0.0)
     if prior_block_size is not None:
         out[:, width + 2] = math.log(prior_block_size)
+    if prior_probabilities is not None:
+        out[:, width + 3 :] = prior_probabilities
     return out
 
 
@@ -95,16 +109,26 @@ class StepModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
         positive_int(self.hidden_size, "hidden_size")
-        if tuple(self.features) not in (STEP_FEATURES, (*STEP_FEATURES, PRIOR_FEATURE)):
+        with_prior = (*STEP_FEATURES, PRIOR_FEATURE)
+        if tuple(self.features) not in (STEP_FEATURES, with_prior, (*with_prior, *self.prior_probability_features)):
             raise ValueError(
                 f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)} "
-                f"(+ {PRIOR_FEATURE!r} with a per-request prior)"
+                f"(+ {PRIOR_FEATURE!r} with a per-request prior, and + {list(self.prior_probability_features)})"
             )
+
+    @property
+    def prior_probability_features(self) -> tuple[str, ...]:
+        return prior_probability_features(self.candidates)
 
     @property
     def uses_prior(self) -> bool:
         """Whether the model reads the per-request predictor's choice (and so needs one beside it)."""
         return PRIOR_FEATURE in self.features
+
+    @property
+    def uses_prior_probabilities(self) -> bool:
+        """Whether it also reads the predictor's probability of every candidate."""
+        return self.uses_prior and len(self.features) > len(STEP_FEATURES) + 1
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "candidates": list(self.candidates), "features": list(self.features), "kind": "step"}
@@ -199,6 +223,11 @@ class StepPolicy:
                 "this step model was trained with a per-request prior: use it beside that predictor "
                 "(learned+step:PREDICTOR,STEP_MODEL)"
             )
+        if model.config.uses_prior_probabilities and not callable(getattr(prior, "probabilities", None)):
+            raise ValueError(
+                f"this step model reads the per-request predictor's probabilities; the prior {prior!r} has none "
+                "(use a trained predictor: learned+step:PREDICTOR,STEP_MODEL)"
+            )
         self.model = model
         self.candidates = model.config.candidates
         self.prior = prior
@@ -211,12 +240,19 @@ class StepPolicy:
         last_accepted: int = 0,
         last_block_size: int = 0,
         prior_block_size: int | None = None,
+        prefill: PrefillState | None = None,
     ) -> int:
         entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
         summary = torch.cat([entropy[None], top_probs]).cpu().numpy()[None]  # one device-to-host read
         anchor = anchor_features(summary[:, 0], summary[:, 1:], temperature, np.asarray([cursor]))
-        prior = prior_block_size if self.model.config.uses_prior else None
-        features = step_features(anchor, last_accepted, last_block_size, prior)
+        config = self.model.config
+        prior = prior_block_size if config.uses_prior else None
+        probabilities = None
+        if config.uses_prior_probabilities:
+            if prefill is None:
+                raise ValueError("this step model reads the per-request predictor's probabilities: give the prefill")
+            probabilities = self.prior.probabilities(prefill)
+        features = step_features(anchor, last_accepted, last_block_size, prior, probabilities)
         return self.candidates[int(self.model.choose(features)[0])]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
@@ -235,6 +271,7 @@ class StepPolicy:
             cycle.acceptance_length,
             cycle.block_size,
             cycle.first_block_size,
+            cycle.prefill,
         )
 
 
@@ -260,19 +297,20 @@ class StepRow:
     tables: list[AcceptanceTable]
     anchors: list[np.ndarray]  # per table, (n - 1, len(ANCHOR_FEATURES)): row i - 1 is cursor i
     prior_block_size: int | None = None  # the per-request predictor's b0 for the row, when there is one
+    prior_probabilities: np.ndarray | None = None  # (K,) its probability of every candidate
 
 
 def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
     """Label rows with acceptance tables and anchor features as `StepRow`s; rows without them are skipped.
     With a per-request predictor `prior` (a `BlockSizePredictor`), each row carries b0, its choice from the
-    row's prefill distribution."""
+    row's prefill distribution, and its probabilities over the candidates."""
     missing = [c for c in STEP_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"labels lack the columns a step model needs: {missing} (relabel with this version)")
     table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
-    priors = _prior_choices(prior, table) if prior is not None else [None] * table.num_rows
+    priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
     out = []
-    for row, b0 in zip(table.select(STEP_COLUMNS).to_pylist(), priors, strict=True):
+    for row, (b0, probabilities) in zip(table.select(STEP_COLUMNS).to_pylist(), priors, strict=True):
         tables = tables_from_row(row)
         if not tables:
             continue
@@ -285,14 +323,15 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
             start += t.n - 1
         if start != len(entropy):
             raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
-        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0))
+        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0, probabilities))
     if not out:
         raise ValueError("no label row carries an acceptance table with anchor features (label with --mode replay)")
     return out
 
 
-def _prior_choices(predictor: Any, table: pa.Table) -> list[int]:
-    """The per-request predictor's b0 for every row of `table`, from the rows' prefill columns."""
+def _prior_choices(predictor: Any, table: pa.Table) -> list[tuple[int, np.ndarray]]:
+    """The per-request predictor's b0 and probabilities over the candidates (K,) for every row of `table`, from
+    the rows' prefill columns."""
     from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorInputs, input_arrays
 
     candidates = {tuple(c) for c in table["candidates"].to_pylist()}
@@ -303,7 +342,8 @@ def _prior_choices(predictor: Any, table: pa.Table) -> list[int]:
         )
     dense = predictor.config.kind == "dense"
     columns = table.select([*INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]).to_pydict()
-    return [int(b) for b in predictor.predict(PredictorInputs.from_arrays(input_arrays(columns, dense)))]
+    inputs = PredictorInputs.from_arrays(input_arrays(columns, dense))
+    return list(zip(predictor.predict(inputs), predictor.probabilities(inputs), strict=True))
 
 
 def fixed_walk_cycles(table: AcceptanceTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -330,7 +370,11 @@ def regret_dataset(rows: list[StepRow], cost: CycleCost) -> tuple[np.ndarray, np
                 continue
             _, q = t.cost_to_go(cost)  # (K, n - 1)
             cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
-            features.append(step_features(anchors[cursors - 1], last_accepted, last_sizes, row.prior_block_size))
+            features.append(
+                step_features(
+                    anchors[cursors - 1], last_accepted, last_sizes, row.prior_block_size, row.prior_probabilities
+                )
+            )
             regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T[cursors - 1])
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
@@ -400,17 +444,33 @@ class _RowWalks:
 
 
 def walk_step_model(
-    model: StepModel, table: AcceptanceTable, anchors: np.ndarray, prior_block_size: int | None = None
+    model: StepModel,
+    table: AcceptanceTable,
+    anchors: np.ndarray,
+    prior_block_size: int | None = None,
+    prior_probabilities: np.ndarray | None = None,
 ) -> tuple[list[int], list[int]]:
     """(block sizes, acceptance lengths) of the step model's walk over `table`, cycle by cycle, as the engine
     runs it: b0 drafts the first cycle when there is one, the model picks every other b from the anchor's
-    features (`anchors`, (n - 1, len(ANCHOR_FEATURES))) and the last cycle."""
+    features (`anchors`, (n - 1, len(ANCHOR_FEATURES))), the last cycle and the prior's features it reads."""
     candidates = table.candidates
+    if model.config.uses_prior and prior_block_size is None:
+        raise ValueError("this step model reads a per-request prior: walk it with the prior's b0")
+    if not model.config.uses_prior_probabilities:
+        prior_probabilities = None
+    elif prior_probabilities is None:
+        raise ValueError("this step model reads the per-request predictor's probabilities: walk it with them")
 
     def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
         if last_size is None and prior_block_size is not None:
             return prior_block_size
-        features = step_features(anchors[cursor - 1 : cursor], last_accepted or 0, last_size or 0, prior_block_size)
+        features = step_features(
+            anchors[cursor - 1 : cursor],
+            last_accepted or 0,
+            last_size or 0,
+            prior_block_size if model.config.uses_prior else None,
+            prior_probabilities,
+        )
         return candidates[int(model.choose(features)[0])]
 
     return table.walk_policy(choose)
@@ -428,7 +488,7 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
         walks.oracle_cost += t.cost_to_go(cost)[0][1]
         walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
         if model is not None:
-            sizes, _ = walk_step_model(model, t, anchors, row.prior_block_size)
+            sizes, _ = walk_step_model(model, t, anchors, row.prior_block_size, row.prior_probabilities)
             walks.step_cycles += len(sizes)
             walks.step_cost += t.walk_cost(sizes, cost=cost)
     return walks
