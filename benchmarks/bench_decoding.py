@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from blockpilot.cost import load_cost
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.decoding.speed import measure_speed
@@ -35,9 +36,9 @@ PROMPTS = [
 ]
 
 
-def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int) -> tuple[str, float, float]:
+def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int, cost=None) -> tuple[str, float, float]:
     """(policy name, generated tokens per wall second, mean tau) of `prompts_ids` at `batch` rows at a time."""
-    speed = measure_speed(models, prompts_ids, resolve_policy(spec, models), config, max_batch=batch)
+    speed = measure_speed(models, prompts_ids, resolve_policy(spec, models), config, max_batch=batch, cost=cost)
     return speed.policy, speed.tokens_per_s, speed.tau
 
 
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=None, help="a prompts .jsonl (e.g. a zoo's heldout.jsonl)")
     parser.add_argument("--limit", type=int, default=16, help="prompts taken from --prompts")
     parser.add_argument("--predictor", default=None, help="also time learned:PREDICTOR (folder or models:/ URI)")
+    parser.add_argument(
+        "--cost", type=Path, default=None, help="price batched verify widths with this cost curve (blockpilot calibrate)"
+    )
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -69,6 +73,7 @@ def main() -> None:
         paths = write_random_zoo(Path(tempfile.mkdtemp()) / "zoo")
         args.target, args.drafter = paths["target"], paths["drafter"]
     models = load_models(args.target, args.drafter, device=args.device)
+    cost = load_cost(args.cost) if args.cost else None
     if args.prompts is None:
         prompts = PROMPTS
         # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
@@ -89,6 +94,7 @@ def main() -> None:
     print(
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
         f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T={args.temperature:g} rounds={args.rounds}"
+        f" widths={f'priced by {args.cost}' if cost else 'padded to the widest row'}"
     )
     measure(models, prompts_ids[:2], "fixed:2", config, 2)  # warm-up
     print(f"{'batch':>5} {'policy':<22} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")
@@ -100,7 +106,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             shift = round_index % len(specs)
             for spec in specs[shift:] + specs[:shift]:
-                name, rate, tau = measure(models, prompts_ids, spec, config, batch)
+                name, rate, tau = measure(models, prompts_ids, spec, config, batch, cost)
                 rates[spec].append(rate)
                 seen[spec] = (name, tau)
         first = rates[specs[0]]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from blockpilot.decoding.engine import generate_many
 from blockpilot.decoding.policies import BlockSizePolicy
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.decoding.width import CyclePrice
 from blockpilot.models.loading import SpeculativeModels
 
 
@@ -37,15 +38,17 @@ def measure_speed(
     config: GenerationConfig,
     *,
     max_batch: int = 1,
+    cost: CyclePrice | None = None,
 ) -> PolicySpeed:
-    """Decode every prompt under `policy` in one engine, `max_batch` rows at a time (1: one after another).
+    """Decode every prompt under `policy` in one engine, `max_batch` rows at a time (1: one after another),
+    verify widths priced with `cost` when given.
 
     A policy keeps no per-request state, so one instance drives every row."""
     if not prompts_ids:
         raise ValueError("measure_speed needs at least one prompt; got none")
     requests = [GenerationRequest(list(ids), config, policy) for ids in prompts_ids]
     started = time.perf_counter()
-    results = generate_many(models, requests, max_batch=max_batch)
+    results = generate_many(models, requests, max_batch=max_batch, cost=cost)
     seconds = time.perf_counter() - started
     taus = [r.tau for r in results if r.cycles]
     return PolicySpeed(
