@@ -297,3 +297,45 @@ def test_trained_drafter_sampling_stats(tiny_models, zoo_prompts, rule):
         result = generate(tiny_models, ids, policy=FixedBlockSize(4), config=config)
         check_stats_invariants(result, 40)
         assert all(t not in stop for t in result.token_ids[:-1])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_packed_verify_of_unequal_blocks_decodes_as_the_padded_one(
+    tiny_models, zoo_prompts, temperature, monkeypatch
+):
+    """Rows of different block sizes in one batch: the verify packs their tokens without padding and gives what
+    the padded pass gives, greedy or seeded."""
+    import blockpilot.decoding.engine as engine_module
+
+    stop = tuple(tiny_models.stop_token_ids())
+    requests = [
+        GenerationRequest(
+            ids,
+            GenerationConfig(max_new_tokens=40, temperature=temperature, seed=seed, stop_token_ids=stop),
+            FixedBlockSize(b),
+        )
+        for seed, (ids, b) in enumerate(zip(zoo_prompts, (2, 8, 3, 6, 1, 5), strict=True))
+    ]
+    packings = []
+    original = engine_module.RaggedTokens.of
+    monkeypatch.setattr(engine_module.RaggedTokens, "of", lambda sizes: packings.append(sizes) or original(sizes))
+
+    def run(packed: bool) -> list:
+        engine = engine_module.SpeculativeEngine(tiny_models, max_batch=len(requests), packed_verify=packed)
+        ids = [engine.submit(request) for request in requests]
+        results = {update.row_id: update.result for update in engine.run() if update.result is not None}
+        return [results[i] for i in ids]
+
+    padded = run(False)
+    assert not packings
+    packed = run(True)
+    assert packings and all(int(sizes.min()) < int(sizes.max()) for sizes in packings)
+    for mine, theirs, ids in zip(packed, padded, zoo_prompts, strict=True):
+        assert (mine.token_ids, mine.acceptance_lengths, mine.block_sizes) == (
+            theirs.token_ids,
+            theirs.acceptance_lengths,
+            theirs.block_sizes,
+        )
+        check_stats_invariants(mine, 40)
+        if temperature == 0:
+            assert mine.token_ids == greedy_reference(tiny_models.target, ids, 40, stop)

@@ -57,13 +57,17 @@ class SlotStore:
         positions: torch.Tensor,  # (n, S) absolute positions of the new entries
         keys: torch.Tensor,  # (n, heads, S, head_dim)
         values: torch.Tensor,
+        token_rows: torch.Tensor | None = None,  # packed pass (n = 1): (S,) each entry's row within `rows`
     ) -> None:
         pair = self.layers[layer]
         if pair is None:
             shape = (self.row_capacity, keys.shape[1], self.position_capacity, keys.shape[3])
             pair = (keys.new_zeros(shape), values.new_zeros(shape))
             self.layers[layer] = pair
-        row_index = torch.arange(rows.start, rows.stop, device=positions.device)[:, None].expand_as(positions)
+        if token_rows is not None:
+            row_index = (rows.start + token_rows)[None]
+        else:
+            row_index = torch.arange(rows.start, rows.stop, device=positions.device)[:, None].expand_as(positions)
         pair[0][row_index, :, positions] = keys.transpose(1, 2).to(pair[0].dtype)
         pair[1][row_index, :, positions] = values.transpose(1, 2).to(pair[1].dtype)
 
@@ -87,7 +91,9 @@ class TargetSlotCache(Cache):
     """The target's cache for a batch of rows, as a transformers `Cache`: set the window, then run the target.
 
     `window(rows, positions, span)` says which rows the next forward pass covers, at which positions its
-    tokens sit, and how many slots its attention reads; the model's attention layers then call `update`.
+    tokens sit, and how many slots its attention reads; the model's attention layers then call `update`. A packed
+    pass (`RaggedTokens`: one sequence of every row's tokens) gives `token_rows`, each token's row; its update
+    writes each token into its own row and still returns every row's slots.
     """
 
     def __init__(self, num_layers: int, rows: int = 1, positions: int = 256) -> None:
@@ -95,16 +101,17 @@ class TargetSlotCache(Cache):
         self.store = SlotStore(num_layers, rows, positions)
         self._rows = slice(0, 0)
         self._positions: torch.Tensor | None = None
+        self._token_rows: torch.Tensor | None = None
         self._span = 0
 
-    def window(self, rows: slice, positions: torch.Tensor, span: int) -> None:
+    def window(self, rows: slice, positions: torch.Tensor, span: int, token_rows: torch.Tensor | None = None) -> None:
         self.store.reserve(rows.stop, span)
-        self._rows, self._positions, self._span = rows, positions, span
+        self._rows, self._positions, self._span, self._token_rows = rows, positions, span, token_rows
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.store.write(layer_idx, self._rows, self._positions, key_states, value_states)
+        self.store.write(layer_idx, self._rows, self._positions, key_states, value_states, self._token_rows)
         return self.store.read(layer_idx, self._rows, self._span)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

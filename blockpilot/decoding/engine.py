@@ -53,7 +53,7 @@ from blockpilot.decoding.request import (
     StopReason,
 )
 from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
-from blockpilot.models.attention import masked_attention_kernels
+from blockpilot.models.attention import GROUPED_SDPA, RaggedTokens, masked_attention_kernels
 from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels
 
@@ -160,14 +160,25 @@ class SpeculativeEngine:
     `run` drains the engine as a generator of `RowUpdate`s; `cancel` ends a row before the next cycle.
 
     With a cycle `cost` curve, each cycle's verify width is priced (`width.py`): greedy rows whose blocks are
-    wider than the batch's best width are capped at it for that cycle. Without one, the batch pads to its
-    widest row.
+    wider than the batch's best width are capped at it for that cycle. Without one, the batch drafts to its
+    widest row. The verify packs rows of unequal blocks into one sequence (`packed_verify`), so the target's
+    linear layers and head run on each row's own block; the drafter still pads to the widest.
     """
 
-    def __init__(self, models: SpeculativeModels, *, max_batch: int = 1, cost: CyclePrice | None = None) -> None:
+    def __init__(
+        self,
+        models: SpeculativeModels,
+        *,
+        max_batch: int = 1,
+        cost: CyclePrice | None = None,
+        packed_verify: bool = True,
+    ) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
         self.cost = cost
+        # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`).
+        attention = getattr(models.target.config, "_attn_implementation", None)
+        self.ragged = packed_verify and attention == GROUPED_SDPA
         self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
         self.device = models.device
         self.target, self.drafter = models.target, models.drafter
@@ -315,7 +326,7 @@ class SpeculativeEngine:
         sizes = self._trim(rows, sizes, draft_logits)
         width = max(sizes)
         block_ids = torch.cat([last_tokens[:, None], drafts[:, : width - 1]], dim=1)  # (n, W)
-        logits, features = self._verify(block_ids, lengths, width)
+        logits, features = self._verify(block_ids, lengths, sizes)
         committed = self._accept(rows, sizes, drafts, draft_probs, logits)
         if features is not None:
             positions = lengths[:, None] + torch.arange(width, device=self.device)
@@ -406,24 +417,38 @@ class SpeculativeEngine:
         return out
 
     def _verify(
-        self, block_ids: torch.Tensor, lengths: torch.Tensor, width: int
+        self, block_ids: torch.Tensor, lengths: torch.Tensor, sizes: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target over every row's block: logits (n, W, V) and context features (n, W, F) or None."""
-        n = block_ids.shape[0]
+        """The target over every row's block: logits (n, W, V) and context features (n, W, F) or None (entries
+        past a row's block are padding). Rows of unequal blocks run packed (`RaggedTokens`) where the target's
+        attention allows it: its linear layers and head then see each row's own block, not the widest one."""
+        n, width = block_ids.shape
         positions = lengths[:, None] + torch.arange(width, device=self.device)  # (n, W)
         span = int(lengths.max()) + width
-        self.target_cache.window(slice(0, n), positions, span)
         # A query at position q sees its own row's slots <= q: the committed context and the block up to itself.
         visible = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]
+        ragged = None
+        if self.ragged and min(sizes) < width:
+            ragged = RaggedTokens.of(torch.tensor(sizes, device=self.device))
+        if ragged is None:
+            self.target_cache.window(slice(0, n), positions, span)
+            inputs = {"input_ids": block_ids, "position_ids": positions}
+        else:
+            self.target_cache.window(slice(0, n), ragged.pack(positions), span, ragged.rows)
+            inputs = {
+                "input_ids": ragged.pack(block_ids),
+                "position_ids": ragged.pack(positions),
+                "ragged_tokens": ragged,
+            }
         with tapped(self.target, self.layer_ids) as tap:
             out = self.target(
-                input_ids=block_ids,
-                position_ids=positions,
-                attention_mask=visible[:, None],
-                past_key_values=self.target_cache,
-                use_cache=True,
+                **inputs, attention_mask=visible[:, None], past_key_values=self.target_cache, use_cache=True
             )
-        return out.logits, (tap.features() if tap is not None else None)
+        logits, features = out.logits, (tap.features() if tap is not None else None)
+        if ragged is not None:
+            logits = ragged.unpack(logits, n)
+            features = ragged.unpack(features, n) if features is not None else None
+        return logits, features
 
     def _accept(
         self,

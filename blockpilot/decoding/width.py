@@ -1,9 +1,10 @@
 """The verify width of a batched cycle, priced: how wide the padded draft/verify pass is, given what each row asks for.
 
-A batched cycle pads every row to the widest block, so one row's long block is paid by all of them, and how much
-that costs depends on the batch: flat in the width on a GPU at small batches, growing with it on a CPU or under
-load. With a cycle cost c(W, n) (`blockpilot.cost`) the engine prices each candidate width W (one of the rows'
-block sizes) as the tokens the batch is expected to commit over the cycle's cost,
+A batched cycle drafts every row to the widest block (the verify packs the rows' own blocks, but the drafter pads),
+so one row's long block is paid in part by all of them, and how much that costs depends on the batch: flat in the
+width on a GPU at small batches, growing with it on a CPU or under load. With a cycle cost c(W, n)
+(`blockpilot.cost`) the engine prices each candidate width W (one of the rows' block sizes) as the tokens the
+batch is expected to commit over the cycle's cost,
 
     sum_i E(a_i, min(b_i, W)) / c(W, n),
 
