@@ -94,7 +94,7 @@ def main() -> None:
     print(
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
         f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T={args.temperature:g} rounds={args.rounds}"
-        f" widths={f'priced by {args.cost}' if cost else 'padded to the widest row'}"
+        f" widths={f'priced by {args.cost}' if cost else 'each row its own b (not priced)'}"
     )
     measure(models, prompts_ids[:2], "fixed:2", config, 2)  # warm-up
     print(f"{'batch':>5} {'policy':<22} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")

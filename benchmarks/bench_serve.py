@@ -101,7 +101,7 @@ def main() -> None:
     print(
         f"requests per level: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T=0, one replica, "
         f"engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs; adaptive = {adaptive_name}; verify widths "
-        + (f"priced by {args.cost}" if args.cost else "padded to the widest row")
+        + (f"priced by {args.cost}" if args.cost else "each row its own b (not priced)")
     )
     print(f"{'policy':<16} {'concurrency':>11} {'req/s':>8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     latencies_at_one = []

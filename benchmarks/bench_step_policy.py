@@ -3,10 +3,13 @@
     python benchmarks/bench_step_policy.py --target $ZOO/target --drafter $ZOO/drafter [--model STEP_FOLDER]
         [--predictor PREDICTOR]   # a model trained beside a per-request predictor reads its probabilities
     python benchmarks/bench_step_policy.py --target ... --drafter ... --vocab 151936   # features at Qwen3's vocabulary
+    python benchmarks/bench_step_policy.py --target ... --drafter ... --batch 32   # a batch's rows, decided at once
 
-Times `StepPolicy.next_block_size` (entropy and top-k of the anchor distribution, then the MLP; an untrained
-model over B-2..B+2 unless --model is given) on the device's logits, median of --repeats calls, and the
-median cycle of a fixed-B generation on the same models; prints both and their ratio.
+Times the per-step policy's decision for --batch rows (`StepPolicy.next_block_sizes`, what the engine calls once
+per cycle for the rows that share a policy: entropy and top-k of every row's anchor distribution, then the MLP;
+an untrained model over B-2..B+2 unless --model is given) on the device's logits, median of --repeats calls, and
+the median cycle of a fixed-B batch of as many rows on the same models; prints both and their ratio, and the
+decision made row by row for comparison.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 import torch
 
 from blockpilot.blocks import candidates_around
-from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.policies import CycleState, FixedBlockSize, PrefillState
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.models import load_models
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=1, help="rows decided together and decoded together")
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -57,41 +61,54 @@ def main() -> None:
     policy = StepPolicy(model, prior)
     vocab = args.vocab or models.target.get_output_embeddings().weight.shape[0]
     generator = torch.Generator(device="cpu").manual_seed(0)
-    logits = [(torch.randn(vocab, generator=generator) * 4).to(models.device) for _ in range(args.repeats + 10)]
-    prefill = PrefillState(logits[0], torch.tensor([0]), 0.0, train)
-    states = [
-        CycleState(i, train, 2, 10, 128, 0.0, anchor_logits=x, first_block_size=train, prefill=prefill)
-        for i, x in enumerate(logits)
-    ]
-    for state in states[:10]:
-        policy.next_block_size(state)
-    times = []
-    for state in states[10:]:
-        if models.device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        policy.next_block_size(state)
-        if models.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    decision = statistics.median(times)
+    prefill = PrefillState(torch.randn(vocab, generator=generator).to(models.device), torch.tensor([0]), 0.0, train)
+
+    def batch_of_states() -> list[CycleState]:
+        logits = (torch.randn(args.batch, vocab, generator=generator) * 4).to(models.device)
+        return [
+            CycleState(i, train, 2, 10, 128, 0.0, anchor_logits=x, first_block_size=train, prefill=prefill)
+            for i, x in enumerate(logits)
+        ]
+
+    def timed(decide, batches: list[list[CycleState]]) -> float:
+        for states in batches[:10]:
+            decide(states)
+        times = []
+        for states in batches[10:]:
+            synchronize(models.device)
+            started = time.perf_counter()
+            decide(states)
+            synchronize(models.device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    batches = [batch_of_states() for _ in range(args.repeats + 10)]
+    decision = timed(policy.next_block_sizes, batches)
+    row_by_row = timed(lambda states: [policy.next_block_size(state) for state in states], batches)
 
     prompt = models.encode_prompt("Write the numbers from 1 to 40, separated by commas.")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     fixed = resolve_policy("fixed", models)
-    generate(models, prompt, policy=fixed, config=config)  # warm-up
+    requests = [GenerationRequest(prompt, config, fixed) for _ in range(args.batch)]
+    generate_many(models, requests, max_batch=args.batch)  # warm-up
     per_cycle = []
     for _ in range(5):
-        result = generate(models, prompt, policy=fixed, config=config)
-        per_cycle.append(result.decode_time_s / max(1, result.cycles))
+        results = generate_many(models, requests, max_batch=args.batch)
+        per_cycle.append(statistics.median(r.decode_time_s / max(1, r.cycles) for r in results))
     cycle = statistics.median(per_cycle)
     print(
-        f"device={models.device} threads={torch.get_num_threads()} vocab={vocab} candidates={list(model.config.candidates)}"
+        f"device={models.device} threads={torch.get_num_threads()} vocab={vocab} batch={args.batch} "
+        f"candidates={list(model.config.candidates)}"
     )
-    print(f"step policy decision: {decision * 1e3:.3f} ms (median of {args.repeats})")
-    print(f"one cycle at b={train}: {cycle * 1e3:.3f} ms (median over 5 generations)")
+    print(f"step policy decision for {args.batch} rows: {decision * 1e3:.3f} ms (median of {args.repeats})")
+    print(f"  row by row: {row_by_row * 1e3:.3f} ms ({100 * row_by_row / cycle:.2f}% of a cycle)")
+    print(f"one cycle of {args.batch} rows at b={train}: {cycle * 1e3:.3f} ms (median over 5 generations)")
     print(f"overhead: {100 * decision / cycle:.2f}% of a cycle")
 
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 if __name__ == "__main__":
     main()

@@ -321,7 +321,7 @@ class BatchedDecoder:
 
     @property
     def cost(self) -> CycleCost | None:
-        """The cycle cost curve pricing the engine's verify widths (None: padded to the widest row)."""
+        """The cycle cost curve pricing the engine's verify widths (None: every row verifies its own b, unpriced)."""
         return self._engine.cost
 
     def calibrate(self) -> CycleCost:

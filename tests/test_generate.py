@@ -204,6 +204,13 @@ def test_policy_returning_a_bad_block_size_fails_clearly(random_models, prompt_i
     with pytest.raises(ValueError, match="returned block size 0"):
         generate(random_models, prompt_ids[0], policy=Broken(3))
 
+    class ShortBatch(FixedBlockSize):
+        def next_block_sizes(self, cycles):
+            return []
+
+    with pytest.raises(ValueError, match="returned 0 block sizes for 1 rows"):
+        generate(random_models, prompt_ids[0], policy=ShortBatch(3))
+
 
 @pytest.mark.parametrize(
     "kwargs, message",

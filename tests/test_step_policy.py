@@ -11,6 +11,7 @@ from support import check_stats_invariants, greedy_reference
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
+from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.predictor.policy import LearnedPolicy
 from blockpilot.predictor.step import (
@@ -290,9 +291,9 @@ def test_the_per_request_choice_drafts_first_then_the_step_model_with_it_as_a_fe
     seen = []
 
     class Recording(PriorStepPolicy):
-        def next_block_size(self, cycle):
-            seen.append(cycle.first_block_size)
-            return super().next_block_size(cycle)
+        def next_block_sizes(self, cycles):
+            seen.extend(cycle.first_block_size for cycle in cycles)
+            return super().next_block_sizes(cycles)
 
     for seed in (0, 1):
         prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, seed))
@@ -391,3 +392,46 @@ def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():
     metrics = evaluate_step_model(random_prior_step_model(13, (1, 2, 3)), [row], CycleCost.uniform())
     assert metrics["tau_request"] == pytest.approx(3 / len(table.walk(3)))
     assert 1.0 <= metrics["tau_step"] <= metrics["tau_step_oracle"] + 1e-9
+
+
+def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_for_each(tiny_models):
+    """The engine asks a policy shared by several rows once per cycle (`next_block_sizes`); its choices are the
+    ones it makes for each row alone, rows that stop deciding (no anchor) included, and the outputs are greedy."""
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Spell cat.")]
+    config = GenerationConfig(max_new_tokens=24)
+    calls = []
+
+    class Counting(PriorStepPolicy):
+        def next_block_sizes(self, cycles):
+            calls.append(len(cycles))
+            return super().next_block_sizes(cycles)
+
+    prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, 2))
+    policy = Counting(random_prior_step_model(21, probabilities=True), prior)
+    batched = generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts])
+    assert max(calls) == len(prompts), "the rows' decisions were not asked together"
+    for prompt, result in zip(prompts, batched, strict=True):
+        alone = generate(tiny_models, prompt, policy=policy, config=config)
+        assert result.token_ids == alone.token_ids == greedy_reference(tiny_models.target, prompt, 24)
+        assert result.block_sizes == alone.block_sizes
+
+    prefill = PrefillState(torch.randn(vocab), torch.tensor([0]), 0.0, 4)
+    generator = torch.Generator().manual_seed(0)
+    cycles = [
+        CycleState(
+            i,
+            CANDIDATES[i % len(CANDIDATES)],
+            1 + i % 3,
+            3 + 5 * i,
+            64,
+            0.0,
+            anchor_logits=None if i == 2 else torch.randn(vocab, generator=generator) * 3,
+            first_block_size=CANDIDATES[-1 - i % 2],
+            prefill=prefill,
+        )
+        for i in range(6)
+    ]
+    together = policy.next_block_sizes(cycles)
+    assert together == [policy.next_block_size(cycle) for cycle in cycles]
+    assert together[2] == cycles[2].block_size and len(set(together)) > 1

@@ -4,8 +4,9 @@ share one drafter call and one target verify per cycle. Batch 1 is the same code
 prefill (one target pass for the rows that join) -> first token -> policy picks b -> repeat for the batch: draft every
 row's block in one drafter call (padded to the widest block; a row attends to its own b slots only) -> a
 policy that trims (`verify_count`, e.g. draft-then-trim) keeps a prefix of its drafts -> verify every block
-in one target pass -> per row: accepted prefix + the target's own token -> write the committed
-positions' context features into the drafter's cache -> per-row policy hook picks the next b. Without a
+in one target pass (packed: each row its own block) -> per row: accepted prefix + the target's own token ->
+write the committed positions' context features into the drafter's cache -> the per-cycle policy hook picks
+each row's next b (once per policy the rows share). Without a
 drafter (or at b = 1) a cycle verifies just the last token: plain autoregressive decoding.
 
 Caches keep one slot per absolute position (`cache.py`), so rejected drafts need no crop and rows of
@@ -44,6 +45,7 @@ from blockpilot.decoding.policies import (
     FixedBlockSize,
     PrefillState,
     distribution_summary,
+    next_block_sizes,
 )
 from blockpilot.decoding.request import (
     GenerationConfig,
@@ -333,7 +335,7 @@ class SpeculativeEngine:
             self._write_context(slice(0, len(rows)), positions, features, int(lengths.max()) + width)
         _synchronize(self.device)
         elapsed = time.perf_counter() - started
-        finished = []
+        finished, going_on = [], []
         for index, (row, size, (new_tokens, accepted)) in enumerate(zip(rows, sizes, committed, strict=True)):
             self._commit(row, size, new_tokens, features, logits, index)
             row.acceptance.add(size, accepted)
@@ -352,11 +354,23 @@ class SpeculativeEngine:
                     first_block_size=row.chosen_block_size,
                     prefill=row.prefill_state,
                 )
-                row.block_size = _checked(row.policy.next_block_size(state), row.policy)
+                going_on.append((row, state))
             else:
                 finished.append(index)
+        self._next_block_sizes(going_on)
         for index in reversed(finished):
             self._retire(index, updates)
+
+    def _next_block_sizes(self, rows: list[tuple[_Row, CycleState]]) -> None:
+        """Every going row's next b from its policy's per-cycle hook, once per policy the rows share: a policy
+        with a model decides for the whole batch in one call."""
+        by_policy: dict[int, list[tuple[_Row, CycleState]]] = {}
+        for row, state in rows:
+            by_policy.setdefault(id(row.policy), []).append((row, state))
+        for group in by_policy.values():
+            policy = group[0][0].policy
+            for (row, _), size in zip(group, next_block_sizes(policy, [state for _, state in group]), strict=True):
+                row.block_size = _checked(size, policy)
 
     def _priced_sizes(self, rows: list[_Row], sizes: list[int]) -> list[int]:
         """Greedy rows capped at the width the cost curve prices best for this batch; rows sampled at T > 0 keep

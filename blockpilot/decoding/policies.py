@@ -6,12 +6,16 @@ next-token distribution at the last prompt position and the prompt ids) and pick
 `next_block_size` runs after every cycle and may change b. Per-request policies inherit the no-op per-cycle
 hook from `PerRequestPolicy`. A policy may also define `verify_count(confidences) -> k`: after the draft, the
 drafter's top probability in each of the b - 1 drafted slots, and it keeps the first k drafts for the verify
-(draft-then-trim, `blockpilot.trim`). Policies are built from a spec by `blockpilot.decoding.resolve`.
+(draft-then-trim, `blockpilot.trim`). A policy that decides with a model may define `next_block_sizes(cycles)
+-> list[int]`: the per-cycle hook over every row of a batch that shares the policy, one model call per cycle
+instead of one per row (`next_block_sizes` below); the engine then calls it in place of `next_block_size`.
+Policies are built from a spec by `blockpilot.decoding.resolve`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
@@ -84,6 +88,18 @@ class BlockSizePolicy(Protocol):
     def initial_block_size(self, prefill: PrefillState) -> int: ...
 
     def next_block_size(self, cycle: CycleState) -> int: ...
+
+
+def next_block_sizes(policy: BlockSizePolicy, cycles: Sequence[CycleState]) -> list[Any]:
+    """The per-cycle hook of `policy` over the rows that share it: its batched `next_block_sizes` when it has
+    one, else `next_block_size` row by row. The values are the policy's, unchecked."""
+    batched = getattr(policy, "next_block_sizes", None)
+    if batched is None:
+        return [policy.next_block_size(cycle) for cycle in cycles]
+    sizes = list(batched(cycles))
+    if len(sizes) != len(cycles):
+        raise ValueError(f"policy {policy.name!r} returned {len(sizes)} block sizes for {len(cycles)} rows")
+    return sizes
 
 
 class PerRequestPolicy:

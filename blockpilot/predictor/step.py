@@ -21,6 +21,7 @@ static oracle and the per-step oracle.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,15 +75,16 @@ def step_features(
     anchors: np.ndarray,  # (N, len(ANCHOR_FEATURES))
     last_accepted: np.ndarray | int,  # (N,) the last cycle's acceptance length; 0 before the first cycle
     last_block_size: np.ndarray | int,  # (N,) the last cycle's b; 0 before the first cycle
-    prior_block_size: int | None = None,
-    prior_probabilities: np.ndarray | None = None,  # (K,) the per-request predictor's, with its b0
+    prior_block_size: np.ndarray | int | None = None,  # (N,) or one b0 for every cycle
+    prior_probabilities: np.ndarray | None = None,  # (K,) or (N, K) the per-request predictor's, with its b0
 ) -> np.ndarray:
     """(N, F) features of N cycles: the anchor's, the last cycle's, and with a per-request prior b0, log(b0)
     (then the prior's probability of every candidate, when given)."""
     if prior_probabilities is not None and prior_block_size is None:
         raise ValueError("prior probabilities come with the prior's block size b0")
     n, width = anchors.shape
-    extra = (prior_block_size is not None) + (len(prior_probabilities) if prior_probabilities is not None else 0)
+    prior_probabilities = None if prior_probabilities is None else np.asarray(prior_probabilities, dtype=np.float32)
+    extra = (prior_block_size is not None) + (prior_probabilities.shape[-1] if prior_probabilities is not None else 0)
     out = np.empty((n, width + len(HISTORY_FEATURES) + extra), dtype=np.float32)
     accepted = np.asarray(last_accepted, dtype=np.float32)
     size = np.asarray(last_block_size, dtype=np.float32)
@@ -90,7 +92,7 @@ def step_features(
     out[:, width] = np.log1p(accepted)
     out[:, width + 1] = np.where(size > 0, accepted / np.maximum(size, 1.0), 0.0)
     if prior_block_size is not None:
-        out[:, width + 2] = math.log(prior_block_size)
+        out[:, width + 2] = np.log(np.asarray(prior_block_size, dtype=np.float32))
     if prior_probabilities is not None:
         out[:, width + 3 :] = prior_probabilities
     return out
@@ -234,45 +236,61 @@ class StepPolicy:
 
     def _choose(
         self,
-        logits: torch.Tensor,
-        temperature: float,
-        cursor: int,
-        last_accepted: int = 0,
-        last_block_size: int = 0,
-        prior_block_size: int | None = None,
-        prefill: PrefillState | None = None,
-    ) -> int:
+        logits: torch.Tensor,  # (N, V) the anchor distributions
+        temperature: np.ndarray | float,  # (N,)
+        cursor: np.ndarray,  # (N,)
+        last_accepted: np.ndarray | int = 0,  # (N,)
+        last_block_size: np.ndarray | int = 0,  # (N,)
+        prior_block_size: np.ndarray | int | None = None,  # (N,) each row's b0
+        prefills: list[PrefillState | None] | None = None,
+    ) -> list[int]:
+        """The candidate the model picks for each of N rows, from one summary of their distributions, one
+        device-to-host read and one model call."""
         entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
-        summary = torch.cat([entropy[None], top_probs]).cpu().numpy()[None]  # one device-to-host read
-        anchor = anchor_features(summary[:, 0], summary[:, 1:], temperature, np.asarray([cursor]))
+        summary = torch.cat([entropy[:, None], top_probs], dim=1).cpu().numpy()
+        anchor = anchor_features(summary[:, 0], summary[:, 1:], temperature, cursor)
         config = self.model.config
         prior = prior_block_size if config.uses_prior else None
         probabilities = None
         if config.uses_prior_probabilities:
-            if prefill is None:
+            if prefills is None or any(prefill is None for prefill in prefills):
                 raise ValueError("this step model reads the per-request predictor's probabilities: give the prefill")
-            probabilities = self.prior.probabilities(prefill)
+            probabilities = np.stack([self.prior.probabilities(prefill) for prefill in prefills])
         features = step_features(anchor, last_accepted, last_block_size, prior, probabilities)
-        return self.candidates[int(self.model.choose(features)[0])]
+        return [self.candidates[int(k)] for k in self.model.choose(features)]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         if self.prior is not None:
             return self.prior.initial_block_size(prefill)
-        return self._choose(prefill.next_token_logits, prefill.temperature, 1)
+        return self._choose(prefill.next_token_logits[None], prefill.temperature, np.ones(1))[0]
 
     def next_block_size(self, cycle: CycleState) -> int:
-        if cycle.anchor_logits is None:
-            return cycle.block_size
-        # After this cycle the row holds `new_tokens` tokens: the next block's cursor.
-        return self._choose(
-            cycle.anchor_logits,
-            cycle.temperature,
-            cycle.new_tokens,
-            cycle.acceptance_length,
-            cycle.block_size,
-            cycle.first_block_size,
-            cycle.prefill,
+        return self.next_block_sizes([cycle])[0]
+
+    def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
+        """The next b of every row that shares this policy, in one model call (the engine's batched hook)."""
+        out = [cycle.block_size for cycle in cycles]
+        deciding = [i for i, cycle in enumerate(cycles) if cycle.anchor_logits is not None]
+        if not deciding:
+            return out
+        chosen = [cycles[i] for i in deciding]
+
+        def column(name: str) -> np.ndarray:
+            return np.asarray([getattr(cycle, name) for cycle in chosen])
+
+        # After a cycle the row holds `new_tokens` tokens: the next block's cursor.
+        sizes = self._choose(
+            torch.stack([cycle.anchor_logits for cycle in chosen]),
+            column("temperature"),
+            column("new_tokens"),
+            column("acceptance_length"),
+            column("block_size"),
+            column("first_block_size") if self.model.config.uses_prior else None,
+            [cycle.prefill for cycle in chosen],
         )
+        for i, size in zip(deciding, sizes, strict=True):
+            out[i] = size
+        return out
 
 
 class PriorStepPolicy(StepPolicy):
