@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from blockpilot.models.attention import RaggedTokens
 from blockpilot.models.loading import SpeculativeModels
 
 
@@ -72,9 +73,13 @@ class OracleDrafter(nn.Module):
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> list:
         return []
 
-    def draft_blocks(self, embed, context_kv, first_tokens, anchors, block_sizes, width, mask_token_id, context_rows=None, block_at=None):
+    def draft_blocks(
+        self, embed, context_kv, first_tokens, anchors, block_sizes, width, mask_token_id, context_rows=None,
+        block_at=None, packed=False,
+    ):
         positions = anchors[:, None] + torch.arange(width, device=anchors.device)
-        return self.hidden[(positions - 1).clamp(0, self.hidden.shape[0] - 1)]
+        hidden = self.hidden[(positions - 1).clamp(0, self.hidden.shape[0] - 1)]
+        return RaggedTokens.of(block_sizes, width).pack(hidden) if packed else hidden
 
 
 def with_drafter(models: SpeculativeModels, drafter: nn.Module) -> SpeculativeModels:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockpilot.decoding.cache import SlotStore
+from blockpilot.models.attention import RaggedTokens
 from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target, random_models_like
 
@@ -310,3 +311,15 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
             assert torch.equal(tensor[:, :, :block_at], old), "the context before block_at is left as it was"
     with pytest.raises(ValueError, match="needs one context row per block and 32 entries"):
         drafter.draft_blocks(target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79, block_at=24)
+    # Packed (decoding's form for unequal blocks): only each block's own slots, one sequence; the same states.
+    with torch.no_grad():
+        packed = drafter.draft_blocks(
+            target.get_input_embeddings(), scratch, ids[0, anchors], anchors, sizes, width, 79, block_at=block_at,
+            packed=True,
+        )
+    assert packed.shape == (1, int(sizes.sum()), shape.hidden_size)
+    torch.testing.assert_close(packed, RaggedTokens.of(sizes, width).pack(in_place), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed drafting needs block_at"):
+        drafter.draft_blocks(
+            target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79, packed=True
+        )

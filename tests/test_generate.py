@@ -307,11 +307,11 @@ def test_trained_drafter_sampling_stats(tiny_models, zoo_prompts, rule):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_packed_verify_of_unequal_blocks_decodes_as_the_padded_one(
+def test_unequal_blocks_drafted_and_verified_packed_decode_as_padded_ones(
     tiny_models, zoo_prompts, temperature, monkeypatch
 ):
-    """Rows of different block sizes in one batch: the verify packs their tokens without padding and gives what
-    the padded pass gives, greedy or seeded."""
+    """Rows of different block sizes in one batch: the drafter and the verify pack their tokens without padding
+    and give what the padded passes give, greedy or seeded."""
     import blockpilot.decoding.engine as engine_module
 
     stop = tuple(tiny_models.stop_token_ids())
@@ -325,10 +325,12 @@ def test_a_packed_verify_of_unequal_blocks_decodes_as_the_padded_one(
     ]
     packings = []
     original = engine_module.RaggedTokens.of
-    monkeypatch.setattr(engine_module.RaggedTokens, "of", lambda sizes: packings.append(sizes) or original(sizes))
+    monkeypatch.setattr(
+        engine_module.RaggedTokens, "of", lambda sizes, *width: packings.append(sizes) or original(sizes, *width)
+    )
 
     def run(packed: bool) -> list:
-        engine = engine_module.SpeculativeEngine(tiny_models, max_batch=len(requests), packed_verify=packed)
+        engine = engine_module.SpeculativeEngine(tiny_models, max_batch=len(requests), packed=packed)
         ids = [engine.submit(request) for request in requests]
         results = {update.row_id: update.result for update in engine.run() if update.result is not None}
         return [results[i] for i in ids]

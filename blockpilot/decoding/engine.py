@@ -162,9 +162,9 @@ class SpeculativeEngine:
     `run` drains the engine as a generator of `RowUpdate`s; `cancel` ends a row before the next cycle.
 
     With a cycle `cost` curve, each cycle's verify width is priced (`width.py`): greedy rows whose blocks are
-    wider than the batch's best width are capped at it for that cycle. Without one, the batch drafts to its
-    widest row. The verify packs rows of unequal blocks into one sequence (`packed_verify`), so the target's
-    linear layers and head run on each row's own block; the drafter still pads to the widest.
+    wider than the batch's best width are capped at it for that cycle. Rows of unequal blocks run `packed`: the
+    drafter's and the target's token-by-token layers (and both heads) see one sequence of every row's own block
+    (`RaggedTokens`), not every row padded to the widest; only attention unpacks them, row by row.
     """
 
     def __init__(
@@ -173,14 +173,15 @@ class SpeculativeEngine:
         *,
         max_batch: int = 1,
         cost: CyclePrice | None = None,
-        packed_verify: bool = True,
+        packed: bool = True,
     ) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
         self.cost = cost
         # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`).
         attention = getattr(models.target.config, "_attn_implementation", None)
-        self.ragged = packed_verify and attention == GROUPED_SDPA
+        self.packed_draft = packed
+        self.packed_verify = packed and attention == GROUPED_SDPA
         self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
         self.device = models.device
         self.target, self.drafter = models.target, models.drafter
@@ -395,17 +396,24 @@ class SpeculativeEngine:
         # The slots past the longest row hold the blocks' keys and values while drafting: every row's context is
         # read in place, never copied. Each row's slots from its length on are rewritten before they are read.
         self.context.reserve(n, span + width)
+        block_sizes = torch.tensor(sizes, device=self.device)
+        packed = self.packed_draft and min(sizes) < width
         hidden = self.drafter.draft_blocks(
             self.embed,
             self.context.read_all(slice(0, n), span + width),
             first_tokens=last_tokens,
             anchors=lengths,
-            block_sizes=torch.tensor(sizes, device=self.device),
+            block_sizes=block_sizes,
             width=width,
             mask_token_id=self.models.mask_token_id,
             block_at=span,
+            packed=packed,
         )
-        draft_logits = self.head(hidden[:, 1:])  # (n, W - 1, V)
+        if packed:  # (1, sum(sizes), hidden): the head runs on each row's drafted slots only
+            drafted, slots = RaggedTokens.of(block_sizes, width).from_slot(1)
+            draft_logits = slots.unpack(self.head(hidden[:, drafted]), n)  # (n, W - 1, V), zeros past a row's b
+        else:
+            draft_logits = self.head(hidden[:, 1:])  # (n, W - 1, V)
         drafts = draft_logits.argmax(dim=-1)
         probs: list[torch.Tensor | None] = [None] * n
         for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
@@ -442,7 +450,7 @@ class SpeculativeEngine:
         # A query at position q sees its own row's slots <= q: the committed context and the block up to itself.
         visible = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]
         ragged = None
-        if self.ragged and min(sizes) < width:
+        if self.packed_verify and min(sizes) < width:
             ragged = RaggedTokens.of(torch.tensor(sizes, device=self.device))
         if ragged is None:
             self.target_cache.window(slice(0, n), positions, span)

@@ -79,11 +79,15 @@ class RaggedTokens:
     width: int
 
     @classmethod
-    def of(cls, sizes: torch.Tensor) -> RaggedTokens:
-        """The packing of rows with `sizes[i]` tokens each, (n,) int64, in row order."""
+    def of(cls, sizes: torch.Tensor, width: int | None = None) -> RaggedTokens:
+        """The packing of rows with `sizes[i]` tokens each, (n,) int64, in row order, from a padded layout of
+        `width` slots a row (default: the largest size)."""
+        widest = int(sizes.max())
+        if width is not None and width < widest:
+            raise ValueError(f"width {width} is narrower than the largest row, {widest} tokens")
         rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes)
         starts = torch.cumsum(sizes, 0) - sizes
-        return cls(rows, torch.arange(rows.shape[0], device=sizes.device) - starts[rows], int(sizes.max()))
+        return cls(rows, torch.arange(rows.shape[0], device=sizes.device) - starts[rows], width or widest)
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(n, W, ...) -> (1, T, ...)."""
@@ -94,6 +98,20 @@ class RaggedTokens:
         out = packed.new_zeros(rows, self.width, *packed.shape[2:])
         out[self.rows, self.slots] = packed[0]
         return out
+
+    def unpack_heads(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """(1, heads, T, d) -> (rows, heads, W, d), the layout attention runs in."""
+        return self.unpack(packed[0].transpose(0, 1)[None], rows).transpose(1, 2)
+
+    def pack_heads(self, padded: torch.Tensor) -> torch.Tensor:
+        """(rows, heads, W, d) -> (1, heads, T, d)."""
+        return padded[self.rows, :, self.slots].transpose(0, 1)[None]
+
+    def from_slot(self, start: int) -> tuple[torch.Tensor, RaggedTokens]:
+        """Every row's slots from `start` on: which packed tokens they are, (T,) bool, and their packing, slot
+        `start` of a row becoming its slot 0 (the drafts of a block, past its first token)."""
+        kept = self.slots >= start
+        return kept, RaggedTokens(self.rows[kept], self.slots[kept] - start, max(self.width - start, 0))
 
 
 def ragged_attention(
@@ -107,10 +125,8 @@ def ragged_attention(
 ) -> torch.Tensor:  # (1, T, H, d_v)
     """Attention of packed queries over per-row keys: unpacked to (n, H, W, d), attended row by row under the
     mask, packed back."""
-    rows = key.shape[0]
-    padded = tokens.unpack(query[0].transpose(0, 1)[None], rows)  # (n, W, H, d)
-    out = grouped_query_attention(padded.transpose(1, 2), key, value, mask, scale=scale)  # (n, H, W, d_v)
-    return tokens.pack(out.transpose(1, 2))
+    out = grouped_query_attention(tokens.unpack_heads(query, key.shape[0]), key, value, mask, scale=scale)
+    return tokens.pack_heads(out).transpose(1, 2)
 
 
 def grouped_sdpa_forward(

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME
-from blockpilot.models.attention import grouped_query_attention, masked_attention_kernels
+from blockpilot.models.attention import RaggedTokens, grouped_query_attention, masked_attention_kernels
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -285,6 +285,7 @@ class DrafterAttention(nn.Module):
         attention_mask: torch.Tensor | None,  # bool (N or 1, 1, S, C + S), True = may attend; packed: see below
         block_at: int | None = None,  # see `DFlashDrafter.draft_blocks`
         blocks_per_row: int = 1,  # > 1: N / G rows of G blocks side by side, mask (N / G, 1, G * S, C + G * S)
+        ragged: RaggedTokens | None = None,  # x is (1, T, hidden), the blocks' own slots packed; mask per block
     ) -> torch.Tensor:
         """The attention's output before `o_proj`, (N, S, heads * head_dim): the layer projects it token by token
         (`DrafterLayer.finish`)."""
@@ -293,6 +294,9 @@ class DrafterAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k_block, v_block = self._keys_values(x, cos, sin)
         k_ctx, v_ctx = context_kv
+        if ragged is not None:  # attention runs per block: unpacked to (blocks, heads, W, d), packed back after
+            blocks = k_ctx.shape[0]
+            q, k_block, v_block = (ragged.unpack_heads(t, blocks) for t in (q, k_block, v_block))
         if block_at is not None:
             k, v = k_ctx[:, :, : block_at + s], v_ctx[:, :, : block_at + s]
             k[:, :, block_at:] = k_block
@@ -303,6 +307,8 @@ class DrafterAttention(nn.Module):
             k = torch.cat([k_ctx.expand(rows, -1, -1, -1), k_block], dim=2)
             v = torch.cat([v_ctx.expand(rows, -1, -1, -1), v_block], dim=2)
         out = _unpack(grouped_query_attention(q, k, v, attention_mask), blocks_per_row)
+        if ragged is not None:
+            out = ragged.pack_heads(out)
         return out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim)
 
 
@@ -365,9 +371,12 @@ class DrafterLayer(nn.Module):
         attention_mask: torch.Tensor | None,
         block_at: int | None = None,
         blocks_per_row: int = 1,
+        ragged: RaggedTokens | None = None,
     ) -> torch.Tensor:
         normed = self.input_layernorm(x)
-        attended = self.self_attn.attend(normed, cos, sin, context_kv, attention_mask, block_at, blocks_per_row)
+        attended = self.self_attn.attend(
+            normed, cos, sin, context_kv, attention_mask, block_at, blocks_per_row, ragged
+        )
         return self.finish(x, attended)
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -460,6 +469,7 @@ class DFlashDrafter(nn.Module):
         block_at: int | None = None,  # see `draft_blocks`; then C = block_at
         blocks_per_row: int = 1,  # see `draft_blocks`
         defer_last_layer: bool = False,
+        ragged: RaggedTokens | None = None,  # see `draft_blocks`: embeds and positions (1, T, ...) packed
     ) -> torch.Tensor | DeferredSlots:
         """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head. With
         `defer_last_layer`, a `DeferredSlots` that computes them slot by slot on demand."""
@@ -468,10 +478,12 @@ class DFlashDrafter(nn.Module):
         if len(context_kv) != len(self.layers):
             raise ValueError(f"context_kv has {len(context_kv)} layers; the drafter has {len(self.layers)}")
         for layer, kv in zip(self.layers[:-1], context_kv[:-1], strict=True):
-            x = layer(x, cos, sin, kv, attention_mask, block_at, blocks_per_row)
+            x = layer(x, cos, sin, kv, attention_mask, block_at, blocks_per_row, ragged)
         last = self.layers[-1]
         normed = last.input_layernorm(x)
-        attended = last.self_attn.attend(normed, cos, sin, context_kv[-1], attention_mask, block_at, blocks_per_row)
+        attended = last.self_attn.attend(
+            normed, cos, sin, context_kv[-1], attention_mask, block_at, blocks_per_row, ragged
+        )
         if defer_last_layer:
             return DeferredSlots(x, attended, last, self.norm)
         return self.norm(last.finish(x, attended))
@@ -488,6 +500,7 @@ class DFlashDrafter(nn.Module):
         context_rows: torch.Tensor | None = None,  # (N,) the context row each block reads; None: row n (or the one)
         block_at: int | None = None,  # scratch entries [block_at, block_at + W) of a per-block context; see below
         defer_last_layer: bool = False,  # a `DeferredSlots` instead: the last layer's per-token part on demand
+        packed: bool = False,  # with block_at: (1, sum(block_sizes), hidden), each block's own slots only
     ) -> torch.Tensor | DeferredSlots:
         """The one drafting primitive: hidden states (N, W, hidden) of N blocks drafted in one call.
 
@@ -504,9 +517,15 @@ class DFlashDrafter(nn.Module):
         instead of concatenating a copy of the whole context to every block in every layer.
 
         Blocks over one shared context row are attended `PACKED_SLOTS // W` at a time, side by side in one row.
+
+        `packed` (decoding's form, blocks of unequal sizes): the layers' token-by-token parts run on the blocks'
+        own slots only, packed into one sequence (`RaggedTokens.of(block_sizes)`), and so does the result:
+        (1, sum(block_sizes), hidden), block by block. A block pays for its own size, not for W.
         """
         device = first_tokens.device
         n = first_tokens.shape[0]
+        if packed and (block_at is None or defer_last_layer):
+            raise ValueError("packed drafting needs block_at (one context row per block) and no defer_last_layer")
         if block_at is not None:
             rows, _, entries, _ = context_kv[0][0].shape
             if context_rows is not None or rows != n or entries < block_at + width:
@@ -532,8 +551,13 @@ class DFlashDrafter(nn.Module):
         mask = _block_mask(sees_context, sees_block, per_row)
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
+        ragged = RaggedTokens.of(block_sizes, width) if packed else None
+        if ragged is not None:
+            block_ids, positions = ragged.pack(block_ids), ragged.pack(positions)
         with masked_attention_kernels(device):
-            hidden = self(embed(block_ids), positions, context_kv, mask, block_at, per_row, defer_last_layer)
+            hidden = self(embed(block_ids), positions, context_kv, mask, block_at, per_row, defer_last_layer, ragged)
+        if ragged is not None:
+            return hidden
         if isinstance(hidden, DeferredSlots):
             return dataclasses.replace(hidden, residual=hidden.residual[:n], attended=hidden.attended[:n])
         return hidden[:n]
