@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
 
 from blockpilot.decoding import (
@@ -323,11 +324,21 @@ def test_unequal_blocks_drafted_and_verified_packed_decode_as_padded_ones(
         )
         for seed, (ids, b) in enumerate(zip(zoo_prompts, (2, 8, 3, 6, 1, 5), strict=True))
     ]
-    packings = []
-    original = engine_module.RaggedTokens.of
-    monkeypatch.setattr(
-        engine_module.RaggedTokens, "of", lambda sizes, *width: packings.append(sizes) or original(sizes, *width)
-    )
+    packings = []  # per packed pass: its rows' token counts
+    draft_blocks, target_forward = tiny_models.drafter.draft_blocks, tiny_models.target.forward
+
+    def drafting(*args, **kwargs):
+        if kwargs.get("packed"):
+            packings.append(kwargs["block_sizes"])
+        return draft_blocks(*args, **kwargs)
+
+    def verifying(*args, **kwargs):
+        if kwargs.get("ragged_tokens") is not None:
+            packings.append(torch.bincount(kwargs["ragged_tokens"].rows))
+        return target_forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_models.drafter, "draft_blocks", drafting)
+    monkeypatch.setattr(tiny_models.target, "forward", verifying)
 
     def run(packed: bool) -> list:
         engine = engine_module.SpeculativeEngine(tiny_models, max_batch=len(requests), packed=packed)

@@ -289,7 +289,7 @@ class SpeculativeEngine:
         logits = out.logits[torch.arange(count), torch.searchsorted(kept, last)].float()  # (k, V)
         features = tap.features() if tap is not None else None  # (k, width, F)
         if features is not None:
-            self._write_context(slots, positions, features, width)
+            self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
         _synchronize(self.device)
         elapsed = time.perf_counter() - started
         finished = []
@@ -333,7 +333,10 @@ class SpeculativeEngine:
         committed = self._accept(rows, sizes, drafts, draft_probs, logits)
         if features is not None:
             positions = lengths[:, None] + torch.arange(width, device=self.device)
-            self._write_context(slice(0, len(rows)), positions, features, int(lengths.max()) + width)
+            # A row's context grows by its first token and accepted drafts; its slots past them are rewritten
+            # before they are read, so the rejected drafts' features are never encoded.
+            counts = torch.tensor([accepted + 1 for _, accepted in committed], device=self.device)
+            self._write_context(slice(0, len(rows)), positions, features, counts, int(lengths.max()) + width)
         _synchronize(self.device)
         elapsed = time.perf_counter() - started
         finished, going_on = [], []
@@ -526,11 +529,21 @@ class SpeculativeEngine:
         elif len(row.tokens) >= row.config.max_new_tokens:
             row.stop_reason = "length"
 
-    def _write_context(self, rows: slice, positions: torch.Tensor, features: torch.Tensor, span: int) -> None:
-        """Encode target features into the drafter's context keys/values at their positions (all < span)."""
+    def _write_context(
+        self,
+        rows: slice,
+        positions: torch.Tensor,  # (n, S) absolute positions, all < span
+        features: torch.Tensor,  # (n, S, F) target features at those positions
+        counts: torch.Tensor,  # (n,) how many of each row's first entries to keep
+        span: int,
+    ) -> None:
+        """Encode the first `counts[i]` features of every row into the drafter's context keys/values, packed:
+        entries past a row's count (a shorter prompt's padding, rejected drafts) cost nothing."""
         self.context.reserve(rows.stop, span)
-        for layer, (keys, values) in enumerate(self.drafter.encode_context(features, positions)):
-            self.context.write(layer, rows, positions, keys, values)
+        kept = RaggedTokens.of(counts, positions.shape[1])
+        kept_positions = kept.pack(positions)  # (1, T)
+        for layer, (keys, values) in enumerate(self.drafter.encode_context(kept.pack(features), kept_positions)):
+            self.context.write(layer, rows, kept_positions, keys, values, token_rows=kept.rows)
 
     def _record_distributions(self, row: _Row, logits: torch.Tensor) -> None:
         entropy, top_ids, top_probs = distribution_summary(logits, RECORD_TOP_K)
