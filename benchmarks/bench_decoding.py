@@ -81,12 +81,14 @@ def main() -> None:
     else:
         rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
         prompts = [row["prompt"] for row in rows[: args.limit]]
-        # Real answers end at a stop token; at T = 0 every policy produces the same tokens anyway.
+        # Real answers end at a stop token: at T = 0 every policy produces the same tokens. Sampled, each policy
+        # draws its own answers, of other lengths, and a batch of shorter ones spends more of its time in prefill
+        # and with few rows; so at T > 0 every row decodes exactly max_new_tokens, the same work for every policy.
         config = GenerationConfig(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             seed=0,
-            stop_token_ids=tuple(models.stop_token_ids()),
+            stop_token_ids=tuple(models.stop_token_ids()) if args.temperature == 0 else (),
         )
     prompts_ids = [models.encode_prompt(p) for p in prompts]
     specs = args.policies.split(";" if ";" in args.policies else ",") + ([f"learned:{args.predictor}"] if args.predictor else [])
@@ -94,6 +96,7 @@ def main() -> None:
     print(
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
         f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T={args.temperature:g} rounds={args.rounds}"
+        f" ends={'at a stop token' if config.stop_token_ids else 'at max_new_tokens'}"
         f" widths={f'priced by {args.cost}' if cost else 'each row its own b (not priced)'}"
     )
     measure(models, prompts_ids[:2], "fixed:2", config, 2)  # warm-up
