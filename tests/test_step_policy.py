@@ -353,7 +353,11 @@ def test_a_model_reading_the_predictors_probabilities_decodes_as_it_walks_the_ta
     (table,) = sweep.tables
     anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
     prior = LearnedPolicy(predictor)
+    passes = []
+    hook = predictor.register_forward_hook(lambda *_: passes.append(1))
     b0, probabilities = prior.initial_block_size(sweep.prefill), prior.probabilities(sweep.prefill)
+    assert prior.probabilities(sweep.prefill) is probabilities and len(passes) == 1, "one predictor pass a request"
+    hook.remove()
     assert probabilities.shape == (len(CANDIDATES),) and CANDIDATES[int(np.argmax(probabilities))] == b0
     reversed_probabilities = step_features(anchors, 0, 0, b0, probabilities[::-1].copy())
     assert (model.choose(step_features(anchors, 0, 0, b0, probabilities)) != model.choose(reversed_probabilities)).any()
@@ -395,21 +399,29 @@ def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():
 
 
 def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_for_each(tiny_models):
-    """The engine asks a policy shared by several rows once per cycle (`next_block_sizes`); its choices are the
-    ones it makes for each row alone, rows that stop deciding (no anchor) included, and the outputs are greedy."""
+    """The engine asks a policy shared by several rows once as they join (`initial_block_sizes`, one predictor
+    pass) and once per cycle (`next_block_sizes`); its choices are the ones it makes for each row alone, rows
+    that stop deciding (no anchor) included, and the outputs are greedy."""
     vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
     prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Spell cat.")]
     config = GenerationConfig(max_new_tokens=24)
-    calls = []
+    calls, joined, passes = [], [], []
 
     class Counting(PriorStepPolicy):
+        def initial_block_sizes(self, prefills):
+            joined.append(len(prefills))
+            return super().initial_block_sizes(prefills)
+
         def next_block_sizes(self, cycles):
             calls.append(len(cycles))
             return super().next_block_sizes(cycles)
 
-    prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, 2))
-    policy = Counting(random_prior_step_model(21, probabilities=True), prior)
+    predictor = random_predictor(CANDIDATES, vocab, 2)
+    hook = predictor.register_forward_hook(lambda *_: passes.append(1))
+    policy = Counting(random_prior_step_model(21, probabilities=True), LearnedPolicy(predictor))
     batched = generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts])
+    hook.remove()
+    assert joined == [len(prompts)] and len(passes) == 1, "the joining rows were not decided together"
     assert max(calls) == len(prompts), "the rows' decisions were not asked together"
     for prompt, result in zip(prompts, batched, strict=True):
         alone = generate(tiny_models, prompt, policy=policy, config=config)
@@ -435,3 +447,12 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
     together = policy.next_block_sizes(cycles)
     assert together == [policy.next_block_size(cycle) for cycle in cycles]
     assert together[2] == cycles[2].block_size and len(set(together)) > 1
+    # Without a prior the model picks the first b from the prefill's distribution: one call for all, as alone.
+    alone = StepPolicy(random_step_model(1))
+    prefills = [
+        PrefillState(torch.randn(vocab, generator=generator) * scale, torch.tensor([0]), temperature, 4)
+        for scale in (0.1, 1.0, 3.0, 10.0, 30.0)
+        for temperature in (0.0, 1.0)
+    ]
+    firsts = alone.initial_block_sizes(prefills)
+    assert firsts == [alone.initial_block_size(prefill) for prefill in prefills] and len(set(firsts)) > 1

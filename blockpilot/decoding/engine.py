@@ -45,6 +45,7 @@ from blockpilot.decoding.policies import (
     FixedBlockSize,
     PrefillState,
     distribution_summary,
+    initial_block_sizes,
     next_block_sizes,
 )
 from blockpilot.decoding.request import (
@@ -147,6 +148,15 @@ def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"policy {policy.name!r} returned block size {block_size!r}; expected an integer >= 1")
     return block_size
+
+
+def _by_policy(rows: Sequence[_Row]) -> list[list[int]]:
+    """The indices of `rows` grouped by the policy object they share, so that a policy with a model is asked
+    once for all its rows."""
+    groups: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(id(row.policy), []).append(index)
+    return list(groups.values())
 
 
 def _synchronize(device: torch.device) -> None:
@@ -292,14 +302,14 @@ class SpeculativeEngine:
             self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
         _synchronize(self.device)
         elapsed = time.perf_counter() - started
+        for index, row in enumerate(joining):
+            temperature = row.config.temperature
+            row.prefill_state = PrefillState(logits[index], row.prompt, temperature, self.models.train_block_size)
+        self._initial_block_sizes(joining)
         finished = []
         for index, row in enumerate(joining):
             first = int(sample_next(logits[index], row.config.temperature, row.generator))
-            temperature = row.config.temperature
-            row.prefill_state = PrefillState(logits[index], row.prompt, temperature, self.models.train_block_size)
             row.tokens, row.length = [first], lengths[index]
-            initial = row.policy.initial_block_size(row.prefill_state)
-            row.block_size = row.chosen_block_size = _checked(initial, row.policy)
             if row.record is not None and features is not None:
                 row.record["features"].append(features[index, : lengths[index]])
                 self._record_distributions(row, logits[index][None])
@@ -365,16 +375,21 @@ class SpeculativeEngine:
         for index in reversed(finished):
             self._retire(index, updates)
 
+    def _initial_block_sizes(self, rows: list[_Row]) -> None:
+        """Every joining row's first b from its policy's prefill hook, once per policy the rows share."""
+        for group in _by_policy(rows):
+            policy = rows[group[0]].policy
+            sizes = initial_block_sizes(policy, [rows[i].prefill_state for i in group])
+            for index, size in zip(group, sizes, strict=True):
+                rows[index].block_size = rows[index].chosen_block_size = _checked(size, policy)
+
     def _next_block_sizes(self, rows: list[tuple[_Row, CycleState]]) -> None:
         """Every going row's next b from its policy's per-cycle hook, once per policy the rows share: a policy
         with a model decides for the whole batch in one call."""
-        by_policy: dict[int, list[tuple[_Row, CycleState]]] = {}
-        for row, state in rows:
-            by_policy.setdefault(id(row.policy), []).append((row, state))
-        for group in by_policy.values():
-            policy = group[0][0].policy
-            for (row, _), size in zip(group, next_block_sizes(policy, [state for _, state in group]), strict=True):
-                row.block_size = _checked(size, policy)
+        for group in _by_policy([row for row, _ in rows]):
+            policy = rows[group[0]][0].policy
+            for index, size in zip(group, next_block_sizes(policy, [rows[i][1] for i in group]), strict=True):
+                rows[index][0].block_size = _checked(size, policy)
 
     def _priced_sizes(self, rows: list[_Row], sizes: list[int]) -> list[int]:
         """Greedy rows capped at the width the cost curve prices best for this batch; rows sampled at T > 0 keep

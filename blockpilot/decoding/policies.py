@@ -90,15 +90,26 @@ class BlockSizePolicy(Protocol):
     def next_block_size(self, cycle: CycleState) -> int: ...
 
 
+def initial_block_sizes(policy: BlockSizePolicy, prefills: Sequence[PrefillState]) -> list[Any]:
+    """The first-cycle hook of `policy` over the joining rows that share it: its batched `initial_block_sizes`
+    when it has one, else `initial_block_size` row by row. The values are the policy's, unchecked."""
+    return _asked(policy, "initial_block_size", prefills)
+
+
 def next_block_sizes(policy: BlockSizePolicy, cycles: Sequence[CycleState]) -> list[Any]:
     """The per-cycle hook of `policy` over the rows that share it: its batched `next_block_sizes` when it has
     one, else `next_block_size` row by row. The values are the policy's, unchecked."""
-    batched = getattr(policy, "next_block_sizes", None)
+    return _asked(policy, "next_block_size", cycles)
+
+
+def _asked(policy: BlockSizePolicy, hook: str, states: Sequence[Any]) -> list[Any]:
+    """`hook` of `policy` over `states`: in one call of its batched form (`hook` + "s") when it has one."""
+    batched = getattr(policy, hook + "s", None)
     if batched is None:
-        return [policy.next_block_size(cycle) for cycle in cycles]
-    sizes = list(batched(cycles))
-    if len(sizes) != len(cycles):
-        raise ValueError(f"policy {policy.name!r} returned {len(sizes)} block sizes for {len(cycles)} rows")
+        return [getattr(policy, hook)(state) for state in states]
+    sizes = list(batched(states))
+    if len(sizes) != len(states):
+        raise ValueError(f"policy {policy.name!r} returned {len(sizes)} block sizes for {len(states)} rows")
     return sizes
 
 

@@ -7,7 +7,7 @@ arrays and `PredictorInputs.from_arrays` into tensors. A new input feature is on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,13 @@ class PredictorInputs:
 
     @classmethod
     def from_prefill(cls, prefill: PrefillState, top_k: int, dense: bool) -> PredictorInputs:
-        return cls.from_arrays(input_arrays({k: [v] for k, v in prefill_columns(prefill, top_k, dense).items()}, dense))
+        return cls.from_prefills([prefill], top_k, dense)
+
+    @classmethod
+    def from_prefills(cls, prefills: Sequence[PrefillState], top_k: int, dense: bool) -> PredictorInputs:
+        """One row per prefill."""
+        rows = [prefill_columns(prefill, top_k, dense) for prefill in prefills]
+        return cls.from_arrays(input_arrays({name: [row[name] for row in rows] for name in rows[0]}, dense))
 
     def to(self, device: torch.device | str) -> PredictorInputs:
         return PredictorInputs(

@@ -107,17 +107,20 @@ class BlockSizePredictor(nn.Module):
         return dense.scatter_(1, inputs.topk_ids, inputs.topk_probs.float())
 
     @torch.no_grad()
+    def decide(self, inputs: PredictorInputs) -> tuple[list[int], np.ndarray]:
+        """The chosen block size per row and the (N, C) float32 softmax over the candidates, from one pass."""
+        self.eval()
+        logits = self(inputs.to(next(self.parameters()).device)).float()
+        chosen = [self.config.candidates[i] for i in logits.argmax(dim=-1).tolist()]
+        return chosen, torch.softmax(logits, dim=-1).cpu().numpy()
+
     def probabilities(self, inputs: PredictorInputs) -> np.ndarray:
         """(N, C) softmax over the candidates per row, float32."""
-        self.eval()
-        return torch.softmax(self(inputs.to(next(self.parameters()).device)).float(), dim=-1).cpu().numpy()
+        return self.decide(inputs)[1]
 
-    @torch.no_grad()
     def predict(self, inputs: PredictorInputs) -> list[int]:
         """The chosen block size per row."""
-        self.eval()
-        index = self(inputs.to(next(self.parameters()).device)).argmax(dim=-1)
-        return [self.config.candidates[i] for i in index.tolist()]
+        return self.decide(inputs)[0]
 
     # ---------------------------------------------------------------- folder format
 

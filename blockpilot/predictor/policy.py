@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from blockpilot.decoding.policies import PerRequestPolicy, PrefillState
@@ -9,7 +11,7 @@ from blockpilot.predictor.inputs import PredictorInputs
 from blockpilot.predictor.model import BlockSizePredictor
 
 
-PRIOR_PROBABILITIES = "learned_probabilities"  # the key of `LearnedPolicy.probabilities` in `PrefillState.derived`
+PRIOR_DECISION = "learned_decision"  # where `LearnedPolicy` keeps its (b0, probabilities) in `PrefillState.derived`
 
 
 class LearnedPolicy(PerRequestPolicy):
@@ -21,16 +23,25 @@ class LearnedPolicy(PerRequestPolicy):
         self.predictor = predictor
 
     def initial_block_size(self, prefill: PrefillState) -> int:
-        config = self.predictor.config
-        inputs = PredictorInputs.from_prefill(prefill, config.top_k, dense=config.kind == "dense")
-        return self.predictor.predict(inputs)[0]
+        return self._decisions([prefill])[0][0]
+
+    def initial_block_sizes(self, prefills: Sequence[PrefillState]) -> list[int]:
+        """b0 of every joining request, from one predictor pass (the engine's batched first-cycle hook)."""
+        return [b0 for b0, _ in self._decisions(prefills)]
 
     def probabilities(self, prefill: PrefillState) -> np.ndarray:
-        """(K,) the predictor's softmax over its candidates for this request, computed once per request (kept
-        in `prefill.derived`): what a per-step model trained beside it reads at every cycle."""
-        probs = prefill.derived.get(PRIOR_PROBABILITIES)
-        if probs is None:
+        """(K,) the predictor's softmax over its candidates for this request: what a per-step model trained
+        beside it reads at every cycle."""
+        return self._decisions([prefill])[0][1]
+
+    def _decisions(self, prefills: Sequence[PrefillState]) -> list[tuple[int, np.ndarray]]:
+        """(b0, probabilities) of each request, from one predictor pass over those not yet decided: a request is
+        decided once per predictor (kept in `prefill.derived`), and a step policy reads it at every cycle."""
+        key = (PRIOR_DECISION, id(self.predictor))
+        undecided = [prefill for prefill in prefills if key not in prefill.derived]
+        if undecided:
             config = self.predictor.config
-            inputs = PredictorInputs.from_prefill(prefill, config.top_k, dense=config.kind == "dense")
-            probs = prefill.derived[PRIOR_PROBABILITIES] = self.predictor.probabilities(inputs)[0]
-        return probs
+            inputs = PredictorInputs.from_prefills(undecided, config.top_k, dense=config.kind == "dense")
+            for prefill, b0, probabilities in zip(undecided, *self.predictor.decide(inputs), strict=True):
+                prefill.derived[key] = (b0, probabilities)
+        return [prefill.derived[key] for prefill in prefills]

@@ -36,7 +36,13 @@ from torch import nn
 from blockpilot.checks import distinct_block_sizes, positive_int
 from blockpilot.cost import CycleCost
 from blockpilot.data.labels import ANCHOR_TOP_K
-from blockpilot.decoding.policies import BlockSizePolicy, CycleState, PrefillState, distribution_summary
+from blockpilot.decoding.policies import (
+    BlockSizePolicy,
+    CycleState,
+    PrefillState,
+    distribution_summary,
+    initial_block_sizes,
+)
 from blockpilot.files import load_weights_folder, save_weights_folder
 from blockpilot.scoring import format_table
 from blockpilot.table import AcceptanceTable, tables_from_row
@@ -260,9 +266,15 @@ class StepPolicy:
         return [self.candidates[int(k)] for k in self.model.choose(features)]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
+        return self.initial_block_sizes([prefill])[0]
+
+    def initial_block_sizes(self, prefills: Sequence[PrefillState]) -> list[int]:
+        """The first b of every joining request, in one call of the prior or of the model."""
         if self.prior is not None:
-            return self.prior.initial_block_size(prefill)
-        return self._choose(prefill.next_token_logits[None], prefill.temperature, np.ones(1))[0]
+            return initial_block_sizes(self.prior, prefills)
+        logits = torch.stack([prefill.next_token_logits for prefill in prefills])
+        temperatures = np.asarray([prefill.temperature for prefill in prefills], dtype=np.float32)
+        return self._choose(logits, temperatures, np.ones(len(prefills)))
 
     def next_block_size(self, cycle: CycleState) -> int:
         return self.next_block_sizes([cycle])[0]
@@ -361,7 +373,7 @@ def _prior_choices(predictor: Any, table: pa.Table) -> list[tuple[int, np.ndarra
     dense = predictor.config.kind == "dense"
     columns = table.select([*INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]).to_pydict()
     inputs = PredictorInputs.from_arrays(input_arrays(columns, dense))
-    return list(zip(predictor.predict(inputs), predictor.probabilities(inputs), strict=True))
+    return list(zip(*predictor.decide(inputs), strict=True))
 
 
 def fixed_walk_cycles(table: AcceptanceTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
