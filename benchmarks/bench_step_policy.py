@@ -25,6 +25,7 @@ from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_ma
 from blockpilot.decoding.policies import CycleState, FixedBlockSize, PrefillState
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.models import load_models
+from blockpilot.models.loading import synchronize
 from blockpilot.predictor.policy import LearnedPolicy
 from blockpilot.predictor.step import StepModel, StepModelConfig, StepPolicy
 from blockpilot.predictor.store import load_predictor
@@ -105,10 +106,6 @@ def main() -> None:
     print(f"one cycle of {args.batch} rows at b={train}: {cycle * 1e3:.3f} ms (median over 5 generations)")
     print(f"overhead: {100 * decision / cycle:.2f}% of a cycle")
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 if __name__ == "__main__":
     main()

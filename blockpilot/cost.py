@@ -129,11 +129,10 @@ def seconds_per_cycle(models: Any, prompts: Sequence[Sequence[int]], block_sizes
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
     may generate up to its b tokens a cycle, so none finishes inside the timed cycles.
     """
-    import torch
-
     from blockpilot.decoding.engine import SpeculativeEngine
     from blockpilot.decoding.policies import FixedBlockSize
     from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+    from blockpilot.models.loading import synchronize
 
     if len(prompts) != len(block_sizes) or not prompts:
         raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
@@ -147,8 +146,7 @@ def seconds_per_cycle(models: Any, prompts: Sequence[Sequence[int]], block_sizes
     while engine.busy and ran < cycles:
         engine.step()
         ran += 1
-    if models.device.type == "cuda":
-        torch.cuda.synchronize(models.device)
+    synchronize(models.device)
     return (time.perf_counter() - started) / max(ran, 1)
 
 

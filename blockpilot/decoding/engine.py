@@ -58,7 +58,7 @@ from blockpilot.decoding.request import (
 from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
 from blockpilot.models.attention import GROUPED_SDPA, RaggedTokens, masked_attention_kernels
 from blockpilot.models.features import tapped
-from blockpilot.models.loading import SpeculativeModels
+from blockpilot.models.loading import SpeculativeModels, synchronize
 
 RECORD_TOP_K = 8
 # Joining prompts share a prefill pass while its padding stays under half its real tokens. One padded pass
@@ -157,11 +157,6 @@ def _by_policy(rows: Sequence[_Row]) -> list[list[int]]:
     for index, row in enumerate(rows):
         groups.setdefault(id(row.policy), []).append(index)
     return list(groups.values())
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class SpeculativeEngine:
@@ -300,7 +295,7 @@ class SpeculativeEngine:
         features = tap.features() if tap is not None else None  # (k, width, F)
         if features is not None:
             self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
-        _synchronize(self.device)
+        synchronize(self.device)
         elapsed = time.perf_counter() - started
         for index, row in enumerate(joining):
             temperature = row.config.temperature
@@ -347,7 +342,7 @@ class SpeculativeEngine:
             # before they are read, so the rejected drafts' features are never encoded.
             counts = torch.tensor([accepted + 1 for _, accepted in committed], device=self.device)
             self._write_context(slice(0, len(rows)), positions, features, counts, int(lengths.max()) + width)
-        _synchronize(self.device)
+        synchronize(self.device)
         elapsed = time.perf_counter() - started
         finished, going_on = [], []
         for index, (row, size, (new_tokens, accepted)) in enumerate(zip(rows, sizes, committed, strict=True)):

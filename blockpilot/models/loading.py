@@ -19,6 +19,12 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): what a wall-clock timing of GPU work needs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on a GPU (what DFlash checkpoints are trained in), fp32 on the CPU (exact and fast enough)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
