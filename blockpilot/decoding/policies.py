@@ -6,9 +6,10 @@ next-token distribution at the last prompt position and the prompt ids) and pick
 `next_block_size` runs after every cycle and may change b. Per-request policies inherit the no-op per-cycle
 hook from `PerRequestPolicy`. A policy may also define `verify_count(confidences) -> k`: after the draft, the
 drafter's top probability in each of the b - 1 drafted slots, and it keeps the first k drafts for the verify
-(draft-then-trim, `blockpilot.trim`). A policy that decides with a model may define `next_block_sizes(cycles)
--> list[int]`: the per-cycle hook over every row of a batch that shares the policy, one model call per cycle
-instead of one per row (`next_block_sizes` below); the engine then calls it in place of `next_block_size`.
+(draft-then-trim, `blockpilot.trim`). A policy that decides with a model may define the batched hooks
+`initial_block_sizes(prefills)` and `next_block_sizes(cycles) -> list[int]`: over every row of a batch that shares
+the policy, one model call as rows join and one per cycle instead of one per row (`initial_block_sizes` and
+`next_block_sizes` below); the engine then calls them in place of the per-row hooks.
 Policies are built from a spec by `blockpilot.decoding.resolve`.
 """
 
