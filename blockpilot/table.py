@@ -64,10 +64,14 @@ class AcceptanceTable:
         """The size a block of b really has at `cursor` (cut to the generation budget)."""
         return min(block_size, self.max_new_tokens - cursor)
 
-    def walk(self, block_size: int) -> list[int]:
-        """Acceptance lengths of a fixed-b run over the sequence."""
-        row, lengths, cursor = self.row(block_size), [], 1
-        while cursor < self.n:
+    def walk(self, block_size: int, start: int = 1, stop: int | None = None) -> list[int]:
+        """Acceptance lengths of a fixed-b run over the sequence: from cursor `start` until it reaches `stop`
+        (default: the end)."""
+        stop = self.n if stop is None else min(stop, self.n)
+        if not 1 <= start <= max(stop, 1):
+            raise ValueError(f"a walk starts at a cursor within [1, {stop}], got {start}")
+        row, lengths, cursor = self.row(block_size), [], start
+        while cursor < stop:
             step = int(row[cursor - 1])
             lengths.append(step)
             cursor += step

@@ -24,6 +24,7 @@ from blockpilot.predictor.step import (
     anchor_features,
     evaluate_step_model,
     expected_regret,
+    format_step_metrics,
     fit_step_model,
     fixed_walk_cycles,
     regret_dataset,
@@ -456,3 +457,40 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
     ]
     firsts = alone.initial_block_sizes(prefills)
     assert firsts == [alone.initial_block_size(prefill) for prefill in prefills] and len(set(firsts)) > 1
+
+
+def _two_half_row(name: str, first_b2: int, second_b2: int, anchors_each: int = 8):
+    """A row over candidates (1, 2) whose b = 2 commits `first_b2` tokens at every cursor of the first half of its
+    sequence and `second_b2` in the second half (b = 1 always commits 1)."""
+    from blockpilot.predictor.step import StepRow
+
+    n = 2 * anchors_each + 1
+    commits = np.ones((2, n - 1), dtype=np.int16)
+    commits[1, :anchors_each], commits[1, anchors_each:] = first_b2, second_b2
+    commits[1, -1] = 1  # the last cursor has one token left
+    table = AcceptanceTable((1, 2), commits, max_new_tokens=n)
+    anchors = anchor_features(np.zeros(n - 1), np.zeros((n - 1, 4)), 0.0, np.arange(1, n))
+    return StepRow(name, 0.0, [table], [anchors])
+
+
+def test_the_split_half_check_scores_a_first_half_choice_on_the_second_half():
+    cost = CycleCost({1: {1: 1.0, 2: 1.5}})  # b = 2 pays only where its draft is right
+    steady, fading, plain = _two_half_row("steady", 2, 2), _two_half_row("fading", 2, 1), _two_half_row("plain", 1, 1)
+
+    consistent = evaluate_step_model(None, [steady, plain], cost, train_block_size=2)
+    # Every prompt's best b is the same in both halves: the first half's choice is the hindsight choice, and beats
+    # any one b for both prompts.
+    assert consistent["throughput_half_chosen"] == pytest.approx(consistent["throughput_half_oracle"])
+    assert consistent["throughput_half_chosen"] > consistent["throughput_half_best_fixed"]
+
+    drifting = evaluate_step_model(None, [steady, fading], cost, train_block_size=2)
+    # "fading" looks like b = 2 on its first half and is b = 1 on its second: hindsight knows, the choice does not.
+    assert drifting["throughput_half_chosen"] < drifting["throughput_half_oracle"]
+    assert drifting["throughput_half_oracle"] >= drifting["throughput_half_best_fixed"]
+    # The second half of a sequence of 17 tokens (cursors 9..16) commits 8: "steady" in 4 cycles of b = 2 (from
+    # cursor 15 a block commits 2 of the 2 tokens left), "fading" in 8 of b = 1.
+    assert drifting["T0/tau_half_oracle"] == pytest.approx(16 / (4 + 8))
+    report = format_step_metrics("held-out", drifting)
+    assert "second halves" in report and "1st half" in report
+    with pytest.raises(ValueError, match="starts at a cursor within"):
+        steady.tables[0].walk(2, start=0)

@@ -15,7 +15,7 @@ is maximized). The last cycle depends on the path to cursor i, so the training e
 every candidate's fixed-b walk over each table, each with the last cycle that walk ran. Training minimizes
 the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1). Evaluation walks each held-out
 table cycle by cycle with the model's choices (`walk_step_model`) beside fixed B, the best fixed b, the
-static oracle and the per-step oracle.
+static oracle and the per-step oracle, and checks what of the static oracle's margin is hindsight (`_put_split_half`).
 """
 
 from __future__ import annotations
@@ -471,6 +471,11 @@ class _RowWalks:
     oracle_cost: float
     step_cycles: float = 0.0  # the step model's walk
     step_cost: float = 0.0
+    # Fixed-b walks over each sequence's halves, each walk starting afresh (`_put_split_half`): (2, K) cost and
+    # cycles on the first and the second half, and the second halves' tokens.
+    half_cost: np.ndarray = field(default_factory=lambda: np.zeros((2, 0)))
+    half_cycles: np.ndarray = field(default_factory=lambda: np.zeros((2, 0)))
+    half_tokens: float = 0.0
 
 
 def walk_step_model(
@@ -508,13 +513,23 @@ def walk_step_model(
 
 def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWalks:
     candidates = row.tables[0].candidates
-    walks = _RowWalks(0.0, np.zeros(len(candidates)), np.zeros(len(candidates)), 0.0, 0.0)
+    count = len(candidates)
+    walks = _RowWalks(0.0, np.zeros(count), np.zeros(count), 0.0, 0.0)
+    walks.half_cost, walks.half_cycles = np.zeros((2, count)), np.zeros((2, count))
     for t, anchors in zip(row.tables, row.anchors, strict=True):
         walks.tokens += t.n - 1
+        middle = (t.n + 1) // 2  # cursors 1..middle - 1 and middle..n - 1: halves of the n - 1 anchors
+        if middle > 1:
+            walks.half_tokens += t.n - middle
         for k, b in enumerate(candidates):
             cycles = len(t.walk(b))
             walks.fixed_cycles[k] += cycles
             walks.fixed_cost[k] += t.walk_cost([b] * cycles, cost=cost)
+            if middle > 1:
+                for half, (start, stop) in enumerate(((1, middle), (middle, t.n))):
+                    steps = len(t.walk(b, start, stop))
+                    walks.half_cycles[half, k] += steps
+                    walks.half_cost[half, k] += t.walk_cost([b] * steps, start, cost)
         walks.oracle_cost += t.cost_to_go(cost)[0][1]
         walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
         if model is not None:
@@ -569,7 +584,34 @@ def evaluate_step_model(
         if model is not None:
             put("step", sum(w.step_cycles for w in members), sum(w.step_cost for w in members))
         put("step_oracle", sum(w.oracle_cycles for w in members), sum(w.oracle_cost for w in members))
+        _put_split_half(metrics, prefix, members)
     return metrics
+
+
+def _put_split_half(metrics: dict[str, float], prefix: str, members: list[_RowWalks]) -> None:
+    """The static oracle in and out of hindsight, on the second half of every sequence: the best fixed b there
+    (`half_best_fixed`), each prompt's b chosen on the first half of its own sequences (`half_chosen`), and each
+    prompt's best b on the second half itself (`half_oracle`, the static oracle's hindsight).
+
+    The static oracle picks, per prompt, the cheapest of K walks over the very cycles it is scored on; part of its
+    margin is which walks happened to land on easy anchors. What of that margin a per-prompt choice can keep is what
+    the first half's choice keeps on the second half: a per-request policy (and the static oracle as a bar) is
+    worth only that much."""
+    tokens = sum(w.half_tokens for w in members)
+    if not tokens:
+        return
+    first = np.stack([w.half_cost[0] for w in members])  # (rows, K)
+    second, cycles = np.stack([w.half_cost[1] for w in members]), np.stack([w.half_cycles[1] for w in members])
+    rows = np.arange(len(members))
+    ties = 1e-9 * np.arange(first.shape[1])  # ties to the smaller b, as the static oracle's
+    for name, chosen in (
+        ("half_best_fixed", np.full(len(members), int(np.argmin(second.sum(axis=0) + ties)))),
+        ("half_chosen", np.argmin(first + ties, axis=1)),
+        ("half_oracle", np.argmin(second + ties, axis=1)),
+    ):
+        spent_cycles, spent_cost = cycles[rows, chosen].sum(), second[rows, chosen].sum()
+        metrics[f"{prefix}tau_{name}"] = tokens / spent_cycles if spent_cycles else math.nan
+        metrics[f"{prefix}throughput_{name}"] = tokens / spent_cost if spent_cost else math.nan
 
 
 STEP_REPORT_COLUMNS = (
@@ -582,7 +624,18 @@ STEP_REPORT_COLUMNS = (
 )
 
 
+SPLIT_HALF_COLUMNS = (("best b", "half_best_fixed"), ("1st half", "half_chosen"), ("static", "half_oracle"))
+
+
 def format_step_metrics(title: str, metrics: dict[str, float]) -> str:
-    """The evaluation's table; a column only for the policies that were evaluated."""
+    """The evaluation's table, a column only for the policies that were evaluated; then the split-half check of the
+    static oracle (`_put_split_half`) when the sequences had halves."""
     present = [(header, key) for header, key in STEP_REPORT_COLUMNS if any(k.endswith(f"tau_{key}") for k in metrics)]
-    return format_table(title, metrics, present)
+    out = format_table(title, metrics, present)
+    if any(k.endswith("tau_half_chosen") for k in metrics):
+        out += "\n" + format_table(
+            "  second halves: best fixed b, each prompt's b chosen on its first half, the static oracle (hindsight)",
+            metrics,
+            SPLIT_HALF_COLUMNS,
+        )
+    return out
