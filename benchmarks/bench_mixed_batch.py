@@ -1,0 +1,120 @@
+"""What a cycle of a batch whose rows draft unequal blocks costs, against batches all at one b.
+
+    python benchmarks/bench_mixed_batch.py --target $ZOO/target --drafter $ZOO/drafter
+        [--prompts $ZOO/prompts/heldout.jsonl] [--batch 32] [--low 6] [--high 8] [--shares 0,0.15,0.5,1]
+        [--rounds 5] [--padded]
+
+A per-step policy under load makes the rows of a batch draft blocks of unequal sizes. The engine packs them
+(`RaggedTokens`), so a row's token-by-token work follows its own b, but attention and the caches span the widest
+block. Modeled throughput prices each row at c(b, batch) of its own b; this measures whether a mixed batch costs that.
+
+Each row drafts --high with probability `share` and --low otherwise, drawn again before every cycle (seeded), greedy
+and without stop tokens, so every row decodes --max-new-tokens and the batch stays full. Prints the median time of a
+cycle (engine time per cycle of each row, median over rows, then over --rounds rounds that interleave the shares),
+the mean b drafted, and what a per-row price interpolates between the two pure batches for the same mean b.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine
+from blockpilot.decoding.policies import CycleState, PrefillState
+from blockpilot.models import load_models
+
+
+class RandomMix:
+    """b = `high` with probability `share`, else `low`, drawn before every cycle (a stand-in for a per-step policy
+    whose choices differ across rows). Counts what it drafted."""
+
+    name = "mix"
+
+    def __init__(self, low: int, high: int, share: float, seed: int) -> None:
+        self.low, self.high, self.share = low, high, share
+        self.random = random.Random(seed)
+        self.drafted: list[int] = []
+
+    def _draw(self) -> int:
+        size = self.high if self.random.random() < self.share else self.low
+        self.drafted.append(size)
+        return size
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self._draw()
+
+    def next_block_size(self, cycle: CycleState) -> int:
+        return self._draw()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--prompts", type=Path, default=None, help="JSONL, a 'prompt' per line (default: one prompt)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--low", type=int, default=None, help="default: the drafter's training block size B")
+    parser.add_argument("--high", type=int, default=None, help="default: B + 2")
+    parser.add_argument("--shares", default="0,0.15,0.5,1", help="shares of rows at --high, comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--padded", action="store_true", help="pad every row to the widest block (packed=False)")
+    args = parser.parse_args()
+
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    models = load_models(args.target, args.drafter, device=args.device)
+    train = models.train_block_size or 4
+    low, high = args.low or train, args.high or train + 2
+    shares = [float(s) for s in args.shares.split(",")]
+    if not low < high or any(not 0.0 <= s <= 1.0 for s in shares):
+        parser.error(f"expected --low < --high and shares within [0, 1]; got {low}, {high} and {shares}")
+    if args.prompts is not None:
+        texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    else:
+        texts = ["Write the numbers from 1 to 40, separated by commas."]
+    prompts = [models.encode_prompt(texts[i % len(texts)]) for i in range(args.batch)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=())
+
+    def run(share: float, seed: int) -> tuple[float, float]:
+        """(median seconds per cycle over the rows, mean b drafted) of one full batch."""
+        policy = RandomMix(low, high, share, seed)
+        engine = SpeculativeEngine(models, max_batch=args.batch, packed=not args.padded)
+        for prompt in prompts:
+            engine.submit(GenerationRequest(prompt, config, policy))
+        results = [update.result for update in engine.run() if update.result is not None]
+        per_cycle = statistics.median(r.decode_time_s / r.cycles for r in results if r.cycles)
+        return per_cycle, statistics.fmean(policy.drafted)
+
+    run(0.5, 0)  # warm-up
+    cycles: dict[float, list[float]] = {share: [] for share in shares}
+    drafted: dict[float, list[float]] = {share: [] for share in shares}
+    for round_index in range(args.rounds):
+        order = shares[round_index % len(shares) :] + shares[: round_index % len(shares)]
+        for share in order:
+            seconds, mean_b = run(share, round_index)
+            cycles[share].append(seconds)
+            drafted[share].append(mean_b)
+    print(
+        f"device={models.device} threads={torch.get_num_threads()} batch={args.batch} b={low}/{high} "
+        f"max_new_tokens={args.max_new_tokens} rounds={args.rounds} {'padded' if args.padded else 'packed'}"
+    )
+    pure = {share: statistics.median(cycles[share]) for share in (0.0, 1.0) if share in cycles}
+    print(f"{'share at b=' + str(high):>14} {'mean b':>7} {'ms/cycle':>9} {'per-row price':>14}")
+    for share in shares:
+        mean_b = statistics.fmean(drafted[share])
+        priced = ""
+        if len(pure) == 2:  # c(b, n) per row, linear between the two pure batches, at this mix's mean b
+            priced = f"{1e3 * (pure[0.0] + (pure[1.0] - pure[0.0]) * (mean_b - low) / (high - low)):>14.2f}"
+        print(f"{share:>14.2f} {mean_b:>7.2f} {1e3 * statistics.median(cycles[share]):>9.2f} {priced}")
+
+
+if __name__ == "__main__":
+    main()
