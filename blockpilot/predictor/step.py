@@ -469,13 +469,13 @@ class _RowWalks:
     fixed_cost: np.ndarray  # (K,)
     oracle_cycles: float  # the per-step oracle: fewest cycles, and lowest cost
     oracle_cost: float
-    step_cycles: float = 0.0  # the step model's walk
-    step_cost: float = 0.0
     # Fixed-b walks over each sequence's halves, each walk starting afresh (`_put_split_half`): (2, K) cost and
     # cycles on the first and the second half, and the second halves' tokens.
-    half_cost: np.ndarray = field(default_factory=lambda: np.zeros((2, 0)))
-    half_cycles: np.ndarray = field(default_factory=lambda: np.zeros((2, 0)))
+    half_cost: np.ndarray
+    half_cycles: np.ndarray
     half_tokens: float = 0.0
+    step_cycles: float = 0.0  # the step model's walk
+    step_cost: float = 0.0
 
 
 def walk_step_model(
@@ -514,8 +514,7 @@ def walk_step_model(
 def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWalks:
     candidates = row.tables[0].candidates
     count = len(candidates)
-    walks = _RowWalks(0.0, np.zeros(count), np.zeros(count), 0.0, 0.0)
-    walks.half_cost, walks.half_cycles = np.zeros((2, count)), np.zeros((2, count))
+    walks = _RowWalks(0.0, np.zeros(count), np.zeros(count), 0.0, 0.0, np.zeros((2, count)), np.zeros((2, count)))
     for t, anchors in zip(row.tables, row.anchors, strict=True):
         walks.tokens += t.n - 1
         middle = (t.n + 1) // 2  # cursors 1..middle - 1 and middle..n - 1: halves of the n - 1 anchors
@@ -570,8 +569,7 @@ def evaluate_step_model(
         best_fixed = int(np.argmin(fixed_cost))
         put("best_fixed", fixed_cycles[best_fixed], fixed_cost[best_fixed])
         metrics[f"{prefix}best_fixed_b"] = float(candidates[best_fixed])
-        # The static oracle: each row's best single b under the cost (ties to the smaller b).
-        static = [int(np.argmin(w.fixed_cost + 1e-9 * np.arange(len(candidates)))) for w in members]
+        static = [int(_cheapest(w.fixed_cost)) for w in members]  # the static oracle: each row's best single b
         put(
             "oracle",
             sum(w.fixed_cycles[k] for w, k in zip(members, static)),
@@ -586,6 +584,11 @@ def evaluate_step_model(
         put("step_oracle", sum(w.oracle_cycles for w in members), sum(w.oracle_cost for w in members))
         _put_split_half(metrics, prefix, members)
     return metrics
+
+
+def _cheapest(costs: np.ndarray) -> np.ndarray:
+    """The cheapest candidate along the last axis of (..., K) costs, near-ties to the smaller b."""
+    return np.argmin(costs + 1e-9 * np.arange(costs.shape[-1]), axis=-1)
 
 
 def _put_split_half(metrics: dict[str, float], prefix: str, members: list[_RowWalks]) -> None:
@@ -603,11 +606,10 @@ def _put_split_half(metrics: dict[str, float], prefix: str, members: list[_RowWa
     first = np.stack([w.half_cost[0] for w in members])  # (rows, K)
     second, cycles = np.stack([w.half_cost[1] for w in members]), np.stack([w.half_cycles[1] for w in members])
     rows = np.arange(len(members))
-    ties = 1e-9 * np.arange(first.shape[1])  # ties to the smaller b, as the static oracle's
     for name, chosen in (
-        ("half_best_fixed", np.full(len(members), int(np.argmin(second.sum(axis=0) + ties)))),
-        ("half_chosen", np.argmin(first + ties, axis=1)),
-        ("half_oracle", np.argmin(second + ties, axis=1)),
+        ("half_best_fixed", np.full(len(members), int(_cheapest(second.sum(axis=0))))),
+        ("half_chosen", _cheapest(first)),
+        ("half_oracle", _cheapest(second)),
     ):
         spent_cycles, spent_cost = cycles[rows, chosen].sum(), second[rows, chosen].sum()
         metrics[f"{prefix}tau_{name}"] = tokens / spent_cycles if spent_cycles else math.nan
