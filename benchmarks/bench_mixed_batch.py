@@ -1,7 +1,7 @@
 """What a cycle of a batch whose rows draft unequal blocks costs, against batches all at one b.
 
     python benchmarks/bench_mixed_batch.py --target $ZOO/target --drafter $ZOO/drafter
-        [--prompts $ZOO/prompts/heldout.jsonl] [--batch 32] [--low 6] [--high 8] [--shares 0,0.15,0.5,1]
+        [--prompts zoo:$ZOO:heldout] [--batch 32] [--low 6] [--high 8] [--shares 0,0.15,0.5,1]
         [--rounds 5] [--padded]
 
 A per-step policy under load makes the rows of a batch draft blocks of unequal sizes. The engine packs them
@@ -17,13 +17,12 @@ the mean b drafted, and what a per-row price interpolates between the two pure b
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-from pathlib import Path
 
 import torch
 
+from blockpilot.data.sources import load_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine
 from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.models import load_models
@@ -56,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
     parser.add_argument("--drafter", required=True)
-    parser.add_argument("--prompts", type=Path, default=None, help="JSONL, a 'prompt' per line (default: one prompt)")
+    parser.add_argument("--prompts", default=None, help="prompt sources, e.g. zoo:DIR:heldout (default: one prompt)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--low", type=int, default=None, help="default: the drafter's training block size B")
@@ -77,7 +76,7 @@ def main() -> None:
     if not low < high or any(not 0.0 <= s <= 1.0 for s in shares):
         parser.error(f"expected --low < --high and shares within [0, 1]; got {low}, {high} and {shares}")
     if args.prompts is not None:
-        texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+        texts = [record.turns[0] for record in load_prompts(args.prompts) if record.error is None and record.turns]
     else:
         texts = ["Write the numbers from 1 to 40, separated by commas."]
     prompts = [models.encode_prompt(texts[i % len(texts)]) for i in range(args.batch)]
