@@ -36,9 +36,10 @@ demo: venv
 	$(BIN)/python -m blockpilot demo --home "$(BLOCKPILOT_HOME)"
 
 # Two pytest workers (pytest-xdist), each with its own embedded Ray when a test asks for one; the tiny zoo and its
-# labels are built once and shared. PYTEST_WORKERS=0: one process.
+# labels are built once and shared. Tests marked xdist_group stay on one worker, so a module fixture such as the
+# Serve apps is set up once, not on both. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS))
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)

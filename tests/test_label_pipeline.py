@@ -1,4 +1,4 @@
-"""Labeling on Ray Data (embedded Ray, tiny zoo): rows, reruns, a stopped job, bad prompts, MLflow, the CLI."""
+"""Labeling on Ray Data (embedded Ray, tiny zoo): rows, reruns, a stopped job, MLflow, the CLI and bad prompts."""
 
 from __future__ import annotations
 
@@ -134,30 +134,6 @@ def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path
     assert table.num_rows == 24 and len(set(keys(table))) == 24
 
 
-def test_bad_prompts_are_rows_with_errors_and_the_job_goes_on(local_ray, tiny_zoo, tmp_path):
-    prompts = tmp_path / "bad.jsonl"
-    prompts.write_text(
-        "\n".join(
-            [
-                json.dumps({"id": "good", "prompt": "Count from 1 to 6."}),
-                json.dumps({"id": "empty", "prompt": ""}),
-                json.dumps({"id": "long", "prompt": "word " * 1500}),
-                "{broken json",
-            ]
-        )
-        + "\n"
-    )
-    summary = run_label_job(
-        make_job(tiny_zoo, tmp_path / "labels", prompts=f"jsonl:{prompts}", settings=LabelSettings(max_new_tokens=24))
-    )
-    assert (summary.rows, summary.errors) == (4, 3)
-    errors = {row["prompt_id"]: row["error"] for row in read_labels(tmp_path / "labels").to_pylist()}
-    assert errors["bad:good"] is None
-    assert "empty prompt" in errors["bad:empty"]
-    assert "exceeds the target's context" in errors["bad:long"]
-    assert "line 4" in errors["bad:line4"]
-
-
 def test_two_jobs_on_one_folder_do_not_both_run(tiny_zoo, tmp_path):
     from pipelines.label import exclusive
 
@@ -176,13 +152,23 @@ def test_unknown_source_stops_before_the_job_starts(tiny_zoo, tmp_path):
     assert not (tmp_path / "labels").exists()
 
 
-def test_label_command(local_ray, tiny_zoo, tmp_path, capsys):
+def test_label_command_makes_bad_prompts_rows_with_errors_and_goes_on(local_ray, tiny_zoo, tmp_path, capsys):
+    """`blockpilot label` over two sources, one of them a file of bad prompts: each bad prompt is a row naming
+    what is wrong with it, and the good ones are labeled with the candidates asked for."""
     from blockpilot.cli import main
 
+    prompts = tmp_path / "bad.jsonl"
+    lines = [
+        json.dumps({"id": "good", "prompt": "Count from 1 to 6."}),
+        json.dumps({"id": "empty", "prompt": ""}),
+        json.dumps({"id": "long", "prompt": "word " * 1500}),
+        "{broken json",
+    ]
+    prompts.write_text("\n".join(lines) + "\n")
     argv = [
         "label",
         "--prompts",
-        f"zoo:{tiny_zoo}:heldout",
+        f"zoo:{tiny_zoo}:heldout,jsonl:{prompts}",
         "--target",
         str(tiny_zoo / "target"),
         "--drafter",
@@ -190,7 +176,7 @@ def test_label_command(local_ray, tiny_zoo, tmp_path, capsys):
         "--out",
         str(tmp_path / "labels"),
         "--limit",
-        "3",
+        "4",
         "--candidates",
         "1,2,4,8",
         "--temperatures",
@@ -200,9 +186,15 @@ def test_label_command(local_ray, tiny_zoo, tmp_path, capsys):
         "--no-track",
     ]
     assert main(argv) == 0
-    assert "rows: 3" in capsys.readouterr().out
-    table = read_labels(tmp_path / "labels")
-    assert table["candidates"].to_pylist() == [[1, 2, 4, 8]] * 3
+    assert "rows: 8" in capsys.readouterr().out
+    rows = read_labels(tmp_path / "labels").to_pylist()
+    errors = {row["prompt_id"]: row["error"] for row in rows}
+    assert len(errors) == 8 and sum(error is not None for error in errors.values()) == 3
+    assert errors["bad:good"] is None
+    assert "empty prompt" in errors["bad:empty"]
+    assert "exceeds the target's context" in errors["bad:long"]
+    assert "line 4" in errors["bad:line4"]
+    assert [row["candidates"] for row in rows if row["error"] is None] == [[1, 2, 4, 8]] * 5
 
 
 @pytest.mark.parametrize(
