@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from blockpilot.cost import load_cost
-from blockpilot.data.sources import load_prompts
+from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.decoding.speed import measure_speed
@@ -79,8 +79,7 @@ def main() -> None:
         # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
     else:
-        records = load_prompts(f"jsonl:{args.prompts}", limit=args.limit)
-        prompts = [record.turns[0] for record in records if record.error is None and record.turns]
+        prompts = prompt_texts(f"jsonl:{args.prompts}", limit=args.limit)
         # Real answers end at a stop token: at T = 0 every policy produces the same tokens. Sampled, each policy
         # draws its own answers, of other lengths, and a batch of shorter ones spends more of its time in prefill
         # and with few rows; so at T > 0 every row decodes exactly max_new_tokens, the same work for every policy.

@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from blockpilot.data.sources import load_prompts
+from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine
 from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.models import load_models
@@ -76,7 +76,7 @@ def main() -> None:
     if not low < high or any(not 0.0 <= s <= 1.0 for s in shares):
         parser.error(f"expected --low < --high and shares within [0, 1]; got {low}, {high} and {shares}")
     if args.prompts is not None:
-        texts = [record.turns[0] for record in load_prompts(args.prompts) if record.error is None and record.turns]
+        texts = prompt_texts(args.prompts)
     else:
         texts = ["Write the numbers from 1 to 40, separated by commas."]
     prompts = [models.encode_prompt(texts[i % len(texts)]) for i in range(args.batch)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import socket
 import statistics
 import time
@@ -48,11 +47,12 @@ def main() -> None:
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (its torch threads)")
     args = parser.parse_args()
 
+    from blockpilot.data.sources import prompt_texts
     from blockpilot.serving import ServeLimits
     from pipelines.serve import ModelLoader, serve_locally
 
-    rows = [json.loads(line) for line in (args.zoo / "prompts" / "heldout.jsonl").read_text().splitlines()]
-    prompts = [rows[i % len(rows)]["prompt"] for i in range(args.requests)]
+    texts = prompt_texts(f"zoo:{args.zoo}:heldout")
+    prompts = [texts[i % len(texts)] for i in range(args.requests)]
     limits = ServeLimits(max_batch=args.max_batch, max_queue=max(64, args.requests))
     loader = ModelLoader(
         str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, cost=args.cost, limits=limits

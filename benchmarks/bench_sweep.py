@@ -11,13 +11,13 @@ table/live ratio, and how many prompts gave identical tau vectors (all of them, 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from blockpilot.blocks import candidates_around
+from blockpilot.data.sources import prompt_texts
 from blockpilot.models import load_models
 from blockpilot.sweep import SweepConfig, sweep_prompts
 
@@ -39,8 +39,7 @@ def main() -> None:
 
     logging.disable_progress_bar()
     models = load_models(args.zoo / "target", args.zoo / "drafter", device=args.device)
-    rows = [json.loads(line) for line in (args.zoo / "prompts" / f"{args.split}.jsonl").read_text().splitlines()]
-    prompts = [models.encode_prompt(row["prompt"]) for row in rows[: args.prompts]]
+    prompts = [models.encode_prompt(text) for text in prompt_texts(f"zoo:{args.zoo}:{args.split}", limit=args.prompts)]
     stop = tuple(models.stop_token_ids())
     print(
         f"device={models.device} threads={torch.get_num_threads()} prompts={len(prompts)} "

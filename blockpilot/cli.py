@@ -112,7 +112,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_calibrate_trim(args: argparse.Namespace) -> int:
     from blockpilot.cost import load_cost
-    from blockpilot.data.sources import load_prompts
+    from blockpilot.data.sources import prompt_texts
     from blockpilot.models.loading import load_models
     from blockpilot.trim import calibrate_trim
 
@@ -120,8 +120,7 @@ def cmd_calibrate_trim(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
     if models.drafter is None:
         raise ValueError("--drafter is required: draft-then-trim drafts a block")
-    records = [r for r in load_prompts(args.prompts, limit=args.limit) if r.error is None and r.turns]
-    prompts = [models.encode_prompt(r.turns[0]) for r in records]
+    prompts = [models.encode_prompt(text) for text in prompt_texts(args.prompts, limit=args.limit)]
     block_size = args.block_size or 2 * models.train_block_size
     calibration = calibrate_trim(
         models, prompts, block_size, cost=load_cost(args.cost), temperature=args.temperature, max_new_tokens=args.max_new_tokens

@@ -16,6 +16,7 @@ from blockpilot.data.sources import (
     content_id,
     load_prompt_source,
     load_prompts,
+    prompt_texts,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "datasets"
@@ -152,3 +153,14 @@ def test_several_sources_limit_and_unique_ids(local_datasets, tmp_path):
         load_prompts("gsm8k", limit=0)
     with pytest.raises(ValueError, match="appears twice"):
         load_prompts([f"txt:{tmp_path / 'gsm8k.txt'}", f"txt:{tmp_path / 'gsm8k.txt'}"])
+
+
+def test_prompt_texts_are_the_first_turns_of_the_usable_prompts(tmp_path):
+    lines = [
+        json.dumps({"id": "a", "prompt": "first"}),
+        "{broken json",
+        json.dumps({"id": "chat", "turns": ["opening", "follow-up"]}),
+    ]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+    assert prompt_texts(f"jsonl:{tmp_path / 'mixed.jsonl'}") == ["first", "opening"]
+    assert prompt_texts(f"jsonl:{tmp_path / 'mixed.jsonl'}", limit=2) == ["first"]

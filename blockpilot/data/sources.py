@@ -275,3 +275,9 @@ def load_prompts(specs: str | Iterable[str], limit: int | None = None) -> list[P
             seen.add(record.id)
             records.append(record)
     return records
+
+
+def prompt_texts(specs: str | Iterable[str], limit: int | None = None) -> list[str]:
+    """The first user turn of every usable prompt of `specs` (records that carry an error left out): what one
+    generation, a calibration or a benchmark prompts the target with."""
+    return [record.turns[0] for record in load_prompts(specs, limit) if record.error is None and record.turns]
