@@ -15,7 +15,7 @@ from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.serving import ServeLimits
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]  # one worker sets the Serve apps up
+pytestmark = pytest.mark.slow
 
 KEY = "test-key"
 
