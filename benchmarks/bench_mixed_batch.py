@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mixed_batch.py --target $ZOO/target --drafter $ZOO/drafter
         [--prompts zoo:$ZOO:heldout] [--batch 32] [--low 6] [--high 8] [--shares 0,0.15,0.5,1]
-        [--rounds 5] [--padded]
+        [--rounds 5] [--layouts packed,padded]
 
 A per-step policy under load makes the rows of a batch draft blocks of unequal sizes. The engine packs them
 (`RaggedTokens`), so a row's token-by-token work follows its own b, but attention and the caches span the widest
@@ -11,7 +11,9 @@ block. Modeled throughput prices each row at c(b, batch) of its own b; this meas
 Each row drafts --high with probability `share` and --low otherwise, drawn again before every cycle (seeded), greedy
 and without stop tokens, so every row decodes --max-new-tokens and the batch stays full. Prints the median time of a
 cycle (engine time per cycle of each row, median over rows, then over --rounds rounds that interleave the shares),
-the mean b drafted, and what a per-row price interpolates between the two pure batches for the same mean b.
+the mean b drafted, and what a per-row price interpolates between the two pure batches for the same mean b. With
+both layouts, every round runs each (share, layout) pair, so the layouts are compared within a run: this machine's
+speed drifts by more than the difference between runs taken minutes apart.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ def main() -> None:
     parser.add_argument("--shares", default="0,0.15,0.5,1", help="shares of rows at --high, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--padded", action="store_true", help="pad every row to the widest block (packed=False)")
+    parser.add_argument(
+        "--layouts",
+        default="packed",
+        help="packed (each row's own block), padded (every row padded to the widest), or both, comma-separated",
+    )
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -75,6 +81,9 @@ def main() -> None:
     shares = [float(s) for s in args.shares.split(",")]
     if not low < high or any(not 0.0 <= s <= 1.0 for s in shares):
         parser.error(f"expected --low < --high and shares within [0, 1]; got {low}, {high} and {shares}")
+    layouts = [layout.strip() for layout in args.layouts.split(",") if layout.strip()]
+    if not layouts or not set(layouts) <= {"packed", "padded"} or len(set(layouts)) != len(layouts):
+        parser.error(f"expected --layouts among packed,padded without repeats; got {args.layouts!r}")
     if args.prompts is not None:
         texts = prompt_texts(args.prompts)
     else:
@@ -82,38 +91,41 @@ def main() -> None:
     prompts = [models.encode_prompt(texts[i % len(texts)]) for i in range(args.batch)]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_token_ids=())
 
-    def run(share: float, seed: int) -> tuple[float, float]:
+    def run(share: float, layout: str, seed: int) -> tuple[float, float]:
         """(median seconds per cycle over the rows, mean b drafted) of one full batch."""
         policy = RandomMix(low, high, share, seed)
-        engine = SpeculativeEngine(models, max_batch=args.batch, packed=not args.padded)
+        engine = SpeculativeEngine(models, max_batch=args.batch, packed=layout == "packed")
         for prompt in prompts:
             engine.submit(GenerationRequest(prompt, config, policy))
         results = [update.result for update in engine.run() if update.result is not None]
         per_cycle = statistics.median(r.decode_time_s / r.cycles for r in results if r.cycles)
         return per_cycle, statistics.fmean(policy.drafted)
 
-    run(0.5, 0)  # warm-up
-    cycles: dict[float, list[float]] = {share: [] for share in shares}
-    drafted: dict[float, list[float]] = {share: [] for share in shares}
+    for layout in layouts:
+        run(0.5, layout, 0)  # warm-up
+    pairs = [(share, layout) for share in shares for layout in layouts]
+    cycles: dict[tuple[float, str], list[float]] = {pair: [] for pair in pairs}
+    drafted: dict[tuple[float, str], list[float]] = {pair: [] for pair in pairs}
     for round_index in range(args.rounds):
-        order = shares[round_index % len(shares) :] + shares[: round_index % len(shares)]
-        for share in order:
-            seconds, mean_b = run(share, round_index)
-            cycles[share].append(seconds)
-            drafted[share].append(mean_b)
+        start = round_index % len(pairs)
+        for share, layout in pairs[start:] + pairs[:start]:
+            seconds, mean_b = run(share, layout, round_index)
+            cycles[share, layout].append(seconds)
+            drafted[share, layout].append(mean_b)
     print(
         f"device={models.device} threads={torch.get_num_threads()} batch={args.batch} b={low}/{high} "
-        f"max_new_tokens={args.max_new_tokens} rounds={args.rounds} {'padded' if args.padded else 'packed'}"
+        f"max_new_tokens={args.max_new_tokens} rounds={args.rounds}"
     )
-    pure = {share: statistics.median(cycles[share]) for share in (0.0, 1.0) if share in cycles}
-    print(f"{'share at b=' + str(high):>14} {'mean b':>7} {'ms/cycle':>9} {'per-row price':>14}")
-    for share in shares:
-        mean_b = statistics.fmean(drafted[share])
-        priced = ""
-        if len(pure) == 2:  # c(b, n) per row, linear between the two pure batches, at this mix's mean b
-            priced = f"{1e3 * (pure[0.0] + (pure[1.0] - pure[0.0]) * (mean_b - low) / (high - low)):>14.2f}"
-        print(f"{share:>14.2f} {mean_b:>7.2f} {1e3 * statistics.median(cycles[share]):>9.2f} {priced}")
-
+    print(f"{'layout':>7} {'share at b=' + str(high):>14} {'mean b':>7} {'ms/cycle':>9} {'per-row price':>14}")
+    for layout in layouts:
+        pure = {share: statistics.median(cycles[share, layout]) for share in (0.0, 1.0) if share in shares}
+        for share in shares:
+            mean_b = statistics.fmean(drafted[share, layout])
+            priced = ""
+            if len(pure) == 2:  # c(b, n) per row, linear between the two pure batches, at this mix's mean b
+                priced = f"{1e3 * (pure[0.0] + (pure[1.0] - pure[0.0]) * (mean_b - low) / (high - low)):>14.2f}"
+            median = 1e3 * statistics.median(cycles[share, layout])
+            print(f"{layout:>7} {share:>14.2f} {mean_b:>7.2f} {median:>9.2f} {priced}")
 
 if __name__ == "__main__":
     main()
