@@ -127,5 +127,6 @@ def main() -> None:
             median = 1e3 * statistics.median(cycles[share, layout])
             print(f"{layout:>7} {share:>14.2f} {mean_b:>7.2f} {median:>9.2f} {priced}")
 
+
 if __name__ == "__main__":
     main()
