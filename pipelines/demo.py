@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.home import HOME_ENV, blockpilot_home
 from blockpilot.options import option, positive_int_arg
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
@@ -113,32 +114,40 @@ class StageClock:
 
 
 def reference_answers(zoo: Path) -> dict[str, str]:
-    """The held-out prompts' reference responses, by prompt id, where the zoo's corpus is at hand."""
+    """The held-out prompts' reference responses, by prompt text, where the zoo's corpus is at hand."""
     corpus = zoo / "corpus.json"
     if not corpus.is_file():
         return {}
-    return {row["id"]: row["response"] for row in json.loads(corpus.read_text())["heldout"]}
+    return {row["prompt"]: row["response"] for row in json.loads(corpus.read_text())["heldout"]}
+
+
+@dataclass(frozen=True)
+class Example:
+    """The prompt the demo traces, and how close its greedy answer came to the reference (None: no reference)."""
+
+    record: PromptRecord
+    reference: str | None = None
+    similarity: float | None = None
 
 
 def pick_example(
-    models: Any, heldout: list[dict[str, Any]], references: dict[str, str], tries: int = 32, max_new_tokens: int = 64
-) -> dict[str, Any]:
+    models: Any, heldout: list[PromptRecord], references: dict[str, str], tries: int = 32, max_new_tokens: int = 64
+) -> Example:
     """The held-out prompt, among the checkable families, whose greedy answer comes closest to its reference
     (difflib's ratio); the first held-out prompt when there are no references."""
     from blockpilot.decoding import GenerationConfig, generate
 
-    checkable = [row for row in heldout if row["source"] in _CHECKABLE_SOURCES and row["id"] in references][:tries]
+    checkable = [r for r in heldout if r.source in _CHECKABLE_SOURCES and r.turns[0] in references][:tries]
     if not checkable:
-        return {**heldout[0], "reference": None, "similarity": None}
+        return Example(heldout[0])
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids()))
     scored = []
-    for row in checkable:
-        result = generate(models, models.encode_prompt(row["prompt"]), config=config)
+    for record in checkable:
+        result = generate(models, models.encode_prompt(record.turns[0]), config=config)
         answer = models.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
-        similarity = difflib.SequenceMatcher(None, answer, references[row["id"]].strip()).ratio()
-        scored.append((similarity, row))
-    similarity, row = max(scored, key=lambda pair: pair[0])
-    return {**row, "reference": references[row["id"]], "similarity": similarity}
+        reference = references[record.turns[0]]
+        scored.append(Example(record, reference, difflib.SequenceMatcher(None, answer, reference.strip()).ratio()))
+    return max(scored, key=lambda example: example.similarity)
 
 
 def policy_table(
@@ -243,18 +252,18 @@ def run_demo(job: DemoJob) -> int:
     adaptive = f"learned+step:{predictor},{step.model_dir}"
 
     clock.start("example", f"one held-out prompt under {adaptive}")
-    heldout = [json.loads(line) for line in (zoo / "prompts" / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    heldout = zoo_prompts(zoo, "heldout")
     example = pick_example(models, heldout, reference_answers(zoo))
     result = generate(
         models,
-        models.encode_prompt(example["prompt"]),
+        models.encode_prompt(example.record.turns[0]),
         policy=resolve_policy(adaptive, models),
         config=GenerationConfig(max_new_tokens=64, stop_token_ids=tuple(models.stop_token_ids())),
     )
-    print(f"prompt ({example['source']}): {example['prompt']!r}")
+    print(f"prompt ({example.record.source}): {example.record.turns[0]!r}")
     print(f"answer:    {models.tokenizer.decode(result.token_ids, skip_special_tokens=True)!r}")
-    if example["reference"] is not None:
-        print(f"reference: {example['reference']!r} (similarity {example['similarity']:.2f}, the closest of its families)")
+    if example.reference is not None:
+        print(f"reference: {example.reference!r} (similarity {example.similarity:.2f}, the closest of its families)")
     print(result.format_stats())
 
     clock.start("policies", "every policy on the held-out prompts: tables and live")
@@ -267,7 +276,7 @@ def run_demo(job: DemoJob) -> int:
         "oracle": (None, "static oracle"),
         "step_oracle": (None, "per-step oracle"),
     }
-    prompts_ids = [models.encode_prompt(row["prompt"]) for row in heldout[: job.live_prompts]]
+    prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
     measure_speed(models, prompts_ids[:2], resolve_policy(f"fixed:{recipe.block_size}", models), config)  # warm-up
     live = {
@@ -289,7 +298,7 @@ def run_demo(job: DemoJob) -> int:
             timeout=120,
             json={
                 "model": f"zoo-{size}",
-                "messages": [{"role": "user", "content": example["prompt"]}],
+                "messages": [{"role": "user", "content": example.record.turns[0]}],
                 "max_tokens": 64,
                 "temperature": 0,
             },

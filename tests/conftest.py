@@ -34,9 +34,10 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory, *, kept: bool = Fals
     """A folder every xdist worker of this run sees (the run's base temp), or this session's own without xdist.
     With `kept`, `BLOCKPILOT_TEST_HOME` when it is set, so that what is built there is kept between runs."""
     if kept and os.environ.get("BLOCKPILOT_TEST_HOME"):
-        return Path(os.environ["BLOCKPILOT_TEST_HOME"])
-    base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+        folder = Path(os.environ["BLOCKPILOT_TEST_HOME"]).expanduser()
+    else:
+        base = tmp_path_factory.getbasetemp()
+        folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

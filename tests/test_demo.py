@@ -6,10 +6,19 @@ import math
 
 import pytest
 
+from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.decoding.speed import PolicySpeed, measure_speed
-from pipelines.demo import DEFAULT_SIZE, SIZE_ENV, DemoPaths, StageClock, pick_example, policy_table
+from pipelines.demo import (
+    DEFAULT_SIZE,
+    SIZE_ENV,
+    DemoPaths,
+    StageClock,
+    pick_example,
+    policy_table,
+    reference_answers,
+)
 
 
 def test_measure_speed_counts_every_generated_token(random_models):
@@ -28,21 +37,29 @@ def test_measure_speed_counts_every_generated_token(random_models):
 def test_the_example_is_the_checkable_prompt_answered_closest_to_its_reference(random_models):
     from blockpilot.decoding import generate
 
-    rows = [
-        {"id": "a", "source": "count", "prompt": "Count from 1 to 5."},
-        {"id": "b", "source": "sort", "prompt": "Sort these numbers: 3 1 2"},
-        {"id": "c", "source": "code", "prompt": "def f():"},  # not a checkable family: never picked
+    records = [
+        PromptRecord("zoo-heldout:a", "count", ("Count from 1 to 5.",)),
+        PromptRecord("zoo-heldout:b", "sort", ("Sort these numbers: 3 1 2",)),
+        PromptRecord("zoo-heldout:c", "code", ("def f():",)),  # not a checkable family: never picked
     ]
     config = GenerationConfig(max_new_tokens=8, stop_token_ids=tuple(random_models.stop_token_ids()))
-    answer = generate(random_models, random_models.encode_prompt(rows[1]["prompt"]), config=config)
+    answer = generate(random_models, random_models.encode_prompt(records[1].turns[0]), config=config)
     exact = random_models.tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
-    references = {"a": "\x00 nothing alike \x00", "b": exact, "c": exact}
-    example = pick_example(random_models, rows, references, max_new_tokens=8)
-    assert example["id"] == "b" and example["similarity"] == pytest.approx(1.0)
-    assert example["reference"] == exact
+    references = {"Count from 1 to 5.": "\x00 nothing alike \x00", "Sort these numbers: 3 1 2": exact, "def f():": exact}
+    example = pick_example(random_models, records, references, max_new_tokens=8)
+    assert example.record is records[1] and example.similarity == pytest.approx(1.0)
+    assert example.reference == exact
     # Without references (a zoo copied without its corpus) the first held-out prompt is shown, unjudged.
-    fallback = pick_example(random_models, rows, {})
-    assert fallback["id"] == "a" and fallback["reference"] is None
+    fallback = pick_example(random_models, records, {})
+    assert fallback.record is records[0] and fallback.reference is None and fallback.similarity is None
+
+
+def test_the_references_are_the_zoo_corpus_answers_to_its_heldout_prompts(tiny_zoo):
+    references = reference_answers(tiny_zoo)
+    heldout = zoo_prompts(tiny_zoo, "heldout")
+    assert heldout and all(record.turns[0] in references for record in heldout)
+    assert all(isinstance(answer, str) and answer for answer in references.values())
+    assert reference_answers(tiny_zoo / "no-such-zoo") == {}
 
 
 def test_policy_table_has_a_row_per_policy_and_dashes_where_nothing_ran():

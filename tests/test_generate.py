@@ -6,6 +6,7 @@ import pytest
 import torch
 from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
 
+from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import (
     EntropyHeuristic,
     FixedBlockSize,
@@ -273,10 +274,7 @@ def test_rejection_rule_at_temperature_zero_is_greedy(random_models, prompt_ids)
 
 @pytest.fixture(scope="module")
 def zoo_prompts(tiny_zoo, tiny_models):
-    import json
-
-    rows = [json.loads(line) for line in (tiny_zoo / "prompts" / "heldout.jsonl").read_text().splitlines()]
-    return [tiny_models.encode_prompt(row["prompt"]) for row in rows[:6]]
+    return [tiny_models.encode_prompt(text) for text in prompt_texts(f"zoo:{tiny_zoo}:heldout", limit=6)]
 
 
 @pytest.mark.parametrize("policy", [1, 2, 4, 8, 16, "entropy"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 
@@ -10,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from blockpilot.data.labels import LABEL_SCHEMA, deduplicate, read_label_files, read_labels, rows_to_table
-from blockpilot.data.sources import PromptRecord
 from blockpilot.blocks import best_block_size, candidates_around
+from blockpilot.data.labels import LABEL_SCHEMA, deduplicate, read_label_files, read_labels, rows_to_table
+from blockpilot.data.sources import PromptRecord, prompt_texts
 from blockpilot.decoding.engine import generate_many
 from blockpilot.labeling import Labeler, LabelSettings, summarize, task_keys, task_seed
 from blockpilot.sweep import SweepConfig, sweep_prompt, sweep_prompts
@@ -21,8 +20,7 @@ from blockpilot.table import tables_from_row
 
 @pytest.fixture(scope="module")
 def heldout(tiny_zoo, tiny_models):
-    rows = [json.loads(line) for line in (tiny_zoo / "prompts" / "heldout.jsonl").read_text().splitlines()]
-    return [tiny_models.encode_prompt(row["prompt"]) for row in rows]
+    return [tiny_models.encode_prompt(text) for text in prompt_texts(f"zoo:{tiny_zoo}:heldout")]
 
 
 @pytest.mark.parametrize("candidates", [(2, 3, 4, 5, 6), (1, 2, 4, 8, 14, 15, 16, 17, 18)])

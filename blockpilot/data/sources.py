@@ -232,6 +232,22 @@ def _file(spec: str, text: str) -> Path:
     return path
 
 
+ZOO_SPLITS = ("train", "heldout")
+ZOO_SPLITS_SUFFIXES = tuple(f":{split}" for split in ZOO_SPLITS)
+
+
+def zoo_prompt_file(zoo: Path, split: str) -> Path:
+    """Where a zoo (`blockpilot zoo build`) keeps the prompts of one split."""
+    if split not in ZOO_SPLITS:
+        raise ValueError(f"a zoo's prompt split is one of {ZOO_SPLITS}, got {split!r}")
+    return zoo / "prompts" / f"{split}.jsonl"
+
+
+def zoo_prompts(zoo: Path, split: str = "train") -> list[PromptRecord]:
+    """A zoo's prompts of one split, each with its task family as `source` (what `zoo:DIR[:split]` loads)."""
+    return _jsonl_records(zoo_prompt_file(zoo, split), f"zoo-{split}")
+
+
 def load_prompt_source(spec: str) -> list[PromptRecord]:
     """The records of one source spec (see the module docstring)."""
     spec = spec.strip()
@@ -248,9 +264,10 @@ def load_prompt_source(spec: str) -> list[PromptRecord]:
         path = _file(spec, rest)
         return _parquet_records(path, path.stem)
     if kind == "zoo" and rest:
-        folder, _, split = rest.rpartition(":") if rest.endswith((":train", ":heldout")) else (rest, "", "train")
-        path = _file(spec, str(Path(folder).expanduser() / "prompts" / f"{split}.jsonl"))
-        return _jsonl_records(path, f"zoo-{split}")
+        folder, _, split = rest.rpartition(":") if rest.endswith(ZOO_SPLITS_SUFFIXES) else (rest, "", "train")
+        zoo = Path(folder).expanduser()
+        _file(spec, str(zoo_prompt_file(zoo, split)))  # names the spec when the zoo has no such file
+        return zoo_prompts(zoo, split)
     raise ValueError(
         f"unknown prompt source {spec!r}: expected one of {sorted(REGISTRY)}, or jsonl:PATH, txt:PATH, "
         "parquet:PATH, zoo:DIR[:train|heldout]"

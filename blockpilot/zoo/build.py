@@ -22,6 +22,7 @@ import torch
 
 from blockpilot.blocks import best_block_size, candidates_around
 from blockpilot.checks import mean_or_nan
+from blockpilot.data.sources import PromptRecord, zoo_prompt_file, zoo_prompts
 from blockpilot.files import atomic_folder, write_text_atomic
 from blockpilot.home import blockpilot_home
 from blockpilot.models.drafter_training import DrafterRecipe
@@ -251,7 +252,7 @@ class ZooBuild:
         parts["drafter"] = corpus.draw("train", self.recipe.drafter_prompts, "drafter")
         for name, split in (("train", "train_prompts"), ("heldout", "heldout")):
             rows = [{"id": e.id, "source": e.source, "prompt": e.prompt} for e in parts[split]]
-            _write_jsonl(self.work / "prompts" / f"{name}.jsonl", rows)
+            _write_jsonl(zoo_prompt_file(self.work, name), rows)
         # Written last: its presence says the stage is complete.
         write_text_atomic(path, json.dumps({k: [asdict(e) for e in v] for k, v in parts.items()}))
         return parts
@@ -429,7 +430,7 @@ def ends_in_loop(tokens: Sequence[int], max_period: int = 12, min_repeats: int =
 
 
 def evaluate_zoo(
-    models: Any, heldout: list[dict[str, Any]], recipe: ZooRecipe, log: Callable[[str], None]
+    models: Any, heldout: Sequence[PromptRecord], recipe: ZooRecipe, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Held-out tau for b = 1..2B at T = 0 (and at T = 1, `recipe.eval_samples` pooled runs), B* over
     B-2..B+2, the oracle's gain, the loop share, per source, and how often each draft slot is right per b.
@@ -443,7 +444,7 @@ def evaluate_zoo(
     block = recipe.block_size
     sizes = list(range(1, 2 * block + 1))
     prompts = heldout[: recipe.eval_prompts] if recipe.eval_prompts else heldout
-    ids = [models.encode_prompt(row["prompt"]) for row in prompts]
+    ids = [models.encode_prompt(record.turns[0]) for record in prompts]
     seeds = list(range(len(prompts)))
     stop = tuple(models.stop_token_ids())
     out: dict[str, Any] = {}
@@ -455,12 +456,12 @@ def evaluate_zoo(
         sweeps = sweep_prompts(models, ids, seeds, config, max_batch=16, slot_hits=hits)
         per_prompt = [
             {
-                "id": row["id"],
-                "source": row["source"],
+                "id": record.id,
+                "source": record.source,
                 "tau": {b: (t if sweep.cycles[i] else 1.0) for i, (b, t) in enumerate(zip(sizes, sweep.tau, strict=True))},
                 "loops": ends_in_loop(sweep.token_ids),
             }
-            for row, sweep in zip(prompts, sweeps, strict=True)
+            for record, sweep in zip(prompts, sweeps, strict=True)
         ]
         summary = summarize_tau(per_prompt, sizes, block)
         summary["slot_accuracy"] = {
@@ -554,7 +555,7 @@ def _build_into(work: Path, recipe: ZooRecipe, seed: int, device: str | None, tr
     data = build.responses_stage(target, tokenizer, corpus)
     drafter = build.drafter_stage(target, tokenizer, data, trainer)
     models = SpeculativeModels(target, tokenizer, drafter, tokenizer.mask_token_id)
-    evaluation = evaluate_zoo(models, _read_jsonl(work / "prompts" / "heldout.jsonl"), recipe, log)
+    evaluation = evaluate_zoo(models, zoo_prompts(work, "heldout"), recipe, log)
     info = {
         "size": recipe.name,
         "seed": seed,
