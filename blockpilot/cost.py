@@ -14,13 +14,18 @@ import math
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from blockpilot.checks import distinct_block_sizes, positive_int
 from blockpilot.files import write_text_atomic
+
+
+def nearest_batch_size(measured: Iterable[int], batch: int) -> int:
+    """The measured batch size that stands for `batch`: the nearest, ties to the smaller."""
+    return min(measured, key=lambda size: (abs(size - batch), size))
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class CycleCost:
         return max(c0 + (c1 - c0) * (block_size - b0) / (b1 - b0), min(c for _, c in points) / 10)
 
     def _nearest_batch(self, batch: int) -> int:
-        return min(self.seconds, key=lambda measured: (abs(measured - batch), measured))
+        return nearest_batch_size(self.seconds, batch)
 
     def at_batch(self, batch: int) -> CycleCost:
         """The curve at one load: c(b) of the result is c(b, batch) of this one (the nearest measured batch size).

@@ -28,6 +28,7 @@ from typing import Any
 from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
+    block_size_list,
     from_args,
     non_negative_int_arg,
     option,
@@ -44,6 +45,12 @@ class StepTrainJob:
     cost_batch: int = option(
         1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
     )
+    loads: tuple[int, ...] = option(
+        (),
+        type=block_size_list,
+        help="a load-aware model instead: trained at each of these batch sizes (e.g. 1,8,32, priced at the cost "
+        "file's nearest), reading the rows in a cycle's batch as a feature; evaluated at each",
+    )
     prior: str | None = option(
         None, help="per-request predictor (folder or models:/ URI): its choice drafts the first cycle and is a feature"
     )
@@ -59,6 +66,10 @@ class StepTrainJob:
     track: bool = option(True, flag="--no-track", help="do not log to MLflow")
 
     def __post_init__(self) -> None:
+        if self.loads and self.cost_batch != 1:
+            raise ValueError(f"--loads {list(self.loads)} trains at every load; drop --cost-batch {self.cost_batch}")
+        if self.loads and self.cost is None:
+            raise ValueError("--loads needs --cost: without a cost curve every load prices a cycle the same")
         if self.name is None:
             object.__setattr__(self, "name", f"step-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
 
@@ -114,6 +125,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     from blockpilot.cost import load_cost
     from blockpilot.data.labels import read_labels
     from blockpilot.predictor.step import (
+        LOAD_FEATURE,
         PRIOR_FEATURE,
         STEP_FEATURES,
         StepModel,
@@ -131,13 +143,13 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
 
     storage = job.storage or blockpilot_home() / "ray_results" / "step"
     refuse_existing_run(storage, job.name, resumable=False)
-    cost = load_cost(job.cost, job.cost_batch)
+    cost = load_cost(job.cost, None if job.loads else job.cost_batch)
     prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
     train_rows = step_rows(train_table, prior)
     eval_table = read_labels(job.eval) if job.eval else None
     eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
-    features, regret = regret_dataset(train_rows, cost)
+    features, regret = regret_dataset(train_rows, cost, job.loads)
     first = train_table.slice(0, 1).to_pylist()[0]
     candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(
@@ -147,8 +159,10 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         target_id=first["target_id"] or "",
         drafter_id=first["drafter_id"] or "",
         features=(
-            STEP_FEATURES if prior is None else (*STEP_FEATURES, PRIOR_FEATURE, *prior_probability_features(candidates))
+            *(STEP_FEATURES if prior is None else (*STEP_FEATURES, PRIOR_FEATURE, *prior_probability_features(candidates))),
+            *((LOAD_FEATURE,) if job.loads else ()),
         ),
+        loads=job.loads,
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
     print(
@@ -185,14 +199,21 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         with result.checkpoint.as_directory() as directory:
             model = StepModel.load(Path(directory) / "step")
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
-        metrics = evaluate_step_model(model, eval_rows, cost)
+        # A load-aware model is reported at each of its loads (`load<n>/...`), and at the largest without a prefix.
+        by_load = {load: evaluate_step_model(model, eval_rows, cost, load=load) for load in job.loads}
+        metrics = by_load[max(job.loads)] if job.loads else evaluate_step_model(model, eval_rows, cost)
+        metrics = metrics | {f"load{load}/{k}": v for load, at_load in by_load.items() for k, v in at_load.items()}
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
         for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):
             if table is not None:
                 log_label_set(tracker, source, table, name)
         tracker.log_artifact(out, "step_model")
         version, champion = log_predictor_model(tracker, out, metrics["throughput_step"], STEP_MODEL_NAME)
-    print(format_step_metrics(f"[step] held-out ({'--eval' if job.eval else 'training labels'})", metrics))
+    held_out = f"[step] held-out ({'--eval' if job.eval else 'training labels'})"
+    if not job.loads:
+        print(format_step_metrics(held_out, metrics))
+    for load, at_load in by_load.items():
+        print(format_step_metrics(f"{held_out}, priced at batch {load}", at_load))
     registered = f"; registered as models:/{STEP_MODEL_NAME}/{version}" if version else ""
     crowned = " (the new champion)" if champion else ""
     spec = f"learned+step:{job.prior},{out}" if prior is not None else f"learned-step:{out}"

@@ -185,11 +185,12 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     from blockpilot.decoding.resolve import resolve_policy
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
 
-    # Priced at a load of 8 rows: the curve measured at batch 8, not the one at batch 1.
-    cost = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}}, device="test").save(tmp_path / "cost.json")
+    # Load-aware: trained and reported at batch 1 and at batch 8, each priced with its own curve.
+    curve = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}}, device="test")
+    cost = curve.save(tmp_path / "cost.json")
     outcome = run_step_train_job(
         StepTrainJob(
-            labels=tiny_labels["train"], eval=tiny_labels["heldout"], cost=cost, cost_batch=8, epochs=2,
+            labels=tiny_labels["train"], eval=tiny_labels["heldout"], cost=cost, loads=(8, 1), epochs=2,
             storage=tmp_path / "ray", out=tmp_path / "step", name="step-tiny",
         )
     )
@@ -197,9 +198,13 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     assert len(kept) == 2, f"a checkpoint per epoch, the last two kept: found {kept}"
     with pytest.raises(ValueError, match="already exists.*another --name"):
         run_step_train_job(StepTrainJob(labels=tiny_labels["train"], storage=tmp_path / "ray", name="step-tiny"))
-    for group in ("", "T0/", "T1/"):
+    for group in ("", "T0/", "T1/", "load1/", "load8/T0/"):
         assert outcome.metrics[f"{group}throughput_step"] <= outcome.metrics[f"{group}throughput_step_oracle"] + 1e-9
         assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle"} <= set(outcome.metrics)
+    # Without a prefix: at the largest load. Fixed walks cost what the curve at that load says.
+    assert outcome.metrics["throughput_step"] == outcome.metrics["load8/throughput_step"]
+    assert outcome.metrics["load1/tau_B"] == outcome.metrics["load8/tau_B"]
+    assert outcome.metrics["load1/throughput_B"] > outcome.metrics["load8/throughput_B"]
     mlflow.set_tracking_uri(mlflow_store)
     client = mlflow.MlflowClient()
     assert sorted(m.step for m in client.get_metric_history(outcome.run_id, "train/expected_regret")) == [0, 1]
@@ -219,12 +224,15 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     import numpy as np
     import pandas as pd
 
-    from blockpilot.predictor.step import STEP_FEATURES, StepModel
+    from blockpilot.predictor.step import LOAD_FEATURE, STEP_FEATURES, StepModel
 
-    features = np.random.default_rng(0).random((16, len(STEP_FEATURES)), dtype=np.float32) * 3
+    rng = np.random.default_rng(0)
+    loads = np.log(rng.choice([1, 2, 8, 30], size=(16, 1))).astype(np.float32)
+    features = np.concatenate([rng.random((16, len(STEP_FEATURES)), dtype=np.float32) * 3, loads], axis=1)
     model = StepModel.load(outcome.model_dir)
-    assert "batch 8: b=1: 20.00 ms, b=8: 45.00 ms" in model.config.extra["cost"]
+    assert model.config.loads == (1, 8) and model.config.features == (*STEP_FEATURES, LOAD_FEATURE)
+    assert curve.describe() in model.config.extra["cost"]
     assert model.feature_mean.abs().sum() > 0  # standardized on its training cycles
     pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")
     expected = [model.config.candidates[k] for k in model.choose(features)]
-    assert list(pyfunc.predict(pd.DataFrame(features, columns=list(STEP_FEATURES)))) == expected
+    assert list(pyfunc.predict(pd.DataFrame(features, columns=list(model.config.features)))) == expected

@@ -15,6 +15,8 @@ from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.predictor.policy import LearnedPolicy
 from blockpilot.predictor.step import (
+    ANCHOR_FEATURES,
+    LOAD_FEATURE,
     PRIOR_FEATURE,
     STEP_FEATURES,
     PriorStepPolicy,
@@ -494,3 +496,89 @@ def test_the_split_half_check_scores_a_first_half_choice_on_the_second_half():
     assert "second halves" in report and "1st half" in report
     with pytest.raises(ValueError, match="starts at a cursor within"):
         steady.tables[0].walk(2, start=0)
+
+
+# ----------------------------------------------------------------------------- load-aware
+
+
+def load_aware_model(loads=(1, 8, 32), candidates=CANDIDATES) -> StepModel:
+    """Head j prefers candidate j whatever the other features: which head decided is visible in the choice."""
+    config = StepModelConfig(candidates, hidden_size=4, features=(*STEP_FEATURES, LOAD_FEATURE), loads=loads)
+    model = StepModel(config)
+    with torch.no_grad():
+        for index, head in enumerate(model.heads):
+            head[2].bias.zero_()
+            head[2].bias[index] = 100.0
+    return model.eval()
+
+
+def test_a_load_aware_model_decides_each_row_with_the_head_of_its_nearest_load():
+    model = load_aware_model()
+    rows = np.array([1, 2, 5, 8, 16, 20, 32, 100])
+    # Nearest of 1, 8, 32 as the cost curve prices a batch: 5 -> 8, 16 -> 8, 20 -> 8 (a tie goes to the smaller).
+    expected = [0, 0, 1, 1, 1, 1, 2, 2]
+    anchors = np.random.default_rng(0).random((len(rows), len(ANCHOR_FEATURES)), dtype=np.float32)
+    features = step_features(anchors, 2, 4, batch_rows=rows)
+    assert features.shape[1] == len(model.config.features) and np.allclose(features[:, -1], np.log(rows))
+    assert model.choose(features).tolist() == expected
+    assert model(torch.as_tensor(features)).argmax(dim=-1).tolist() == expected
+
+
+def test_a_load_aware_config_names_its_loads_and_its_feature_and_round_trips(tmp_path):
+    with pytest.raises(ValueError, match="log_batch_rows"):
+        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, LOAD_FEATURE))  # a load feature without loads
+    with pytest.raises(ValueError, match="log_batch_rows"):
+        StepModelConfig(CANDIDATES, loads=(1, 8))  # loads without the feature
+    with pytest.raises(ValueError, match="loads"):
+        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, LOAD_FEATURE), loads=(8, 8))
+    model = load_aware_model(loads=(8, 1))
+    assert model.config.loads == (1, 8) and model.config.uses_load and not model.config.uses_prior
+    loaded = StepModel.load(model.save(tmp_path / "aware"))
+    features = step_features(np.ones((4, len(ANCHOR_FEATURES)), dtype=np.float32), 1, 2, batch_rows=[1, 4, 8, 9])
+    assert loaded.config == model.config and loaded.choose(features).tolist() == model.choose(features).tolist()
+
+
+def test_load_aware_training_cycles_are_every_cycle_once_per_load_priced_at_that_load(tiny_labels):
+    rows = step_rows(pq.read_table(tiny_labels["train"]))
+    cost = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}})
+    features, regret = regret_dataset(rows, cost, (1, 8))
+    plain = [regret_dataset(rows, cost.at_batch(load)) for load in (1, 8)]
+    cycles = len(plain[0][0])
+    assert features.shape == (2 * cycles, len(STEP_FEATURES) + 1)
+    for index, (load, (x, r)) in enumerate(zip((1, 8), plain, strict=True)):
+        part = slice(index * cycles, (index + 1) * cycles)
+        assert np.array_equal(features[part, :-1], x) and np.array_equal(regret[part], r)
+        assert np.allclose(features[part, -1], np.log(load))
+    assert not np.array_equal(plain[0][1], plain[1][1]), "the two loads should price the choices differently"
+
+
+def test_a_load_aware_policy_reads_the_live_batch_and_stays_lossless(tiny_models):
+    """The engine tells the hooks how many rows the next cycle runs: the joining batch, then the rows going on
+    and the waiting ones that fit. Rows of one batch go to one head; the output is greedy whatever it picks."""
+    seen = []
+
+    class Recording(StepPolicy):
+        def initial_block_sizes(self, prefills):
+            seen.extend(("join", prefill.batch_rows) for prefill in prefills)
+            return super().initial_block_sizes(prefills)
+
+        def next_block_sizes(self, cycles):
+            seen.extend(("cycle", cycle.batch_rows) for cycle in cycles)
+            return super().next_block_sizes(cycles)
+
+    policy = Recording(load_aware_model(loads=(1, 2)))
+    texts = ("Count from 1 to 9.", "List four colors.", "Spell cat.")
+    lengths = (6, 20, 30)  # rows end at different cycles: the batch thins
+    requests = [
+        GenerationRequest(tiny_models.encode_prompt(text), GenerationConfig(max_new_tokens=n), policy)
+        for text, n in zip(texts, lengths, strict=True)
+    ]
+    results = generate_many(tiny_models, requests, max_batch=2)
+    for request, result in zip(requests, results, strict=True):
+        expected = greedy_reference(tiny_models.target, request.prompt_ids, request.config.max_new_tokens)
+        assert result.token_ids == expected
+        # Head 0 (one row) prefers b = 1, head 1 (two rows) b = 2: the choice follows the batch.
+        assert set(result.block_sizes) <= {1, 2}
+    assert ("join", 2) in seen and ("cycle", 1) in seen and ("cycle", 2) in seen
+    assert all(1 <= rows <= 2 for _, rows in seen)
+    assert any(b == 1 for r in results for b in r.block_sizes) and any(b == 2 for r in results for b in r.block_sizes)

@@ -150,6 +150,22 @@ def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
     return block_size
 
 
+def _cycle_state(row: _Row, committed: int, anchor_logits: torch.Tensor, batch_rows: int) -> CycleState:
+    """What the per-cycle hook sees of a row's last cycle, which committed `committed` tokens."""
+    return CycleState(
+        cycle=len(row.block_sizes) - 1,
+        block_size=row.block_size,
+        acceptance_length=committed,
+        new_tokens=len(row.tokens),
+        max_new_tokens=row.config.max_new_tokens,
+        temperature=row.config.temperature,
+        anchor_logits=anchor_logits,
+        first_block_size=row.chosen_block_size,
+        prefill=row.prefill_state,
+        batch_rows=batch_rows,
+    )
+
+
 def _by_policy(rows: Sequence[_Row]) -> list[list[int]]:
     """The indices of `rows` grouped by the policy object they share, so that a policy with a model is asked
     once for all its rows."""
@@ -262,10 +278,11 @@ class SpeculativeEngine:
 
     def _admit(self, joining: list[_Row], updates: list[RowUpdate]) -> None:
         """Prefill the joining rows, a few target passes of prompts of similar length (`prefill_groups`)."""
+        batch_rows = len(self.rows) + len(joining)
         for group in prefill_groups([row.prompt.numel() for row in joining]):
-            self._prefill([joining[index] for index in group], updates)
+            self._prefill([joining[index] for index in group], updates, batch_rows)
 
-    def _prefill(self, joining: list[_Row], updates: list[RowUpdate]) -> None:
+    def _prefill(self, joining: list[_Row], updates: list[RowUpdate], batch_rows: int) -> None:
         """Prefill rows into the next free cache rows in one target pass; commit each one's first token.
 
         Prompts are right-padded to the longest: under causal attention a prompt's positions never see its
@@ -299,7 +316,9 @@ class SpeculativeEngine:
         elapsed = time.perf_counter() - started
         for index, row in enumerate(joining):
             temperature = row.config.temperature
-            row.prefill_state = PrefillState(logits[index], row.prompt, temperature, self.models.train_block_size)
+            row.prefill_state = PrefillState(
+                logits[index], row.prompt, temperature, self.models.train_block_size, batch_rows
+            )
         self._initial_block_sizes(joining)
         finished = []
         for index, row in enumerate(joining):
@@ -352,21 +371,12 @@ class SpeculativeEngine:
             row.decode_time += elapsed
             updates.append(RowUpdate(row.id, new_tokens))
             if row.stop_reason is None:
-                state = CycleState(
-                    cycle=len(row.block_sizes) - 1,
-                    block_size=row.block_size,
-                    acceptance_length=len(new_tokens),
-                    new_tokens=len(row.tokens),
-                    max_new_tokens=row.config.max_new_tokens,
-                    temperature=row.config.temperature,
-                    anchor_logits=logits[index, accepted],
-                    first_block_size=row.chosen_block_size,
-                    prefill=row.prefill_state,
-                )
-                going_on.append((row, state))
+                going_on.append((row, len(new_tokens), logits[index, accepted]))
             else:
                 finished.append(index)
-        self._next_block_sizes(going_on)
+        # The hooks price the next cycle: the rows going on and the waiting ones that will join them.
+        next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
+        self._next_block_sizes([(row, _cycle_state(row, *done, next_batch)) for row, *done in going_on])
         for index in reversed(finished):
             self._retire(index, updates)
 

@@ -45,6 +45,7 @@ class PrefillState:
     prompt_ids: torch.Tensor  # (P,)
     temperature: float
     train_block_size: int | None  # the drafter's training block size B, None without a drafter
+    batch_rows: int = 1  # rows in the batch the request joins (itself included)
     # What policies derive from the prefill once per request and read again at later cycles (a per-request
     # predictor's output), by name; it lives as long as the request.
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -79,6 +80,7 @@ class CycleState:
     # the anchor" of the next cycle, already computed by this cycle's verify pass.
     anchor_logits: torch.Tensor | None = None
     first_block_size: int | None = None  # the b the request started with (its per-request choice)
+    batch_rows: int = 1  # rows expected in the next cycle's batch: the ones going on, and waiting ones that fit
     prefill: PrefillState | None = field(default=None, repr=False)  # the request's, as its first choice saw it
 
 

@@ -8,10 +8,13 @@ Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing e
 - the last cycle (`HISTORY_FEATURES`): log(1 + a) and a / b of its acceptance length a and block size b (both
   0 before the first cycle);
 - with a per-request prior, log(b0), b0 the per-request predictor's choice for the request (which also drafts
-  the first cycle: `PriorStepPolicy`), and its probability of every candidate (computed once per request).
+  the first cycle: `PriorStepPolicy`), and its probability of every candidate (computed once per request);
+- for a load-aware model (`StepModelConfig.loads`), log of the rows in the batch the cycle runs in: what a wider
+  block costs depends on the load (`CycleCost`), so the model learns its choice at every measured batch size and
+  follows the live batch as it fills and thins.
 
 Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
-is maximized). The last cycle depends on the path to cursor i, so the training examples are the cycles of
+is maximized); for a load-aware model, under the cost at each of its batch sizes, every cycle once per load. The last cycle depends on the path to cursor i, so the training examples are the cycles of
 every candidate's fixed-b walk over each table, each with the last cycle that walk ran. Training minimizes
 the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1). Evaluation walks each held-out
 table cycle by cycle with the model's choices (`walk_step_model`) beside fixed B, the best fixed b, the
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.checks import distinct_block_sizes, positive_int
-from blockpilot.cost import CycleCost
+from blockpilot.cost import CycleCost, nearest_batch_size
 from blockpilot.data.labels import ANCHOR_TOP_K
 from blockpilot.decoding.policies import (
     BlockSizePolicy,
@@ -51,6 +54,7 @@ ANCHOR_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "te
 HISTORY_FEATURES = ("log1p_last_accepted", "last_accepted_share")
 STEP_FEATURES = (*ANCHOR_FEATURES, *HISTORY_FEATURES)
 PRIOR_FEATURE = "log_prior_b"  # log of the per-request predictor's block size for the request
+LOAD_FEATURE = "log_batch_rows"  # log of the rows in the batch the cycle runs in (load-aware models)
 
 
 def prior_probability_features(candidates: tuple[int, ...]) -> tuple[str, ...]:
@@ -83,14 +87,16 @@ def step_features(
     last_block_size: np.ndarray | int,  # (N,) the last cycle's b; 0 before the first cycle
     prior_block_size: np.ndarray | int | None = None,  # (N,) or one b0 for every cycle
     prior_probabilities: np.ndarray | None = None,  # (K,) or (N, K) the per-request predictor's, with its b0
+    batch_rows: np.ndarray | int | None = None,  # (N,) or one load: the rows in each cycle's batch
 ) -> np.ndarray:
     """(N, F) features of N cycles: the anchor's, the last cycle's, and with a per-request prior b0, log(b0)
-    (then the prior's probability of every candidate, when given)."""
+    (then the prior's probability of every candidate, when given); last, log(batch rows) when given."""
     if prior_probabilities is not None and prior_block_size is None:
         raise ValueError("prior probabilities come with the prior's block size b0")
     n, width = anchors.shape
     prior_probabilities = None if prior_probabilities is None else np.asarray(prior_probabilities, dtype=np.float32)
     extra = (prior_block_size is not None) + (prior_probabilities.shape[-1] if prior_probabilities is not None else 0)
+    extra += batch_rows is not None
     out = np.empty((n, width + len(HISTORY_FEATURES) + extra), dtype=np.float32)
     accepted = np.asarray(last_accepted, dtype=np.float32)
     size = np.asarray(last_block_size, dtype=np.float32)
@@ -100,7 +106,9 @@ def step_features(
     if prior_block_size is not None:
         out[:, width + 2] = np.log(np.asarray(prior_block_size, dtype=np.float32))
     if prior_probabilities is not None:
-        out[:, width + 3 :] = prior_probabilities
+        out[:, width + 3 : width + 3 + prior_probabilities.shape[-1]] = prior_probabilities
+    if batch_rows is not None:
+        out[:, -1] = np.log(np.asarray(batch_rows, dtype=np.float32))
     return out
 
 
@@ -112,16 +120,21 @@ class StepModelConfig:
     target_id: str = ""
     drafter_id: str = ""
     features: tuple[str, ...] = STEP_FEATURES
+    loads: tuple[int, ...] = ()  # a load-aware model: the batch sizes it was trained at (LOAD_FEATURE last)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
+        object.__setattr__(self, "loads", distinct_block_sizes(self.loads, "loads") if self.loads else ())
         positive_int(self.hidden_size, "hidden_size")
         with_prior = (*STEP_FEATURES, PRIOR_FEATURE)
-        if tuple(self.features) not in (STEP_FEATURES, with_prior, (*with_prior, *self.prior_probability_features)):
+        load = (LOAD_FEATURE,) if self.loads else ()
+        allowed = [(*base, *load) for base in (STEP_FEATURES, with_prior, (*with_prior, *self.prior_probability_features))]
+        if tuple(self.features) not in allowed:
             raise ValueError(
                 f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)} "
-                f"(+ {PRIOR_FEATURE!r} with a per-request prior, and + {list(self.prior_probability_features)})"
+                f"(+ {PRIOR_FEATURE!r} with a per-request prior, and + {list(self.prior_probability_features)}; "
+                f"+ {LOAD_FEATURE!r} last when, and only when, the model has loads: {list(self.loads)})"
             )
 
     @property
@@ -136,10 +149,21 @@ class StepModelConfig:
     @property
     def uses_prior_probabilities(self) -> bool:
         """Whether it also reads the predictor's probability of every candidate."""
-        return self.uses_prior and len(self.features) > len(STEP_FEATURES) + 1
+        return self.uses_prior and self.prior_probability_features[0] in self.features
+
+    @property
+    def uses_load(self) -> bool:
+        """Whether it reads the rows in the cycle's batch (and was trained at every batch size of `loads`)."""
+        return bool(self.loads)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "candidates": list(self.candidates), "features": list(self.features), "kind": "step"}
+        return {
+            **asdict(self),
+            "candidates": list(self.candidates),
+            "features": list(self.features),
+            "loads": list(self.loads),
+            "kind": "step",
+        }
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StepModelConfig:
@@ -147,12 +171,24 @@ class StepModelConfig:
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"step model config: unknown fields {sorted(unknown)}")
-        return cls(**{**raw, "candidates": tuple(raw["candidates"]), "features": tuple(raw["features"])})
+        return cls(
+            **{
+                **raw,
+                "candidates": tuple(raw["candidates"]),
+                "features": tuple(raw["features"]),
+                "loads": tuple(raw.get("loads", ())),
+            }
+        )
 
 
 class StepModel(nn.Module):
     """(N, F) features -> (N, K) logits over the candidates: the features standardized (`standardize`; the
-    identity until then), then an MLP with one hidden layer."""
+    identity until then), then an MLP with one hidden layer.
+
+    A load-aware model has one such MLP per load (`heads`, in `config.loads` order) instead of `net`: each row goes
+    to the head of its batch size's nearest load (the rule that prices it, `nearest_batch_size`), which reads the
+    other features. One MLP fed log(batch rows) as an input did not learn the loads apart: on the mini zoo's
+    tables, priced at batch 32, it chose as at batch 8 (128.3 modeled against 135.4 for a model trained at 32)."""
 
     def __init__(self, config: StepModelConfig) -> None:
         super().__init__()
@@ -160,11 +196,23 @@ class StepModel(nn.Module):
         width = len(config.features)
         self.register_buffer("feature_mean", torch.zeros(width))
         self.register_buffer("feature_scale", torch.ones(width))
-        self.net = nn.Sequential(
-            nn.Linear(width, config.hidden_size),
-            nn.ReLU(),
-            nn.Linear(config.hidden_size, len(config.candidates)),
-        )
+        inputs = width - config.uses_load
+
+        def mlp() -> nn.Sequential:
+            return nn.Sequential(
+                nn.Linear(inputs, config.hidden_size), nn.ReLU(), nn.Linear(config.hidden_size, len(config.candidates))
+            )
+
+        if config.uses_load:
+            self.heads = nn.ModuleList(mlp() for _ in config.loads)
+        else:
+            self.net = mlp()
+
+    def _head_of_row(self, features: np.ndarray) -> np.ndarray:
+        """(N,) the head (index into `config.loads`) of each row, from its raw log(batch rows) feature."""
+        loads = self.config.loads
+        rows = np.rint(np.exp(np.asarray(features, dtype=np.float64)[:, -1])).astype(np.int64)
+        return np.asarray([loads.index(nearest_batch_size(loads, int(n))) for n in rows], dtype=np.int64)
 
     @torch.no_grad()
     def standardize(self, features: np.ndarray) -> StepModel:
@@ -183,18 +231,31 @@ class StepModel(nn.Module):
         return self
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net((features - self.feature_mean) / self.feature_scale)
+        x = (features - self.feature_mean) / self.feature_scale
+        if not self.config.uses_load:
+            return self.net(x)
+        heads = torch.as_tensor(self._head_of_row(features.detach().cpu().numpy()), device=features.device)
+        out = x.new_zeros(x.shape[0], len(self.config.candidates))
+        for index, head in enumerate(self.heads):
+            rows = (heads == index).nonzero().flatten()
+            if rows.numel():
+                out = out.index_copy(0, rows, head(x[rows, :-1]))
+        return out
 
     def choose(self, features: np.ndarray) -> np.ndarray:
         """(N,) chosen candidate index per row of `features`: the argmax of `forward`, in numpy over views of
         the current weights. The engine asks once per row and cycle, and torch's per-call overhead on a
         one-row MLP (about 0.1 ms) was a third of the decision."""
-        first, _, second = self.net
         mean, scale = (b.detach().cpu().numpy() for b in (self.feature_mean, self.feature_scale))
-        weights = [p.detach().cpu().numpy() for p in (first.weight, first.bias, second.weight, second.bias)]
         x = (np.asarray(features, dtype=np.float32) - mean) / scale
-        hidden = np.maximum(x @ weights[0].T + weights[1], 0.0)
-        return (hidden @ weights[2].T + weights[3]).argmax(axis=-1)
+        if not self.config.uses_load:
+            return _mlp_logits(self.net, x).argmax(axis=-1)
+        heads = self._head_of_row(features)
+        out = np.empty(x.shape[0], dtype=np.int64)
+        for index in np.unique(heads):
+            rows = heads == index
+            out[rows] = _mlp_logits(self.heads[int(index)], x[rows, :-1]).argmax(axis=-1)
+        return out
 
     def save(self, directory: str | Path) -> Path:
         return save_weights_folder(directory, self.config.to_dict(), self.state_dict())
@@ -210,6 +271,14 @@ class StepModel(nn.Module):
         state.setdefault("feature_scale", torch.ones_like(model.feature_scale))
         model.load_state_dict(state)
         return model.eval()
+
+
+def _mlp_logits(mlp: nn.Sequential, x: np.ndarray) -> np.ndarray:
+    """The logits of a one-hidden-layer MLP in numpy, over views of its weights."""
+    first, _, second = mlp
+    weights = [p.detach().cpu().numpy() for p in (first.weight, first.bias, second.weight, second.bias)]
+    hidden = np.maximum(x @ weights[0].T + weights[1], 0.0)
+    return hidden @ weights[2].T + weights[3]
 
 
 def load_step_model(path_or_uri: str | Path) -> StepModel:
@@ -249,6 +318,7 @@ class StepPolicy:
         last_block_size: np.ndarray | int = 0,  # (N,)
         prior_block_size: np.ndarray | int | None = None,  # (N,) each row's b0
         prefills: list[PrefillState | None] | None = None,
+        batch_rows: np.ndarray | int = 1,  # (N,) the rows in each one's batch
     ) -> list[int]:
         """The candidate the model picks for each of N rows, from one summary of their distributions, one
         device-to-host read and one model call."""
@@ -262,7 +332,8 @@ class StepPolicy:
             if prefills is None or any(prefill is None for prefill in prefills):
                 raise ValueError("this step model reads the per-request predictor's probabilities: give the prefill")
             probabilities = np.stack([self.prior.probabilities(prefill) for prefill in prefills])
-        features = step_features(anchor, last_accepted, last_block_size, prior, probabilities)
+        load = batch_rows if config.uses_load else None
+        features = step_features(anchor, last_accepted, last_block_size, prior, probabilities, load)
         return [self.candidates[int(k)] for k in self.model.choose(features)]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
@@ -274,7 +345,8 @@ class StepPolicy:
             return initial_block_sizes(self.prior, prefills)
         logits = torch.stack([prefill.next_token_logits for prefill in prefills])
         temperatures = np.asarray([prefill.temperature for prefill in prefills], dtype=np.float32)
-        return self._choose(logits, temperatures, np.ones(len(prefills)))
+        rows = np.asarray([prefill.batch_rows for prefill in prefills])
+        return self._choose(logits, temperatures, np.ones(len(prefills)), batch_rows=rows)
 
     def next_block_size(self, cycle: CycleState) -> int:
         return self.next_block_sizes([cycle])[0]
@@ -299,6 +371,7 @@ class StepPolicy:
             column("block_size"),
             column("first_block_size") if self.model.config.uses_prior else None,
             [cycle.prefill for cycle in chosen],
+            column("batch_rows"),
         )
         for i, size in zip(deciding, sizes, strict=True):
             out[i] = size
@@ -390,22 +463,32 @@ def fixed_walk_cycles(table: AcceptanceTable) -> tuple[np.ndarray, np.ndarray, n
     return np.asarray(cursors, dtype=np.int64), np.asarray(last_accepted), np.asarray(last_sizes)
 
 
-def regret_dataset(rows: list[StepRow], cost: CycleCost) -> tuple[np.ndarray, np.ndarray]:
+def regret_dataset(
+    rows: list[StepRow], cost: CycleCost, loads: Sequence[int] = ()
+) -> tuple[np.ndarray, np.ndarray]:
     """(X (M, F), R (M, K)): the features of every cycle of every candidate's fixed-b walk
-    (`fixed_walk_cycles`), and the relative regret of choosing each candidate there."""
+    (`fixed_walk_cycles`), and the relative regret of choosing each candidate there. With `loads` (a load-aware
+    model), every cycle once per batch size n, priced with c(b, n) and with log(n) as its last feature."""
     features, regrets = [], []
-    for row in rows:
-        for t, anchors in zip(row.tables, row.anchors, strict=True):
-            if t.n < 2:
-                continue
-            _, q = t.cost_to_go(cost)  # (K, n - 1)
-            cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
-            features.append(
-                step_features(
-                    anchors[cursors - 1], last_accepted, last_sizes, row.prior_block_size, row.prior_probabilities
+    for load in loads or (None,):
+        priced = cost if load is None else cost.at_batch(load)
+        for row in rows:
+            for t, anchors in zip(row.tables, row.anchors, strict=True):
+                if t.n < 2:
+                    continue
+                _, q = t.cost_to_go(priced)  # (K, n - 1)
+                cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
+                features.append(
+                    step_features(
+                        anchors[cursors - 1],
+                        last_accepted,
+                        last_sizes,
+                        row.prior_block_size,
+                        row.prior_probabilities,
+                        load,
+                    )
                 )
-            )
-            regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T[cursors - 1])
+                regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T[cursors - 1])
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
 
@@ -484,10 +567,12 @@ def walk_step_model(
     anchors: np.ndarray,
     prior_block_size: int | None = None,
     prior_probabilities: np.ndarray | None = None,
+    batch_rows: int = 1,
 ) -> tuple[list[int], list[int]]:
     """(block sizes, acceptance lengths) of the step model's walk over `table`, cycle by cycle, as the engine
     runs it: b0 drafts the first cycle when there is one, the model picks every other b from the anchor's
-    features (`anchors`, (n - 1, len(ANCHOR_FEATURES))), the last cycle and the prior's features it reads."""
+    features (`anchors`, (n - 1, len(ANCHOR_FEATURES))), the last cycle and the prior's features it reads (and
+    `batch_rows`, the load, when it is load-aware)."""
     candidates = table.candidates
     if model.config.uses_prior and prior_block_size is None:
         raise ValueError("this step model reads a per-request prior: walk it with the prior's b0")
@@ -505,13 +590,14 @@ def walk_step_model(
             last_size or 0,
             prior_block_size if model.config.uses_prior else None,
             prior_probabilities,
+            batch_rows if model.config.uses_load else None,
         )
         return candidates[int(model.choose(features)[0])]
 
     return table.walk_policy(choose)
 
 
-def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWalks:
+def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost, load: int) -> _RowWalks:
     candidates = row.tables[0].candidates
     count = len(candidates)
     walks = _RowWalks(0.0, np.zeros(count), np.zeros(count), 0.0, 0.0, np.zeros((2, count)), np.zeros((2, count)))
@@ -532,23 +618,34 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost) -> _RowWal
         walks.oracle_cost += t.cost_to_go(cost)[0][1]
         walks.oracle_cycles += t.cost_to_go(CycleCost.uniform())[0][1]
         if model is not None:
-            sizes, _ = walk_step_model(model, t, anchors, row.prior_block_size, row.prior_probabilities)
+            sizes, _ = walk_step_model(model, t, anchors, row.prior_block_size, row.prior_probabilities, load)
             walks.step_cycles += len(sizes)
             walks.step_cost += t.walk_cost(sizes, cost=cost)
     return walks
 
 
 def evaluate_step_model(
-    model: StepModel | None, rows: list[StepRow], cost: CycleCost, train_block_size: int | None = None
+    model: StepModel | None,
+    rows: list[StepRow],
+    cost: CycleCost,
+    train_block_size: int | None = None,
+    load: int | None = None,
 ) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
     per unit cost) of fixed B, the best fixed b, the per-request predictor (`request`, when the rows carry its
     b0), the static oracle, the step model (`step`, when given; after b0 when there is one) and the per-step
-    oracle, each walked on the same tables. Fixed B is the model's training block size, else `train_block_size`."""
+    oracle, each walked on the same tables. Fixed B is the model's training block size, else `train_block_size`.
+
+    Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch size of `cost` without one;
+    a load-aware model reads that load."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
-    walked = [_walk_row(row, model, cost) for row in rows]
+    if load is None:
+        load = min(cost.seconds)
+    else:
+        cost = cost.at_batch(load)
+    walked = [_walk_row(row, model, cost, load) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
     pairs = list(zip(walked, rows, strict=True))
