@@ -159,7 +159,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         target_id=first["target_id"] or "",
         drafter_id=first["drafter_id"] or "",
         features=(
-            *(STEP_FEATURES if prior is None else (*STEP_FEATURES, PRIOR_FEATURE, *prior_probability_features(candidates))),
+            *STEP_FEATURES,
+            *(() if prior is None else (PRIOR_FEATURE, *prior_probability_features(candidates))),
             *((LOAD_FEATURE,) if job.loads else ()),
         ),
         loads=job.loads,

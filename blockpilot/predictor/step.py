@@ -14,8 +14,9 @@ Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing e
   follows the live batch as it fills and thins.
 
 Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
-is maximized); for a load-aware model, under the cost at each of its batch sizes, every cycle once per load. The last cycle depends on the path to cursor i, so the training examples are the cycles of
-every candidate's fixed-b walk over each table, each with the last cycle that walk ran. Training minimizes
+is maximized); for a load-aware model, under the cost at each of its batch sizes, every cycle once per load.
+The last cycle depends on the path to cursor i, so the training examples are the cycles of every candidate's
+fixed-b walk over each table, each with the last cycle that walk ran. Training minimizes
 the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1). Evaluation walks each held-out
 table cycle by cycle with the model's choices (`walk_step_model`) beside fixed B, the best fixed b, the
 static oracle and the per-step oracle, and checks what of the static oracle's margin is hindsight (`_put_split_half`).
@@ -129,7 +130,8 @@ class StepModelConfig:
         positive_int(self.hidden_size, "hidden_size")
         with_prior = (*STEP_FEATURES, PRIOR_FEATURE)
         load = (LOAD_FEATURE,) if self.loads else ()
-        allowed = [(*base, *load) for base in (STEP_FEATURES, with_prior, (*with_prior, *self.prior_probability_features))]
+        bases = (STEP_FEATURES, with_prior, (*with_prior, *self.prior_probability_features))
+        allowed = [(*base, *load) for base in bases]
         if tuple(self.features) not in allowed:
             raise ValueError(
                 f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)} "
