@@ -214,7 +214,10 @@ class StepModel(nn.Module):
         """(N,) the head (index into `config.loads`) of each row, from its raw log(batch rows) feature."""
         loads = self.config.loads
         rows = np.rint(np.exp(np.asarray(features, dtype=np.float64)[:, -1])).astype(np.int64)
-        return np.asarray([loads.index(nearest_batch_size(loads, int(n))) for n in rows], dtype=np.int64)
+        # A training batch holds a few distinct loads: the rule runs once per distinct value, not per row.
+        distinct, inverse = np.unique(rows, return_inverse=True)
+        heads = np.asarray([loads.index(nearest_batch_size(loads, int(n))) for n in distinct], dtype=np.int64)
+        return heads[inverse.reshape(-1)]
 
     @torch.no_grad()
     def standardize(self, features: np.ndarray) -> StepModel:
@@ -644,7 +647,7 @@ def evaluate_step_model(
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
     if load is None:
-        load = min(cost.seconds)
+        load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
     else:
         cost = cost.at_batch(load)
     walked = [_walk_row(row, model, cost, load) for row in rows]
