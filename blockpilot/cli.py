@@ -105,8 +105,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     cost = calibrate(models, block_sizes, args.batch_sizes, repeats=args.repeats, cycles=args.cycles)
     cost.save(args.out)
     print(f"cost curve -> {args.out}")
+    print("ms per cycle, fitted non-decreasing in b (the measured median in brackets where it differs)")
     for batch, by_b in cost.seconds.items():
-        print(f"batch {batch}: " + ", ".join(f"b={b} {seconds * 1000:.2f} ms" for b, seconds in by_b.items()))
+        measured = cost.measured.get(batch, {})
+        raw = {b: f" [{value * 1000:.2f}]" for b, value in measured.items() if value != by_b.get(b)}
+        points = [f"b={b} {seconds * 1000:.2f}{raw.get(b, '')}" for b, seconds in by_b.items()]
+        print(f"batch {batch}: " + ", ".join(points))
     return 0
 
 

@@ -1,7 +1,9 @@
 """The cost of a draft/verify cycle, c(b) and c(b, batch), measured on a device.
 
 `calibrate` times whole cycles of the engine (draft + verify + accept + commit) at each block size and
-batch size: warmed up, synchronised, the median of repeats. Random weights time like trained ones, so a
+batch size: warmed up, synchronised, the median of repeats, then made non-decreasing in b (a cycle that drafts
+and verifies more tokens does not cost less; a dip is the machine's noise, and a policy trained on it learns to
+seek it). Random weights time like trained ones, so a
 curve at a real model's shape needs no real weights. A `CycleCost` prices the cycles of a walk: modeled
 throughput = committed tokens / total cost, in tokens per second when the cost is in seconds. Without a
 cost file every cycle costs 1 (`CycleCost.unit()`), and modeled throughput is tokens per cycle, i.e. tau.
@@ -30,7 +32,11 @@ def nearest_batch_size(measured: Iterable[int], batch: int) -> int:
 
 @dataclass(frozen=True)
 class CycleCost:
-    """Median seconds of one cycle per (batch size, block size); `__call__` interpolates in b."""
+    """Median seconds of one cycle per (batch size, block size); `__call__` interpolates in b.
+
+    `measured` keeps a calibration's raw medians, of which `seconds` is the non-decreasing fit (empty for a curve
+    made by hand).
+    """
 
     seconds: dict[int, dict[int, float]]  # batch -> b -> seconds
     unit: str = "s"
@@ -39,6 +45,7 @@ class CycleCost:
     versions: dict[str, str] = field(default_factory=dict)
     target_id: str = ""
     drafter_id: str = ""
+    measured: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> b -> raw median seconds
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -80,11 +87,13 @@ class CycleCost:
         if self.is_uniform:
             return self
         nearest = self._nearest_batch(batch)
-        return replace(self, seconds={nearest: dict(self.seconds[nearest])})
+        measured = {nearest: dict(self.measured[nearest])} if nearest in self.measured else {}
+        return replace(self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["seconds"] = {str(batch): {str(b): v for b, v in by_b.items()} for batch, by_b in self.seconds.items()}
+        for name in ("seconds", "measured"):
+            out[name] = {str(batch): {str(b): v for b, v in by_b.items()} for batch, by_b in out[name].items()}
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -102,15 +111,18 @@ class CycleCost:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CycleCost:
-        seconds = {int(batch): {int(b): float(v) for b, v in by_b.items()} for batch, by_b in raw["seconds"].items()}
+        def curve(by_batch: dict[str, dict[str, Any]]) -> dict[int, dict[int, float]]:
+            return {int(batch): {int(b): float(v) for b, v in by_b.items()} for batch, by_b in by_batch.items()}
+
         return cls(
-            seconds,
+            curve(raw["seconds"]),
             unit=raw.get("unit", "s"),
             device=raw.get("device", ""),
             dtype=raw.get("dtype", ""),
             versions=raw.get("versions", {}),
             target_id=raw.get("target_id", ""),
             drafter_id=raw.get("drafter_id", ""),
+            measured=curve(raw.get("measured", {})),
         )
 
     def describe(self) -> str:
@@ -119,6 +131,20 @@ class CycleCost:
         batch = min(self.seconds)
         curve = ", ".join(f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.seconds[batch].items()))
         return f"{self.device} {self.dtype}, batch {batch}: {curve}"
+
+
+def nondecreasing_in_block_size(by_b: dict[int, float]) -> dict[int, float]:
+    """The least-squares non-decreasing fit of c(b) over b (pool adjacent violators): where a wider block was
+    timed cheaper than a narrower one, both get their mean; a curve that already rises is returned as it is."""
+    pools: list[tuple[float, int]] = []  # (sum of seconds, block sizes pooled), in increasing b
+    for _, value in sorted(by_b.items()):
+        total, count = value, 1
+        while pools and pools[-1][0] / pools[-1][1] > total / count:
+            previous_total, previous_count = pools.pop()
+            total, count = total + previous_total, count + previous_count
+        pools.append((total, count))
+    fitted = [total / count for total, count in pools for _ in range(count)]
+    return dict(zip(sorted(by_b), fitted, strict=True))
 
 
 def load_cost(path: str | Path | None, batch: int | None = None) -> CycleCost:
@@ -178,7 +204,9 @@ def calibrate(
     Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
     `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
     Repeats go round the block sizes (b = 1, 2, ..., then again), so that a stretch of a busy machine
-    slows one repeat of every b rather than every repeat of one b, and the median drops it.
+    slows one repeat of every b rather than every repeat of one b, and the median drops it. The medians at
+    each batch are then fitted non-decreasing in b (`nondecreasing_in_block_size`); the raw ones are kept
+    as `measured`.
     """
     import torch
 
@@ -196,12 +224,13 @@ def calibrate(
                     times[b].append(elapsed)
         seconds[batch] = {b: statistics.median(times[b]) for b in block_sizes}
     return CycleCost(
-        seconds,
+        {batch: nondecreasing_in_block_size(by_b) for batch, by_b in seconds.items()},
         device=_device_name(models.device),
         dtype=str(models.target.dtype).removeprefix("torch."),
         versions=_versions(),
         target_id=models.target_id,
         drafter_id=models.drafter_id,
+        measured=seconds,
     )
 
 

@@ -1,4 +1,4 @@
-"""The `blockpilot` command: zoo random, generate (text and --json), and bad flags."""
+"""The `blockpilot` command: zoo random, generate (text and --json), calibrate, and bad flags."""
 
 from __future__ import annotations
 
@@ -134,3 +134,17 @@ def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zo
     assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
     assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2
     assert "give one of --policy, --block-size, --predictor" in capsys.readouterr().err
+
+
+def test_calibrate_writes_the_fitted_curve_and_prints_every_point(random_zoo, capsys, tmp_path):
+    out = tmp_path / "cost.json"
+    argv = ["calibrate", "--target", str(random_zoo["target"]), "--drafter", str(random_zoo["drafter"])]
+    argv += ["--block-sizes", "1,2,3", "--batch-sizes", "1,2", "--repeats", "1", "--cycles", "1", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    cost = json.loads(out.read_text())
+    assert set(cost["seconds"]) == set(cost["measured"]) == {"1", "2"}
+    for batch in ("1", "2"):
+        line = next(line for line in printed if line.startswith(f"batch {batch}: "))
+        assert all(f"b={b} {cost['seconds'][batch][b] * 1000:.2f}" in line for b in ("1", "2", "3"))
+        assert list(cost["seconds"][batch].values()) == sorted(cost["seconds"][batch].values())

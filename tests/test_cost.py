@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockpilot.cost import CycleCost, calibrate, ladder, load_cost, random_prompts, seconds_per_cycle
+from blockpilot.cost import (
+    CycleCost,
+    calibrate,
+    ladder,
+    load_cost,
+    nondecreasing_in_block_size,
+    random_prompts,
+    seconds_per_cycle,
+)
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
@@ -16,6 +24,23 @@ def test_calibration_measures_every_point_and_round_trips(random_models, tmp_pat
     assert cost.device and cost.dtype == "float32" and "torch" in cost.versions
     assert load_cost(cost.save(tmp_path / "cost.json")) == cost
     assert cost(3) == pytest.approx((cost(2) + cost(4)) / 2)  # priced between measured block sizes
+    for batch, by_b in cost.seconds.items():  # the fit of the raw medians, which the file keeps beside it
+        assert by_b == nondecreasing_in_block_size(cost.measured[batch])
+        assert list(by_b.values()) == sorted(by_b.values())
+    assert cost.at_batch(2).measured == {2: cost.measured[2]}
+
+
+def test_a_wider_block_is_never_priced_below_a_narrower_one():
+    assert nondecreasing_in_block_size({2: 1.0, 4: 2.0, 8: 3.0}) == {2: 1.0, 4: 2.0, 8: 3.0}
+    # b = 7 timed cheaper than b = 6 (a noisy machine): both get their mean, the rest stays
+    assert nondecreasing_in_block_size({6: 29.8, 5: 27.3, 7: 28.6, 8: 32.1}) == pytest.approx(
+        {5: 27.3, 6: 29.2, 7: 29.2, 8: 32.1}
+    )
+    # a dip that spans several points pools them all, and the fit keeps the curve's total
+    raw = {1: 10.0, 2: 12.0, 3: 9.0, 4: 8.0, 5: 13.0}
+    fitted = nondecreasing_in_block_size(raw)
+    assert fitted == pytest.approx({1: 9.75, 2: 9.75, 3: 9.75, 4: 9.75, 5: 13.0})
+    assert sum(fitted.values()) == pytest.approx(sum(raw.values()))
 
 
 def test_a_curve_interpolates_and_refuses_bad_values(tmp_path):
