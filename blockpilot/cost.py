@@ -147,6 +147,25 @@ def nondecreasing_in_block_size(by_b: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(by_b), fitted, strict=True))
 
 
+def round_relative_medians(rounds: Sequence[dict[int, float]]) -> dict[int, float]:
+    """c(b) from rounds that each timed every b once: the median over rounds of each time divided by its round's
+    level (the geometric mean of the round), times the median level.
+
+    Dividing by the round's level takes out what slowed or sped up the whole round, and the time of each b is
+    compared with the other b of its own round. Per-b medians alone would take each b from a different round:
+    a flat curve timed in a round that slowed halfway through would come out steep. With one round it is that
+    round's times.
+    """
+    if not rounds or any(set(timed) != set(rounds[0]) for timed in rounds):
+        raise ValueError(f"expected rounds that each time the same block sizes, got {[sorted(r) for r in rounds]}")
+    levels = [math.exp(statistics.fmean(math.log(value) for value in timed.values())) for timed in rounds]
+    level = statistics.median(levels)
+    return {
+        b: statistics.median(timed[b] / round_level for timed, round_level in zip(rounds, levels, strict=True)) * level
+        for b in sorted(rounds[0])
+    }
+
+
 def load_cost(path: str | Path | None, batch: int | None = None) -> CycleCost:
     """The cost curve in `path`, or the uniform one when no path is given; with `batch`, at that load only
     (`CycleCost.at_batch`)."""
@@ -203,10 +222,11 @@ def calibrate(
 
     Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
     `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
-    Repeats go round the block sizes (b = 1, 2, ..., then again), so that a stretch of a busy machine
-    slows one repeat of every b rather than every repeat of one b, and the median drops it. The medians at
-    each batch are then fitted non-decreasing in b (`nondecreasing_in_block_size`); the raw ones are kept
-    as `measured`.
+    Repeats go round the block sizes (b = 1, 2, ..., then again): one round times every b once. A machine
+    whose speed drifts (a shared CPU) runs whole rounds faster or slower, so each b's median is taken over
+    its times relative to its round (`round_relative_medians`): the drift moves the curve's level, not its
+    shape, which is what choosing b reads. The medians at each batch are then fitted non-decreasing in b
+    (`nondecreasing_in_block_size`); the raw ones are kept as `measured`.
     """
     import torch
 
@@ -216,13 +236,12 @@ def calibrate(
     seconds: dict[int, dict[int, float]] = {}
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
-        times: dict[int, list[float]] = {b: [] for b in block_sizes}
+        rounds = []
         for attempt in range(warmup + repeats):
-            for b in block_sizes:
-                elapsed = seconds_per_cycle(models, prompts[b], [b] * batch, cycles)
-                if attempt >= warmup:
-                    times[b].append(elapsed)
-        seconds[batch] = {b: statistics.median(times[b]) for b in block_sizes}
+            timed = {b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles) for b in block_sizes}
+            if attempt >= warmup:
+                rounds.append(timed)
+        seconds[batch] = round_relative_medians(rounds)
     return CycleCost(
         {batch: nondecreasing_in_block_size(by_b) for batch, by_b in seconds.items()},
         device=_device_name(models.device),

@@ -13,6 +13,7 @@ from blockpilot.cost import (
     load_cost,
     nondecreasing_in_block_size,
     random_prompts,
+    round_relative_medians,
     seconds_per_cycle,
 )
 
@@ -41,6 +42,20 @@ def test_a_wider_block_is_never_priced_below_a_narrower_one():
     fitted = nondecreasing_in_block_size(raw)
     assert fitted == pytest.approx({1: 9.75, 2: 9.75, 3: 9.75, 4: 9.75, 5: 13.0})
     assert sum(fitted.values()) == pytest.approx(sum(raw.values()))
+
+
+def test_rounds_of_a_drifting_machine_change_the_curves_level_not_its_shape():
+    shape = {2: 1.0, 4: 1.5, 8: 3.0}
+    rounds = [{b: factor * value for b, value in shape.items()} for factor in (1.0, 1.7, 0.8, 2.5)]
+    fitted = round_relative_medians(rounds)
+    assert all(fitted[b] / fitted[2] == pytest.approx(shape[b]) for b in shape)
+    assert fitted[2] == pytest.approx(1.35 * round_relative_medians([shape])[2])  # the median level
+    # a flat curve; the middle round slowed after timing b = 2: per-b medians (1, 2) would make b = 4 cost double
+    rounds = [{2: 1.0, 4: 1.0}, {2: 1.0, 4: 2.0}, {2: 2.0, 4: 2.0}]
+    fitted = round_relative_medians(rounds)
+    assert fitted[4] == pytest.approx(fitted[2])
+    with pytest.raises(ValueError, match="same block sizes"):
+        round_relative_medians([{2: 1.0}, {4: 1.0}])
 
 
 def test_a_curve_interpolates_and_refuses_bad_values(tmp_path):
