@@ -1,12 +1,12 @@
 """The cost of a draft/verify cycle, c(b) and c(b, batch), measured on a device.
 
 `calibrate` times whole cycles of the engine (draft + verify + accept + commit) at each block size and
-batch size: warmed up, synchronised, the median of repeats, then made non-decreasing in b (a cycle that drafts
-and verifies more tokens does not cost less; a dip is the machine's noise, and a policy trained on it learns to
-seek it). Random weights time like trained ones, so a
-curve at a real model's shape needs no real weights. A `CycleCost` prices the cycles of a walk: modeled
-throughput = committed tokens / total cost, in tokens per second when the cost is in seconds. Without a
-cost file every cycle costs 1 (`CycleCost.unit()`), and modeled throughput is tokens per cycle, i.e. tau.
+batch size: warmed up, synchronised, each b's median taken relative to its round of every b, then made
+non-decreasing in b (a cycle that drafts and verifies more tokens does not cost less; a dip is the machine's
+noise, and a policy trained on it learns to seek it). Random weights time like trained ones, so a curve at a
+real model's shape needs no real weights. A `CycleCost` prices the cycles of a walk: modeled throughput =
+committed tokens / total cost, in tokens per second when the cost is in seconds. Without a cost file every
+cycle costs 1 (`CycleCost.uniform()`), and modeled throughput is tokens per cycle, i.e. tau.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def calibrate(
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
     generator = torch.Generator().manual_seed(0)
-    seconds: dict[int, dict[int, float]] = {}
+    measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
         rounds = []
@@ -241,15 +241,15 @@ def calibrate(
             timed = {b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles) for b in block_sizes}
             if attempt >= warmup:
                 rounds.append(timed)
-        seconds[batch] = round_relative_medians(rounds)
+        measured[batch] = round_relative_medians(rounds)
     return CycleCost(
-        {batch: nondecreasing_in_block_size(by_b) for batch, by_b in seconds.items()},
+        {batch: nondecreasing_in_block_size(by_b) for batch, by_b in measured.items()},
         device=_device_name(models.device),
         dtype=str(models.target.dtype).removeprefix("torch."),
         versions=_versions(),
         target_id=models.target_id,
         drafter_id=models.drafter_id,
-        measured=seconds,
+        measured=measured,
     )
 
 
