@@ -66,9 +66,13 @@ def main() -> None:
 
     def batch_of_states() -> list[CycleState]:
         logits = (torch.randn(args.batch, vocab, generator=generator) * 4).to(models.device)
+        tokens = torch.randint(vocab, (args.batch, 2), generator=generator).tolist()  # read by a token model
         return [
-            CycleState(i, train, 2, 10, 128, 0.0, anchor_logits=x, first_block_size=train, prefill=prefill)
-            for i, x in enumerate(logits)
+            CycleState(
+                i, train, 2, 10, 128, 0.0, anchor_logits=x, first_block_size=train, prefill=prefill,
+                recent_tokens=tuple(tail),
+            )
+            for i, (x, tail) in enumerate(zip(logits, tokens, strict=True))
         ]
 
     def timed(decide, batches: list[list[CycleState]]) -> float:

@@ -51,6 +51,11 @@ class AcceptanceTable:
     candidates: tuple[int, ...]
     commits: np.ndarray  # (K, n - 1) int16
     max_new_tokens: int  # blocks at cursor i were cut to max_new_tokens - i slots, as a live run cuts them
+    tokens: np.ndarray | None = None  # (n,) the sequence g_0..g_{n-1}, when known (labels from this version on)
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and len(self.tokens) != self.n:
+            raise ValueError(f"a table of {self.n} tokens was given a sequence of {len(self.tokens)}")
 
     @property
     def n(self) -> int:
@@ -148,8 +153,9 @@ def acceptance_table(
     if features.shape[0] < context_length:
         raise ValueError(f"features cover {features.shape[0]} positions; the table needs {context_length}")
     commits = np.ones((len(candidates), max(n - 1, 0)), dtype=np.int16)
+    generated = np.asarray(tokens, dtype=np.int64)
     if n < 2:
-        return AcceptanceTable(candidates, commits, max_new_tokens)
+        return AcceptanceTable(candidates, commits, max_new_tokens, generated)
     sequence = torch.as_tensor(list(tokens), device=device)
     context = features[:context_length].to(device)[None]
     context_kv = drafter.encode_context(context, torch.arange(context_length, device=device)[None])
@@ -186,7 +192,7 @@ def acceptance_table(
             )
             step = torch.minimum(accepted + 1, n - cursors[rows])
             commits[column, rows.cpu().numpy()] = step.cpu().numpy()
-    return AcceptanceTable(candidates, commits, max_new_tokens)
+    return AcceptanceTable(candidates, commits, max_new_tokens, generated)
 
 
 def _accepted_drafts(
@@ -237,14 +243,17 @@ def _count_confidence(hits: np.ndarray, draft_logits: torch.Tensor, right: torch
 
 def table_columns(tables: Sequence[AcceptanceTable]) -> dict[str, list]:
     """The tables of one label row (one per pooled sample) as the row's `table_commits` (per candidate, every
-    sample's a(i, b) concatenated) and `table_anchors` (cursors per sample) columns."""
+    sample's a(i, b) concatenated), `table_anchors` (cursors per sample) and `table_tokens` (every sample's
+    sequence g_0..g_{n-1} concatenated, n = cursors + 1; null unless every table knows its sequence) columns."""
     if not tables:
-        return {"table_commits": None, "table_anchors": None}
+        return {"table_commits": None, "table_anchors": None, "table_tokens": None}
+    known = all(table.tokens is not None for table in tables)
     return {
         "table_commits": [
             [int(v) for table in tables for v in table.commits[k]] for k in range(len(tables[0].candidates))
         ],
         "table_anchors": [table.commits.shape[1] for table in tables],
+        "table_tokens": [int(v) for table in tables for v in table.tokens] if known else None,
     }
 
 
@@ -256,7 +265,14 @@ def tables_from_row(row: dict) -> list[AcceptanceTable]:
     candidates = tuple(int(b) for b in row["candidates"])
     matrix = np.asarray(commits, dtype=np.int16).reshape(len(candidates), -1)
     bounds = np.cumsum([0, *anchors])
+    sequences: list[np.ndarray | None] = [None] * len(anchors)
+    if row.get("table_tokens") is not None:  # labels of earlier versions lack the sequences
+        tokens = np.asarray(row["table_tokens"], dtype=np.int64)
+        token_bounds = np.cumsum([0, *(a + 1 for a in anchors)])
+        if token_bounds[-1] != len(tokens):
+            raise ValueError(f"row {row.get('prompt_id')!r}: {len(tokens)} table tokens for {list(anchors)} cursors")
+        sequences = [tokens[start:stop] for start, stop in zip(token_bounds[:-1], token_bounds[1:], strict=True)]
     return [
-        AcceptanceTable(candidates, matrix[:, start:stop], int(row["max_new_tokens"]))
-        for start, stop in zip(bounds[:-1], bounds[1:], strict=True)
+        AcceptanceTable(candidates, matrix[:, start:stop], int(row["max_new_tokens"]), sequence)
+        for start, stop, sequence in zip(bounds[:-1], bounds[1:], sequences, strict=True)
     ]

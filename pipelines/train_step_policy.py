@@ -55,6 +55,11 @@ class StepTrainJob:
         None, help="per-request predictor (folder or models:/ URI): its choice drafts the first cycle and is a feature"
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
+    tokens: bool = option(
+        True,
+        flag="--no-tokens",
+        help="do not read the block's first token and the one before it (read when the labels carry the sequences)",
+    )
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
     batch_size: int = option(256, type=positive_int_arg, help="training cycles per step")
     lr: float = option(3e-3, type=positive_float_arg, help="AdamW learning rate")
@@ -128,6 +133,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         LOAD_FEATURE,
         PRIOR_FEATURE,
         STEP_FEATURES,
+        TOKEN_FEATURES,
         StepModel,
         StepModelConfig,
         evaluate_step_model,
@@ -149,7 +155,10 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     train_rows = step_rows(train_table, prior)
     eval_table = read_labels(job.eval) if job.eval else None
     eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
-    features, regret = regret_dataset(train_rows, cost, job.loads)
+    tokens = job.tokens and all(t.tokens is not None for row in (*train_rows, *eval_rows) for t in row.tables)
+    if job.tokens and not tokens:
+        print("[step] the labels carry no generated sequences (labeled before `table_tokens`): no token features")
+    features, regret = regret_dataset(train_rows, cost, job.loads, tokens)
     first = train_table.slice(0, 1).to_pylist()[0]
     candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(
@@ -161,9 +170,11 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         features=(
             *STEP_FEATURES,
             *(() if prior is None else (PRIOR_FEATURE, *prior_probability_features(candidates))),
+            *(TOKEN_FEATURES if tokens else ()),
             *((LOAD_FEATURE,) if job.loads else ()),
         ),
         loads=job.loads,
+        vocab_size=int(first["vocab_size"] or 0) if tokens else 0,
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
     print(

@@ -19,6 +19,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
+import hashlib  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
@@ -205,13 +206,15 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
     """Labels of the tiny zoo's train and held-out prompts at T = 0 and 1 (in-process, no Ray)."""
     import pyarrow.parquet as pq
 
-    from blockpilot.data.labels import rows_to_table
+    from blockpilot.data.labels import LABEL_SCHEMA, rows_to_table
     from blockpilot.data.sources import load_prompt_source
     from blockpilot.files import atomic_folder
     from blockpilot.labeling import Labeler, LabelSettings
 
     shared = shared_folder(tmp_path_factory)
-    folder = shared / f"tiny-labels-{tiny_zoo.name}"
+    # Labels of another schema (a column added since) are labeled again, not read.
+    schema = hashlib.sha256(str(LABEL_SCHEMA).encode()).hexdigest()[:8]
+    folder = shared / f"tiny-labels-{tiny_zoo.name}-{schema}"
     out = {split: folder / split for split in ("train", "heldout")}
     with built_once(shared, "tiny-labels"):
         if all((path / "labels.parquet").is_file() for path in out.values()):

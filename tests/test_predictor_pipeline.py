@@ -224,13 +224,17 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     import numpy as np
     import pandas as pd
 
-    from blockpilot.predictor.step import LOAD_FEATURE, STEP_FEATURES, StepModel
+    from blockpilot.predictor.step import LOAD_FEATURE, NO_TOKEN, STEP_FEATURES, TOKEN_FEATURES, StepModel
 
     rng = np.random.default_rng(0)
     loads = np.log(rng.choice([1, 2, 8, 30], size=(16, 1))).astype(np.float32)
-    features = np.concatenate([rng.random((16, len(STEP_FEATURES)), dtype=np.float32) * 3, loads], axis=1)
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    tokens = rng.integers(NO_TOKEN, vocab, size=(16, 2)).astype(np.float32)
+    features = np.concatenate([rng.random((16, len(STEP_FEATURES)), dtype=np.float32) * 3, tokens, loads], axis=1)
     model = StepModel.load(outcome.model_dir)
-    assert model.config.loads == (1, 8) and model.config.features == (*STEP_FEATURES, LOAD_FEATURE)
+    # The labels carry their sequences, so the model reads the block's first tokens (the default).
+    assert model.config.features == (*STEP_FEATURES, *TOKEN_FEATURES, LOAD_FEATURE) and model.config.vocab_size == vocab
+    assert model.config.loads == (1, 8)
     assert curve.describe() in model.config.extra["cost"]
     assert model.feature_mean.abs().sum() > 0  # standardized on its training cycles
     pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")

@@ -3,7 +3,10 @@ training data from label rows, evaluation invariants, folder format, the resolve
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -17,13 +20,17 @@ from blockpilot.predictor.policy import LearnedPolicy
 from blockpilot.predictor.step import (
     ANCHOR_FEATURES,
     LOAD_FEATURE,
+    NO_TOKEN,
     PRIOR_FEATURE,
     STEP_FEATURES,
+    TOKEN_FEATURES,
     PriorStepPolicy,
     StepModel,
     StepModelConfig,
     StepPolicy,
+    StepRow,
     anchor_features,
+    anchor_tokens,
     evaluate_step_model,
     expected_regret,
     format_step_metrics,
@@ -33,10 +40,11 @@ from blockpilot.predictor.step import (
     step_features,
     step_rows,
     prior_probability_features,
+    tail_tokens,
     walk_step_model,
 )
 from blockpilot.sweep import SweepConfig, sweep_prompt
-from blockpilot.table import AcceptanceTable
+from blockpilot.table import AcceptanceTable, tables_from_row
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
 
@@ -582,3 +590,108 @@ def test_a_load_aware_policy_reads_the_live_batch_and_stays_lossless(tiny_models
     assert ("join", 2) in seen and ("cycle", 1) in seen and ("cycle", 2) in seen
     assert all(1 <= rows <= 2 for _, rows in seen)
     assert any(b == 1 for r in results for b in r.block_sizes) and any(b == 2 for r in results for b in r.block_sizes)
+
+
+# ----------------------------------------------------------------------------- token features
+
+
+def token_step_model(vocab: int, seed: int = 0, loads: tuple[int, ...] = ()) -> StepModel:
+    """A step model reading the block's first token and the one before it; its embedding dominates, so the tokens
+    decide most choices."""
+    load = (LOAD_FEATURE,) if loads else ()
+    config = StepModelConfig(
+        CANDIDATES, hidden_size=16, train_block_size=4, features=(*STEP_FEATURES, *TOKEN_FEATURES, *load),
+        loads=loads, vocab_size=vocab, token_dims=4,
+    )
+    torch.manual_seed(seed)
+    model = StepModel(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(4.0)
+        model.token_embedding.weight.mul_(4.0)
+    return model.eval()
+
+
+def test_token_features_are_the_blocks_first_token_and_the_one_before():
+    generated = np.array([7, 3, 9, 4, 4])
+    assert anchor_tokens(generated, [1, 2, 5]).tolist() == [[7, NO_TOKEN], [3, 7], [4, 4]]
+    # The engine's tails give the same pair: the first token alone at cursor 1, the last two after.
+    tails = [generated[: cursor][-2:].tolist() for cursor in (1, 2, 5)]
+    assert tail_tokens(tails).tolist() == anchor_tokens(generated, [1, 2, 5]).tolist()
+    with pytest.raises(ValueError, match="first token"):
+        tail_tokens([[7], []])
+    features = step_features(np.zeros((2, len(ANCHOR_FEATURES))), 1, 2, batch_rows=8, tokens=[[5, 6], [7, NO_TOKEN]])
+    width = len(STEP_FEATURES)
+    assert features[:, width : width + 2].tolist() == [[5, 6], [7, NO_TOKEN]] and np.isclose(features[0, -1], np.log(8))
+
+
+def test_labels_keep_every_samples_sequence_and_training_reads_it(tiny_labels):
+    table = pq.read_table(tiny_labels["train"])
+    rows = step_rows(table)
+    for label, row in zip(table.filter(pc.is_valid(table["table_commits"])).to_pylist(), rows, strict=True):
+        assert sum(t.n for t in row.tables) == len(label["table_tokens"])
+        for t in row.tables:
+            assert len(t.tokens) == t.n and ((0 <= t.tokens) & (t.tokens < label["vocab_size"])).all()
+    features, regret = regret_dataset(rows, CycleCost.uniform(), tokens=True)
+    plain, same_regret = regret_dataset(rows, CycleCost.uniform())
+    width = len(STEP_FEATURES)
+    assert np.array_equal(features[:, :width], plain) and np.array_equal(regret, same_regret)
+    sequences = [t for r in rows for t in r.tables if t.n > 1]
+    expected = np.concatenate([anchor_tokens(t.tokens, fixed_walk_cycles(t)[0]) for t in sequences])
+    assert np.array_equal(features[:, width:], expected)
+
+    older = [StepRow(r.prompt_id, r.temperature, [replace(t, tokens=None) for t in r.tables], r.anchors) for r in rows]
+    with pytest.raises(ValueError, match="table_tokens"):
+        regret_dataset(older, CycleCost.uniform(), tokens=True)
+    broken = {**table.slice(0, 1).to_pylist()[0]}
+    broken["table_tokens"] = broken["table_tokens"][:-1]
+    with pytest.raises(ValueError, match="table tokens"):
+        tables_from_row(broken)
+
+
+def test_a_token_model_embeds_ids_unscaled_and_reads_unknown_ids_as_no_token(tmp_path):
+    vocab = 11
+    model = token_step_model(vocab)
+    rng = np.random.default_rng(0)
+    anchors = rng.random((40, len(ANCHOR_FEATURES)), dtype=np.float32)
+    tokens = rng.integers(0, vocab, size=(40, 2))
+    features = step_features(anchors, 2, 3, tokens=tokens)
+    model.standardize(features * 3 + 1)
+    width = len(STEP_FEATURES)
+    assert model.feature_mean[width:].tolist() == [0.0, 0.0] and model.feature_scale[width:].tolist() == [1.0, 1.0]
+    with torch.no_grad():
+        assert model.choose(features).tolist() == model(torch.as_tensor(features)).argmax(dim=-1).tolist()
+    assert (model.choose(step_features(anchors, 2, 3, tokens=(tokens + 1) % vocab)) != model.choose(features)).any()
+    outside = step_features(anchors, 2, 3, tokens=np.full((40, 2), vocab + 5))
+    none = step_features(anchors, 2, 3, tokens=np.full((40, 2), NO_TOKEN))
+    assert model.choose(outside).tolist() == model.choose(none).tolist()
+    loaded = StepModel.load(model.save(tmp_path / "tokens"))
+    assert loaded.config == model.config and loaded.choose(features).tolist() == model.choose(features).tolist()
+    with pytest.raises(ValueError, match="vocab_size"):
+        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, *TOKEN_FEATURES))
+    with pytest.raises(ValueError, match="anchor_token"):
+        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, TOKEN_FEATURES[1], TOKEN_FEATURES[0]), vocab_size=vocab)
+
+
+@pytest.mark.parametrize("loads", [(), (1, 8)])
+def test_a_token_model_decodes_losslessly_as_it_walks_the_table(tiny_models, loads):
+    """The tokens the engine hands the hook (g_0 at the first cycle, the last two after) are the ones a label's
+    sequence gives each cursor: the live choices are the table walk's, and the output is greedy."""
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    model = token_step_model(vocab, seed=2, loads=loads)
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
+    (table,) = sweep.tables
+    assert table.tokens.tolist() == sweep.token_ids
+    anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
+    sizes, lengths = walk_step_model(model, table, anchors)
+    live = generate(tiny_models, prompt, policy=StepPolicy(model), config=GenerationConfig(max_new_tokens=40))
+    assert live.token_ids == sweep.token_ids == greedy_reference(tiny_models.target, prompt, 40)
+    cursors = np.cumsum([1, *lengths[:-1]])
+    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
+    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    assert len(set(sizes)) > 1, "a model that never changes b would not test the per-step hook"
+    shifted = AcceptanceTable(table.candidates, table.commits, table.max_new_tokens, (table.tokens + 1) % vocab)
+    assert walk_step_model(model, shifted, anchors)[0] != sizes, "the model reads the tokens"
+    with pytest.raises(ValueError, match="sequence"):
+        walk_step_model(model, replace(table, tokens=None), anchors)

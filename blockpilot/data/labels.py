@@ -11,6 +11,8 @@ Columns (lists follow `candidates`):
     table_commits, table_anchors              the acceptance table a(i, b) (replay sweeps): per candidate,
                                               the commits at every cursor of every sample, concatenated;
                                               the cursors per sample (see `blockpilot.table`)
+    table_tokens                              every sample's generated sequence g_0..g_{n-1} concatenated
+                                              (n = its cursors + 1): each cursor's block's first token
     anchor_entropy, anchor_top_probs          per cursor of the table, the target distribution at the
                                               anchor (T = 1): entropy in nats and top-k probabilities
     topk_ids, topk_probs, entropy             the prefill distribution (T = 1), top k + entropy in nats
@@ -59,6 +61,7 @@ LABEL_SCHEMA = pa.schema(
         pa.field("best_block_size", pa.int32()),
         pa.field("table_commits", pa.list_(pa.list_(pa.int16()))),
         pa.field("table_anchors", pa.list_(pa.int32())),
+        pa.field("table_tokens", pa.list_(pa.int32())),
         pa.field("anchor_entropy", pa.list_(pa.float16())),
         pa.field("anchor_top_probs", pa.list_(pa.list_(pa.float16()))),
         pa.field("topk_ids", pa.list_(pa.int32())),

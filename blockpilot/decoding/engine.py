@@ -163,6 +163,7 @@ def _cycle_state(row: _Row, committed: int, anchor_logits: torch.Tensor, batch_r
         first_block_size=row.chosen_block_size,
         prefill=row.prefill_state,
         batch_rows=batch_rows,
+        recent_tokens=tuple(row.tokens[-2:]),
     )
 
 
@@ -314,15 +315,16 @@ class SpeculativeEngine:
             self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
         synchronize(self.device)
         elapsed = time.perf_counter() - started
+        # Each first token is drawn before the first b is chosen: it is that block's first token, which a policy reads.
+        firsts = [int(sample_next(logits[i], row.config.temperature, row.generator)) for i, row in enumerate(joining)]
         for index, row in enumerate(joining):
             temperature = row.config.temperature
             row.prefill_state = PrefillState(
-                logits[index], row.prompt, temperature, self.models.train_block_size, batch_rows
+                logits[index], row.prompt, temperature, self.models.train_block_size, batch_rows, firsts[index]
             )
         self._initial_block_sizes(joining)
         finished = []
-        for index, row in enumerate(joining):
-            first = int(sample_next(logits[index], row.config.temperature, row.generator))
+        for index, (row, first) in enumerate(zip(joining, firsts, strict=True)):
             row.tokens, row.length = [first], lengths[index]
             if row.record is not None and features is not None:
                 row.record["features"].append(features[index, : lengths[index]])

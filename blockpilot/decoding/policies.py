@@ -46,6 +46,7 @@ class PrefillState:
     temperature: float
     train_block_size: int | None  # the drafter's training block size B, None without a drafter
     batch_rows: int = 1  # rows in the batch the request joins (itself included)
+    first_token: int | None = None  # g_0, drawn from `next_token_logits`: the first block's first token
     # What policies derive from the prefill once per request and read again at later cycles (a per-request
     # predictor's output), by name; it lives as long as the request.
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -81,6 +82,7 @@ class CycleState:
     anchor_logits: torch.Tensor | None = None
     first_block_size: int | None = None  # the b the request started with (its per-request choice)
     batch_rows: int = 1  # rows expected in the next cycle's batch: the ones going on, and waiting ones that fit
+    recent_tokens: tuple[int, ...] = ()  # the last (up to) two generated tokens, the next block's first one last
     prefill: PrefillState | None = field(default=None, repr=False)  # the request's, as its first choice saw it
 
 

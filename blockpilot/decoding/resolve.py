@@ -145,7 +145,8 @@ def resolve_policy(
 def check_predictor_fits(config: Any, models: Any) -> None:
     """Fail early, naming the mismatch, when a predictor was made for another target or drafter."""
     vocab = models.target.get_output_embeddings().weight.shape[0]
-    if getattr(config, "vocab_size", vocab) != vocab:  # a step model reads no token ids
+    reads_ids = getattr(config, "uses_tokens", True)  # a per-request predictor always does; a step model may
+    if reads_ids and config.vocab_size != vocab:
         raise ValueError(f"predictor vocabulary mismatch: predictor vocab_size={config.vocab_size}, target has {vocab}")
     train = models.train_block_size
     if config.train_block_size is not None and train is not None and config.train_block_size != train:

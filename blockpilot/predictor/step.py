@@ -9,6 +9,9 @@ Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing e
   0 before the first cycle);
 - with a per-request prior, log(b0), b0 the per-request predictor's choice for the request (which also drafts
   the first cycle: `PriorStepPolicy`), and its probability of every candidate (computed once per request);
+- with token features (`TOKEN_FEATURES`), the block's first token g_{i-1} and the one before it (none at the first
+  cycle), each through a learned embedding: where the generation is (a separator, the middle of a number, a
+  copied span) says how far the drafter will be right, and the anchor's distribution does not say it;
 - for a load-aware model (`StepModelConfig.loads`), log of the rows in the batch the cycle runs in: what a wider
   block costs depends on the load (`CycleCost`), so the model learns its choice at every measured batch size and
   follows the live batch as it fills and thins.
@@ -56,6 +59,9 @@ HISTORY_FEATURES = ("log1p_last_accepted", "last_accepted_share")
 STEP_FEATURES = (*ANCHOR_FEATURES, *HISTORY_FEATURES)
 PRIOR_FEATURE = "log_prior_b"  # log of the per-request predictor's block size for the request
 LOAD_FEATURE = "log_batch_rows"  # log of the rows in the batch the cycle runs in (load-aware models)
+# Token ids (exact in float32 up to 2^24), read through the model's embedding, not standardized.
+TOKEN_FEATURES = ("anchor_token", "previous_token")
+NO_TOKEN = -1  # the token before the first block's first one: there is none in the generation
 
 
 def prior_probability_features(candidates: tuple[int, ...]) -> tuple[str, ...]:
@@ -65,6 +71,24 @@ def prior_probability_features(candidates: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(f"prior_p_b{b}" for b in candidates)
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens"]
 STEP_COLUMNS += ["table_commits", "table_anchors", "anchor_entropy", "anchor_top_probs"]
+TOKEN_COLUMNS = ["table_tokens", "vocab_size"]  # what token features need besides; labels before them lack these
+
+
+def anchor_tokens(generated: np.ndarray, cursors: np.ndarray) -> np.ndarray:
+    """(N, 2) token features of the cycles at `cursors` (N,): the block's first token g_{i-1} and the one before it
+    g_{i-2} (`NO_TOKEN` at cursor 1), from the generated sequence g_0.. (at least up to g_{i-1})."""
+    generated, cursors = np.asarray(generated, dtype=np.int64), np.asarray(cursors, dtype=np.int64)
+    before = np.where(cursors >= 2, generated[np.maximum(cursors - 2, 0)], NO_TOKEN)
+    return np.stack([generated[cursors - 1], before], axis=1)
+
+
+def tail_tokens(tails: Sequence[Sequence[int]]) -> np.ndarray:
+    """(N, 2) `anchor_tokens` of N live rows from the tails of their generations (each ending at the block's first
+    token): a tail of one token is the generation's first (cursor 1), with no token before it."""
+    if not all(tails):
+        raise ValueError("every row's generation tail needs its block's first token")
+    padded = np.asarray([(NO_TOKEN, tail[0]) if len(tail) == 1 else tuple(tail[-2:]) for tail in tails], dtype=np.int64)
+    return padded[:, ::-1]
 
 
 def anchor_features(
@@ -89,15 +113,17 @@ def step_features(
     prior_block_size: np.ndarray | int | None = None,  # (N,) or one b0 for every cycle
     prior_probabilities: np.ndarray | None = None,  # (K,) or (N, K) the per-request predictor's, with its b0
     batch_rows: np.ndarray | int | None = None,  # (N,) or one load: the rows in each cycle's batch
+    tokens: np.ndarray | None = None,  # (N, 2) `anchor_tokens` of each cycle
 ) -> np.ndarray:
     """(N, F) features of N cycles: the anchor's, the last cycle's, and with a per-request prior b0, log(b0)
-    (then the prior's probability of every candidate, when given); last, log(batch rows) when given."""
+    (then the prior's probability of every candidate, when given); then the token features when given; last,
+    log(batch rows) when given."""
     if prior_probabilities is not None and prior_block_size is None:
         raise ValueError("prior probabilities come with the prior's block size b0")
     n, width = anchors.shape
     prior_probabilities = None if prior_probabilities is None else np.asarray(prior_probabilities, dtype=np.float32)
     extra = (prior_block_size is not None) + (prior_probabilities.shape[-1] if prior_probabilities is not None else 0)
-    extra += batch_rows is not None
+    extra += (batch_rows is not None) + (len(TOKEN_FEATURES) if tokens is not None else 0)
     out = np.empty((n, width + len(HISTORY_FEATURES) + extra), dtype=np.float32)
     accepted = np.asarray(last_accepted, dtype=np.float32)
     size = np.asarray(last_block_size, dtype=np.float32)
@@ -108,6 +134,9 @@ def step_features(
         out[:, width + 2] = np.log(np.asarray(prior_block_size, dtype=np.float32))
     if prior_probabilities is not None:
         out[:, width + 3 : width + 3 + prior_probabilities.shape[-1]] = prior_probabilities
+    if tokens is not None:
+        start = out.shape[1] - len(TOKEN_FEATURES) - (batch_rows is not None)
+        out[:, start : start + len(TOKEN_FEATURES)] = np.asarray(tokens, dtype=np.float32).reshape(n, -1)
     if batch_rows is not None:
         out[:, -1] = np.log(np.asarray(batch_rows, dtype=np.float32))
     return out
@@ -122,6 +151,8 @@ class StepModelConfig:
     drafter_id: str = ""
     features: tuple[str, ...] = STEP_FEATURES
     loads: tuple[int, ...] = ()  # a load-aware model: the batch sizes it was trained at (LOAD_FEATURE last)
+    vocab_size: int = 0  # with TOKEN_FEATURES: the target's vocabulary (ids past it read as NO_TOKEN)
+    token_dims: int = 8  # with TOKEN_FEATURES: the embedding's width per token
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,13 +162,17 @@ class StepModelConfig:
         with_prior = (*STEP_FEATURES, PRIOR_FEATURE)
         load = (LOAD_FEATURE,) if self.loads else ()
         bases = (STEP_FEATURES, with_prior, (*with_prior, *self.prior_probability_features))
-        allowed = [(*base, *load) for base in bases]
+        allowed = [(*base, *tokens, *load) for base in bases for tokens in ((), TOKEN_FEATURES)]
         if tuple(self.features) not in allowed:
             raise ValueError(
                 f"step model features {list(self.features)} are not this version's {list(STEP_FEATURES)} "
                 f"(+ {PRIOR_FEATURE!r} with a per-request prior, and + {list(self.prior_probability_features)}; "
+                f"+ {list(TOKEN_FEATURES)}; "
                 f"+ {LOAD_FEATURE!r} last when, and only when, the model has loads: {list(self.loads)})"
             )
+        if self.uses_tokens:
+            positive_int(self.vocab_size, "vocab_size (a model with token features)")
+            positive_int(self.token_dims, "token_dims")
 
     @property
     def prior_probability_features(self) -> tuple[str, ...]:
@@ -152,6 +187,11 @@ class StepModelConfig:
     def uses_prior_probabilities(self) -> bool:
         """Whether it also reads the predictor's probability of every candidate."""
         return self.uses_prior and self.prior_probability_features[0] in self.features
+
+    @property
+    def uses_tokens(self) -> bool:
+        """Whether it reads the block's first token and the one before it (`anchor_tokens`)."""
+        return TOKEN_FEATURES[0] in self.features
 
     @property
     def uses_load(self) -> bool:
@@ -198,7 +238,15 @@ class StepModel(nn.Module):
         width = len(config.features)
         self.register_buffer("feature_mean", torch.zeros(width))
         self.register_buffer("feature_scale", torch.ones(width))
-        inputs = width - config.uses_load
+        tokens = [config.features.index(name) for name in TOKEN_FEATURES] if config.uses_tokens else []
+        # The standardized columns the MLP reads: all but the token ids (embedded) and the load (it picks the head).
+        self._numeric = [i for i in range(width - config.uses_load) if i not in tokens]
+        self._tokens = tokens
+        inputs = len(self._numeric)
+        if config.uses_tokens:
+            # One row past the vocabulary for NO_TOKEN (and any id outside it).
+            self.token_embedding = nn.Embedding(config.vocab_size + 1, config.token_dims)
+            inputs += len(tokens) * config.token_dims
 
         def mlp() -> nn.Sequential:
             return nn.Sequential(
@@ -233,10 +281,30 @@ class StepModel(nn.Module):
         spread = x.std(dim=0, unbiased=False)
         self.feature_mean.copy_(x.mean(dim=0))
         self.feature_scale.copy_(torch.where(spread > 1e-6, spread, torch.ones_like(spread)))
+        self.feature_mean[self._tokens] = 0.0  # ids are looked up, not scaled
+        self.feature_scale[self._tokens] = 1.0
         return self
 
+    def _token_rows(self, features: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """(N, len(TOKEN_FEATURES)) embedding rows of the token features: the id, or the last row for NO_TOKEN
+        and ids outside the vocabulary."""
+        ids = features[:, self._tokens]
+        vocab = self.config.vocab_size
+        if isinstance(ids, torch.Tensor):
+            ids = ids.round().long()
+            return torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
+        ids = np.rint(ids).astype(np.int64)
+        return np.where((ids >= 0) & (ids < vocab), ids, vocab)
+
+    def _inputs(self, features: torch.Tensor) -> torch.Tensor:
+        """(N, inputs) what an MLP reads: the standardized features, then the token embeddings."""
+        x = ((features - self.feature_mean) / self.feature_scale)[:, self._numeric]
+        if not self.config.uses_tokens:
+            return x
+        return torch.cat([x, self.token_embedding(self._token_rows(features)).flatten(1)], dim=1)
+
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        x = (features - self.feature_mean) / self.feature_scale
+        x = self._inputs(features)
         if not self.config.uses_load:
             return self.net(x)
         heads = torch.as_tensor(self._head_of_row(features.detach().cpu().numpy()), device=features.device)
@@ -244,7 +312,7 @@ class StepModel(nn.Module):
         for index, head in enumerate(self.heads):
             rows = (heads == index).nonzero().flatten()
             if rows.numel():
-                out = out.index_copy(0, rows, head(x[rows, :-1]))
+                out = out.index_copy(0, rows, head(x[rows]))
         return out
 
     def choose(self, features: np.ndarray) -> np.ndarray:
@@ -252,14 +320,18 @@ class StepModel(nn.Module):
         the current weights. The engine asks once per row and cycle, and torch's per-call overhead on a
         one-row MLP (about 0.1 ms) was a third of the decision."""
         mean, scale = (b.detach().cpu().numpy() for b in (self.feature_mean, self.feature_scale))
-        x = (np.asarray(features, dtype=np.float32) - mean) / scale
+        features = np.asarray(features, dtype=np.float32)
+        x = ((features - mean) / scale)[:, self._numeric]
+        if self.config.uses_tokens:
+            table = self.token_embedding.weight.detach().cpu().numpy()
+            x = np.concatenate([x, table[self._token_rows(features)].reshape(len(x), -1)], axis=1)
         if not self.config.uses_load:
             return _mlp_logits(self.net, x).argmax(axis=-1)
         heads = self._head_of_row(features)
         out = np.empty(x.shape[0], dtype=np.int64)
         for index in np.unique(heads):
             rows = heads == index
-            out[rows] = _mlp_logits(self.heads[int(index)], x[rows, :-1]).argmax(axis=-1)
+            out[rows] = _mlp_logits(self.heads[int(index)], x[rows]).argmax(axis=-1)
         return out
 
     def save(self, directory: str | Path) -> Path:
@@ -324,6 +396,7 @@ class StepPolicy:
         prior_block_size: np.ndarray | int | None = None,  # (N,) each row's b0
         prefills: list[PrefillState | None] | None = None,
         batch_rows: np.ndarray | int = 1,  # (N,) the rows in each one's batch
+        recent_tokens: Sequence[Sequence[int]] = (),  # N generation tails, each ending at the block's first token
     ) -> list[int]:
         """The candidate the model picks for each of N rows, from one summary of their distributions, one
         device-to-host read and one model call."""
@@ -338,7 +411,12 @@ class StepPolicy:
                 raise ValueError("this step model reads the per-request predictor's probabilities: give the prefill")
             probabilities = np.stack([self.prior.probabilities(prefill) for prefill in prefills])
         load = batch_rows if config.uses_load else None
-        features = step_features(anchor, last_accepted, last_block_size, prior, probabilities, load)
+        tokens = None
+        if config.uses_tokens:
+            if len(recent_tokens) != len(summary):
+                raise ValueError("this step model reads the block's first tokens: give every row's recent tokens")
+            tokens = tail_tokens(recent_tokens)
+        features = step_features(anchor, last_accepted, last_block_size, prior, probabilities, load, tokens)
         return [self.candidates[int(k)] for k in self.model.choose(features)]
 
     def initial_block_size(self, prefill: PrefillState) -> int:
@@ -351,7 +429,8 @@ class StepPolicy:
         logits = torch.stack([prefill.next_token_logits for prefill in prefills])
         temperatures = np.asarray([prefill.temperature for prefill in prefills], dtype=np.float32)
         rows = np.asarray([prefill.batch_rows for prefill in prefills])
-        return self._choose(logits, temperatures, np.ones(len(prefills)), batch_rows=rows)
+        firsts = [() if prefill.first_token is None else (prefill.first_token,) for prefill in prefills]
+        return self._choose(logits, temperatures, np.ones(len(prefills)), batch_rows=rows, recent_tokens=firsts)
 
     def next_block_size(self, cycle: CycleState) -> int:
         return self.next_block_sizes([cycle])[0]
@@ -377,6 +456,7 @@ class StepPolicy:
             column("first_block_size") if self.model.config.uses_prior else None,
             [cycle.prefill for cycle in chosen],
             column("batch_rows"),
+            [cycle.recent_tokens for cycle in chosen],
         )
         for i, size in zip(deciding, sizes, strict=True):
             out[i] = size
@@ -417,8 +497,9 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
         raise ValueError(f"labels lack the columns a step model needs: {missing} (relabel with this version)")
     table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
     priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
+    columns = STEP_COLUMNS + [c for c in TOKEN_COLUMNS if c in table.column_names]
     out = []
-    for row, (b0, probabilities) in zip(table.select(STEP_COLUMNS).to_pylist(), priors, strict=True):
+    for row, (b0, probabilities) in zip(table.select(columns).to_pylist(), priors, strict=True):
         tables = tables_from_row(row)
         if not tables:
             continue
@@ -469,11 +550,14 @@ def fixed_walk_cycles(table: AcceptanceTable) -> tuple[np.ndarray, np.ndarray, n
 
 
 def regret_dataset(
-    rows: list[StepRow], cost: CycleCost, loads: Sequence[int] = ()
+    rows: list[StepRow], cost: CycleCost, loads: Sequence[int] = (), tokens: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """(X (M, F), R (M, K)): the features of every cycle of every candidate's fixed-b walk
     (`fixed_walk_cycles`), and the relative regret of choosing each candidate there. With `loads` (a load-aware
-    model), every cycle once per batch size n, priced with c(b, n) and with log(n) as its last feature."""
+    model), every cycle once per batch size n, priced with c(b, n) and with log(n) as its last feature. With
+    `tokens`, the token features of each cycle (`anchor_tokens`; the tables must know their sequences)."""
+    if tokens:
+        require_sequences(rows)
     features, regrets = [], []
     for load in loads or (None,):
         priced = cost if load is None else cost.at_batch(load)
@@ -491,10 +575,17 @@ def regret_dataset(
                         row.prior_block_size,
                         row.prior_probabilities,
                         load,
+                        anchor_tokens(t.tokens, cursors) if tokens else None,
                     )
                 )
                 regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T[cursors - 1])
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
+
+
+def require_sequences(rows: list[StepRow]) -> None:
+    """Refuse rows whose tables do not know their generated sequences (labels from before `table_tokens`)."""
+    if any(t.tokens is None for row in rows for t in row.tables):
+        raise ValueError("token features need the generated sequences (`table_tokens`): relabel with this version")
 
 
 def expected_regret(logits: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
@@ -586,6 +677,9 @@ def walk_step_model(
     elif prior_probabilities is None:
         raise ValueError("this step model reads the per-request predictor's probabilities: walk it with them")
 
+    if model.config.uses_tokens and table.tokens is None:
+        raise ValueError("this step model reads the block's first tokens: walk it on a table that knows its sequence")
+
     def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
         if last_size is None and prior_block_size is not None:
             return prior_block_size
@@ -596,6 +690,7 @@ def walk_step_model(
             prior_block_size if model.config.uses_prior else None,
             prior_probabilities,
             batch_rows if model.config.uses_load else None,
+            anchor_tokens(table.tokens, [cursor]) if model.config.uses_tokens else None,
         )
         return candidates[int(model.choose(features)[0])]
 
