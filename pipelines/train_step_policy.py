@@ -138,6 +138,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         StepModelConfig,
         evaluate_step_model,
         format_step_metrics,
+        know_sequences,
         prior_probability_features,
         regret_dataset,
         step_rows,
@@ -155,7 +156,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     train_rows = step_rows(train_table, prior)
     eval_table = read_labels(job.eval) if job.eval else None
     eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
-    tokens = job.tokens and all(t.tokens is not None for row in (*train_rows, *eval_rows) for t in row.tables)
+    tokens = job.tokens and know_sequences([*train_rows, *eval_rows])
     if job.tokens and not tokens:
         print("[step] the labels carry no generated sequences (labeled before `table_tokens`): no token features")
     features, regret = regret_dataset(train_rows, cost, job.loads, tokens)

@@ -285,15 +285,11 @@ class StepModel(nn.Module):
         self.feature_scale[self._tokens] = 1.0
         return self
 
-    def _token_rows(self, features: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-        """(N, len(TOKEN_FEATURES)) embedding rows of the token features: the id, or the last row for NO_TOKEN
+    def _token_rows(self, features: np.ndarray) -> np.ndarray:
+        """(N, len(TOKEN_FEATURES)) embedding rows of the raw token features: the id, or the last row for NO_TOKEN
         and ids outside the vocabulary."""
-        ids = features[:, self._tokens]
+        ids = np.rint(np.asarray(features, dtype=np.float64)[:, self._tokens]).astype(np.int64)
         vocab = self.config.vocab_size
-        if isinstance(ids, torch.Tensor):
-            ids = ids.round().long()
-            return torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
-        ids = np.rint(ids).astype(np.int64)
         return np.where((ids >= 0) & (ids < vocab), ids, vocab)
 
     def _inputs(self, features: torch.Tensor) -> torch.Tensor:
@@ -301,7 +297,8 @@ class StepModel(nn.Module):
         x = ((features - self.feature_mean) / self.feature_scale)[:, self._numeric]
         if not self.config.uses_tokens:
             return x
-        return torch.cat([x, self.token_embedding(self._token_rows(features)).flatten(1)], dim=1)
+        rows = torch.as_tensor(self._token_rows(features.detach().cpu().numpy()), device=features.device)
+        return torch.cat([x, self.token_embedding(rows).flatten(1)], dim=1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = self._inputs(features)
@@ -582,9 +579,14 @@ def regret_dataset(
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
 
+def know_sequences(rows: Sequence[StepRow]) -> bool:
+    """Whether every table of `rows` knows its generated sequence (labels from before `table_tokens` do not)."""
+    return all(t.tokens is not None for row in rows for t in row.tables)
+
+
 def require_sequences(rows: list[StepRow]) -> None:
-    """Refuse rows whose tables do not know their generated sequences (labels from before `table_tokens`)."""
-    if any(t.tokens is None for row in rows for t in row.tables):
+    """Refuse rows whose tables do not know their generated sequences (`know_sequences`)."""
+    if not know_sequences(rows):
         raise ValueError("token features need the generated sequences (`table_tokens`): relabel with this version")
 
 
