@@ -60,7 +60,8 @@ LOCK_FILE = ".lock"
 @dataclass(frozen=True)
 class LabelJob:
     prompts: str = option(
-        help="gsm8k, mt-bench, ..., jsonl:PATH, txt:PATH, parquet:PATH, zoo:DIR[:heldout]; comma-separated for several"
+        help="gsm8k, mt-bench, ..., jsonl:PATH, txt:PATH, parquet:PATH, zoo:DIR[:heldout|corpus]; "
+        "comma-separated for several"
     )
     target: str = option(type=model_ref, help="target model folder or hub id")
     drafter: str = option(type=model_ref, help="DFlash drafter folder or hub id")

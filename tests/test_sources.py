@@ -145,6 +145,23 @@ def test_zoo_prompt_files(tiny_zoo):
     assert not {r.id for r in train} & {r.id for r in heldout}
 
 
+def test_zoo_corpus_prompts_are_the_targets_training_prompts_and_none_held_out(tiny_zoo, tmp_path):
+    corpus = load_prompt_source(f"zoo:{tiny_zoo}:corpus")
+    heldout = load_prompt_source(f"zoo:{tiny_zoo}:heldout")
+    examples = json.loads((tiny_zoo / "corpus.json").read_text())["lm"]
+    assert [r.turns for r in corpus] == [(e["prompt"],) for e in examples]
+    assert [r.source for r in corpus] == [e["source"] for e in examples]
+    assert all(r.id.startswith("zoo-corpus:") for r in corpus)
+    assert not {r.turns for r in corpus} & {r.turns for r in heldout}
+    assert len(load_prompts(f"zoo:{tiny_zoo}:corpus", limit=5)) == 5
+
+    (tmp_path / "corpus.json").write_text(json.dumps({"heldout": []}))
+    with pytest.raises(ValueError, match="no list 'lm'"):
+        load_prompt_source(f"zoo:{tmp_path}:corpus")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompt_source(f"zoo:{tmp_path / 'nowhere'}:corpus")
+
+
 def test_several_sources_limit_and_unique_ids(local_datasets, tmp_path):
     records = load_prompts("gsm8k, alpaca", limit=1)
     assert [r.id for r in records] == ["gsm8k:0", "alpaca:0"]

@@ -6,7 +6,9 @@ A source spec is one of:
   alpaca (each with its hub id, split and prompt format);
 * `jsonl:PATH` (rows with `prompt` or `turns`, optional `id` and `source`), `txt:PATH` (a prompt a line),
   `parquet:PATH` (columns as jsonl);
-* `zoo:DIR` (the zoo's `prompts/train.jsonl`) or `zoo:DIR:heldout`.
+* `zoo:DIR` (the zoo's `prompts/train.jsonl`), `zoo:DIR:heldout`, or `zoo:DIR:corpus`: the prompts of the
+  target's training texts (the zoo's `corpus.json`; thousands, none of them held out), for labels beyond the
+  train split's few hundred.
 
 Several specs may be joined with commas. With no hub reachable, a registry set loads from the HF cache,
 or from `$BLOCKPILOT_DATASETS_DIR/<name>.jsonl` (or `.parquet`): a local copy shaped like the hub's rows.
@@ -232,20 +234,29 @@ def _file(spec: str, text: str) -> Path:
     return path
 
 
-ZOO_SPLITS = ("train", "heldout")
+ZOO_SPLITS = ("train", "heldout", "corpus")
 ZOO_SPLITS_SUFFIXES = tuple(f":{split}" for split in ZOO_SPLITS)
+# The part of a zoo's corpus.json the target is trained on: examples with an id, a source and a prompt.
+ZOO_CORPUS_PART = "lm"
 
 
 def zoo_prompt_file(zoo: Path, split: str) -> Path:
     """Where a zoo (`blockpilot zoo build`) keeps the prompts of one split."""
     if split not in ZOO_SPLITS:
         raise ValueError(f"a zoo's prompt split is one of {ZOO_SPLITS}, got {split!r}")
-    return zoo / "prompts" / f"{split}.jsonl"
+    return zoo / "corpus.json" if split == "corpus" else zoo / "prompts" / f"{split}.jsonl"
 
 
 def zoo_prompts(zoo: Path, split: str = "train") -> list[PromptRecord]:
     """A zoo's prompts of one split, each with its task family as `source` (what `zoo:DIR[:split]` loads)."""
-    return _jsonl_records(zoo_prompt_file(zoo, split), f"zoo-{split}")
+    path = zoo_prompt_file(zoo, split)
+    if split != "corpus":
+        return _jsonl_records(path, f"zoo-{split}")
+    examples = json.loads(path.read_text()).get(ZOO_CORPUS_PART)
+    if not isinstance(examples, list):
+        raise ValueError(f"{str(path)!r} has no list {ZOO_CORPUS_PART!r} of training examples")
+    rows = [{key: example.get(key) for key in ("id", "source", "prompt")} for example in examples]
+    return _unique([_row_record(row, index, "zoo-corpus") for index, row in enumerate(rows)])
 
 
 def load_prompt_source(spec: str) -> list[PromptRecord]:
@@ -270,7 +281,7 @@ def load_prompt_source(spec: str) -> list[PromptRecord]:
         return zoo_prompts(zoo, split)
     raise ValueError(
         f"unknown prompt source {spec!r}: expected one of {sorted(REGISTRY)}, or jsonl:PATH, txt:PATH, "
-        "parquet:PATH, zoo:DIR[:train|heldout]"
+        "parquet:PATH, zoo:DIR[:train|heldout|corpus]"
     )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from blockpilot.blocks import best_block_size, candidates_around
 from blockpilot.checks import mean_or_nan
-from blockpilot.data.sources import PromptRecord, zoo_prompt_file, zoo_prompts
+from blockpilot.data.sources import ZOO_CORPUS_PART, PromptRecord, zoo_prompt_file, zoo_prompts
 from blockpilot.files import atomic_folder, write_text_atomic
 from blockpilot.home import blockpilot_home
 from blockpilot.models.drafter_training import DrafterRecipe
@@ -248,7 +248,7 @@ class ZooBuild:
         corpus = Corpus(self.recipe.corpus, self.seed)
         parts = {"heldout": corpus.draw("heldout", self.recipe.heldout_prompts, "prompts")}
         parts["train_prompts"] = corpus.draw("train", self.recipe.train_prompts, "prompts")
-        parts["lm"] = corpus.draw("train", self.recipe.lm_examples, "lm")
+        parts[ZOO_CORPUS_PART] = corpus.draw("train", self.recipe.lm_examples, "lm")
         parts["drafter"] = corpus.draw("train", self.recipe.drafter_prompts, "drafter")
         for name, split in (("train", "train_prompts"), ("heldout", "heldout")):
             rows = [{"id": e.id, "source": e.source, "prompt": e.prompt} for e in parts[split]]
@@ -266,7 +266,7 @@ class ZooBuild:
         if (directory / "tokenizer.json").is_file():
             return AutoTokenizer.from_pretrained(directory)
         self.log(f"[zoo] training a {self.recipe.vocab_size}-token byte-level BPE")
-        texts = [text for e in corpus["lm"] for text in (e.prompt, e.response)]
+        texts = [text for e in corpus[ZOO_CORPUS_PART] for text in (e.prompt, e.response)]
         tokenizer = train_byte_level_tokenizer(texts, self.recipe.vocab_size)
         with atomic_folder(directory) as staging:
             tokenizer.save_pretrained(staging)
@@ -281,10 +281,10 @@ class ZooBuild:
         saved = self._saved_target(directory, "target", "losses.json")
         if saved is not None:
             return saved
-        sequences = [chat_ids(tokenizer, e.prompt, e.response) for e in corpus["lm"]]
+        sequences = [chat_ids(tokenizer, e.prompt, e.response) for e in corpus[ZOO_CORPUS_PART]]
         # The prompts of most families are random (word lists, tables, numbers): learning the responses only
         # spends the small target's capacity where generation happens.
-        loss_from = [len(chat_ids(tokenizer, e.prompt)) for e in corpus["lm"]]
+        loss_from = [len(chat_ids(tokenizer, e.prompt)) for e in corpus[ZOO_CORPUS_PART]]
         target = qwen3_target(
             len(tokenizer),
             self.recipe.shape,
@@ -315,7 +315,7 @@ class ZooBuild:
         saved = self._saved_target(directory, "self_distill", "self_distill_losses.json")
         if saved is not None:
             return saved
-        examples = corpus["lm"][: self.recipe.self_distill_prompts]
+        examples = corpus[ZOO_CORPUS_PART][: self.recipe.self_distill_prompts]
         prompts = [chat_ids(tokenizer, e.prompt) for e in examples]
         self.log(f"[zoo] self-distilling the target on its own responses to {len(prompts)} prompts")
         responses = greedy_responses(target, tokenizer, prompts, self.recipe.response_tokens)
