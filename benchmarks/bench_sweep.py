@@ -5,7 +5,9 @@ sweep (one reference generation, then every block size walked on its table), on 
 
 Runs both modes with the 5 candidates B-2..B+2 and with the BlockPilot code's 9 ({1,2,4,8,14..18}), in this
 process (no Ray: this measures the sweep itself), `--batch` prompts per engine, and prints prompts/s, the
-table/live ratio, and how many prompts gave identical tau vectors (all of them, at T = 0).
+table/live ratio, how many prompts gave identical tau vectors (all of them, at T = 0), and the table sweep's seconds
+split between its two stages: the reference generations and the tables. The ratio cannot pass the live seconds
+over the reference seconds, however fast the tables.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def main() -> None:
         f"device={models.device} threads={torch.get_num_threads()} prompts={len(prompts)} "
         f"max_new_tokens={args.max_new_tokens} T={args.temperature} B={models.train_block_size} batch={args.batch}"
     )
-    print(f"{'candidates':<34} {'live p/s':>9} {'table p/s':>11} {'ratio':>6} {'same tau':>9}")
+    print(
+        f"{'candidates':<34} {'live p/s':>9} {'table p/s':>11} {'ratio':>6} {'same tau':>9} "
+        f"{'live s':>8} {'reference s':>12} {'tables s':>9}"
+    )
     for candidates in (candidates_around(models.train_block_size), BLOCKPILOT_CANDIDATES):
         configs = {
             mode: SweepConfig(
@@ -58,6 +63,7 @@ def main() -> None:
             for mode in ("live", "replay")
         }
         seconds, taus = {"live": 0.0, "replay": 0.0}, {"live": [], "replay": []}
+        stages: dict[str, float] = {}
         for config in configs.values():
             sweep_prompts(models, prompts[:1], [0], config, max_batch=1)  # warm-up
         # Modes alternate chunk by chunk (and which goes first), so drift in the machine's speed hits both.
@@ -65,12 +71,17 @@ def main() -> None:
             chunk = prompts[index : index + args.batch]
             for mode in ("live", "replay") if (index // args.batch) % 2 == 0 else ("replay", "live"):
                 started = time.perf_counter()
-                sweeps = sweep_prompts(models, chunk, [0] * len(chunk), configs[mode], max_batch=args.batch)
+                sweeps = sweep_prompts(
+                    models, chunk, [0] * len(chunk), configs[mode], max_batch=args.batch, stage_seconds=stages
+                )
                 seconds[mode] += time.perf_counter() - started
                 taus[mode] += [sweep.tau for sweep in sweeps]
         same = sum(a == b for a, b in zip(taus["live"], taus["replay"], strict=True))
         live, replay = len(prompts) / seconds["live"], len(prompts) / seconds["replay"]
-        print(f"{str(candidates):<34} {live:>9.2f} {replay:>11.2f} {replay / live:>5.2f}x {same:>4}/{len(prompts)}")
+        print(
+            f"{str(candidates):<34} {live:>9.2f} {replay:>11.2f} {replay / live:>5.2f}x {same:>4}/{len(prompts)} "
+            f"{seconds['live']:>8.2f} {stages['reference']:>12.2f} {stages['tables']:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

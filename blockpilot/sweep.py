@@ -15,7 +15,9 @@ counts, so tau is the pooled mean acceptance length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -114,13 +116,19 @@ def sweep_prompts(
     max_batch: int = 8,
     slot_hits: np.ndarray | None = None,
     confidence_hits: np.ndarray | None = None,
+    stage_seconds: dict[str, float] | None = None,
 ) -> list[PromptSweep]:
-    """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched."""
+    """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched.
+
+    `stage_seconds`, when given, adds the wall seconds of each stage under its name: "reference" (the reference
+    generations) and "tables" (building the acceptance tables) in replay, "live" (every candidate's generations)
+    in live mode. What bounds the replay sweep's speed is their ratio."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     runs = config.runs_per_prompt
     if config.mode == "live":
-        return _live(models, prompts, seeds, config, runs, max_batch)
+        with _timed(stage_seconds, "live"):
+            return _live(models, prompts, seeds, config, runs, max_batch)
     if models.drafter is None:
         raise ValueError("a sweep needs a drafter")
     reference = FixedBlockSize(reference_block_size(models, config.candidates))
@@ -129,23 +137,25 @@ def sweep_prompts(
         for prompt, seed in zip(prompts, seeds, strict=True)
         for sample in range(runs)
     ]
-    results = generate_many(models, requests, max_batch=max_batch)
+    with _timed(stage_seconds, "reference"):
+        results = generate_many(models, requests, max_batch=max_batch)
     sweeps = []
     for index, prompt in enumerate(prompts):
         mine = results[index * runs : (index + 1) * runs]
-        tables = [
-            acceptance_table(
-                models,
-                len(prompt),
-                r.token_ids,
-                r.record.context_features,
-                config.candidates,
-                config.max_new_tokens,
-                slot_hits,
-                confidence_hits,
-            )
-            for r in mine
-        ]
+        with _timed(stage_seconds, "tables"):
+            tables = [
+                acceptance_table(
+                    models,
+                    len(prompt),
+                    r.token_ids,
+                    r.record.context_features,
+                    config.candidates,
+                    config.max_new_tokens,
+                    slot_hits,
+                    confidence_hits,
+                )
+                for r in mine
+            ]
         for r in mine:
             r.record.context_features = None  # the table holds what was needed
         walks = [[step for table in tables for step in table.walk(b)] for b in config.candidates]
@@ -164,6 +174,17 @@ def sweep_prompts(
             )
         )
     return sweeps
+
+
+@contextmanager
+def _timed(seconds: dict[str, float] | None, stage: str) -> Iterator[None]:
+    """Adds the block's wall seconds to `seconds[stage]`; does nothing without `seconds`."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
 
 
 def _live(models, prompts, seeds, config, runs, max_batch) -> list[PromptSweep]:

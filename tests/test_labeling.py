@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -39,12 +40,22 @@ def test_table_walks_equal_live_runs_at_temperature_zero(tiny_models, heldout, c
 
 
 def test_table_walks_equal_live_runs_on_random_models(random_models):
-    """The same on random models, whose acceptance lengths are mostly 1: the table's cap and cuts at the end."""
+    """The same on random models, whose acceptance lengths are mostly 1: the table's cap and cuts at the end.
+    Each mode reports the seconds of its stages, within the call's own wall time."""
     prompts = [random_models.encode_prompt(p) for p in ("hello there", "def f(x):", "one two three")]
     config = dict(candidates=(1, 2, 4, 8, 14, 15, 16, 17, 18), max_new_tokens=30)
-    live = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="live", **config))
-    replay = sweep_prompts(random_models, prompts, [0, 1, 2], SweepConfig(mode="replay", **config))
-    assert [s.acceptance_lengths for s in replay] == [s.acceptance_lengths for s in live]
+    stages = {"live": {}, "replay": {}}
+    walls = {}
+    for mode in ("live", "replay"):
+        started = time.perf_counter()
+        config_of_mode = SweepConfig(mode=mode, **config)
+        sweeps = sweep_prompts(random_models, prompts, [0, 1, 2], config_of_mode, stage_seconds=stages[mode])
+        walls[mode] = (time.perf_counter() - started, sweeps)
+    assert [s.acceptance_lengths for s in walls["replay"][1]] == [s.acceptance_lengths for s in walls["live"][1]]
+    assert set(stages["live"]) == {"live"} and set(stages["replay"]) == {"reference", "tables"}
+    for mode, seconds in stages.items():
+        assert all(value > 0 for value in seconds.values())
+        assert sum(seconds.values()) <= walls[mode][0]
 
 
 def test_slots_past_a_wrong_draft_change_nothing_in_the_table(tiny_models, heldout):
