@@ -279,6 +279,38 @@ def test_self_distillation_makes_the_target_surer_of_its_own_answers(tmp_path):
     assert not (tmp_path / "plain").exists()
 
 
+def test_self_distillation_leaves_out_looping_responses_when_the_recipe_asks(tmp_path, monkeypatch):
+    """A response ending in a loop is not tuned on under `self_distill_drops_loops`; without it, only empty ones
+    are left out."""
+    import blockpilot.zoo.build as build_module
+    from blockpilot.zoo.corpus import Example
+    from blockpilot.zoo.training import Schedule
+
+    tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
+    shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    target = qwen3_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
+    corpus = {"lm": [Example(f"lm-{i}", "count", f"Count from {i} to {i + 9}.", "") for i in range(4)]}
+    ending, looping = [5, 6, 7, 8, tokenizer.eos_token_id], [4, 3, 4, 3, 4, 3, 4, 3]
+    monkeypatch.setattr(build_module, "greedy_responses", lambda *args, **kwargs: [ending, looping, [9, 9, 9], []])
+
+    class Capture:
+        def train_target(self, target, fit):
+            self.responses = [list(s[start:]) for s, start in zip(fit.sequences, fit.loss_from, strict=True)]
+            return [0.0]
+
+    for drops_loops, expected in ((True, [ending]), (False, [ending, looping, [9, 9, 9]])):
+        recipe = dataclasses.replace(
+            RECIPES["tiny"],
+            self_distill_schedule=Schedule(steps=1, batch_size=2, lr=1e-3, warmup_steps=0),
+            self_distill_prompts=4,
+            self_distill_drops_loops=drops_loops,
+        )
+        trainer = Capture()
+        build = build_module.ZooBuild(recipe, 0, tmp_path / str(drops_loops), torch.device("cpu"), log=lambda _: None)
+        build.self_distill_stage(target, tokenizer, corpus, trainer)
+        assert trainer.responses == expected
+
+
 def test_unknown_size():
     with pytest.raises(ValueError, match="unknown zoo size 'huge'"):
         build_zoo("huge")
