@@ -236,6 +236,13 @@ def _mean_log_likelihood(target, sequences: list[list[int]], starts: list[int]) 
     return total / count
 
 
+def _untrained_chat_target():
+    """(tokenizer, shape, target): a random two-layer target over a small trained tokenizer."""
+    tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
+    shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+    return tokenizer, shape, qwen3_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
+
+
 def test_self_distillation_makes_the_target_surer_of_its_own_answers(tmp_path):
     """The stage fine-tunes the target on its own greedy responses: they become likelier. A finished stage is read
     back from disk instead of run again; a recipe without it leaves the target as it is."""
@@ -243,9 +250,7 @@ def test_self_distillation_makes_the_target_surer_of_its_own_answers(tmp_path):
     from blockpilot.zoo.corpus import Example
     from blockpilot.zoo.training import Schedule
 
-    tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
-    shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
-    target = qwen3_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
+    tokenizer, shape, target = _untrained_chat_target()
     corpus = {"lm": [Example(f"lm-{i}", "count", f"Count from {i} to {i + 9}.", "") for i in range(40)]}
     recipe = dataclasses.replace(
         RECIPES["tiny"],
@@ -286,9 +291,7 @@ def test_self_distillation_leaves_out_looping_responses_when_the_recipe_asks(tmp
     from blockpilot.zoo.corpus import Example
     from blockpilot.zoo.training import Schedule
 
-    tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
-    shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
-    target = qwen3_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
+    tokenizer, _, target = _untrained_chat_target()
     corpus = {"lm": [Example(f"lm-{i}", "count", f"Count from {i} to {i + 9}.", "") for i in range(4)]}
     ending, looping = [5, 6, 7, 8, tokenizer.eos_token_id], [4, 3, 4, 3, 4, 3, 4, 3]
     monkeypatch.setattr(build_module, "greedy_responses", lambda *args, **kwargs: [ending, looping, [9, 9, 9], []])
