@@ -115,7 +115,6 @@ def sweep_prompts(
     *,
     max_batch: int = 8,
     slot_hits: np.ndarray | None = None,
-    confidence_hits: np.ndarray | None = None,
     stage_seconds: dict[str, float] | None = None,
 ) -> list[PromptSweep]:
     """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched.
@@ -152,7 +151,6 @@ def sweep_prompts(
                     config.candidates,
                     config.max_new_tokens,
                     slot_hits,
-                    confidence_hits,
                 )
                 for r in mine
             ]

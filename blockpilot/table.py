@@ -13,6 +13,11 @@ At T > 0 under `match` (greedy drafts kept while they equal the target's samples
 are a function of its sampled sequence, which is a sample of the target whatever b is: walks over one shared
 sample are exact in distribution for every b, and couple the candidates (their differences have less variance).
 
+The table also keeps, for the largest candidate D, the drafter's confidence (top probability) in every slot of the
+block at every cursor: what draft-then-trim (`blockpilot.trim`) decides with. Its walk drafts D at each cursor,
+verifies the prefix its rule picks from those confidences and commits min(a(i, D), verified): a prefix of the same
+drafts, so the walk is as exact as a fixed-b walk.
+
 With a cost per cycle c(b) (`blockpilot.cost`), the per-step oracle is the cheapest way from cursor 1 to n
 when b may change at every cycle: J(n) = 0, J(i) = min_b c(b) + J(i + a(i, b)), right to left.
 """
@@ -26,7 +31,7 @@ import numpy as np
 import torch
 
 from blockpilot.checks import distinct_block_sizes, mean_or_nan
-from blockpilot.decoding.acceptance import confidence_bin, draft_confidence
+from blockpilot.decoding.acceptance import draft_confidence
 from blockpilot.models.drafter import DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
 
@@ -52,10 +57,16 @@ class AcceptanceTable:
     commits: np.ndarray  # (K, n - 1) int16
     max_new_tokens: int  # blocks at cursor i were cut to max_new_tokens - i slots, as a live run cuts them
     tokens: np.ndarray | None = None  # (n,) the sequence g_0..g_{n-1}, when known (labels from this version on)
+    # (n - 1, D - 1) float32 for D = max(candidates): the drafter's top probability in slot j of the D block at
+    # cursor i is confidences[i - 1, j - 1]; NaN in the slots a block cut to the generation budget lacks.
+    confidences: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is not None and len(self.tokens) != self.n:
             raise ValueError(f"a table of {self.n} tokens was given a sequence of {len(self.tokens)}")
+        expected = (self.n - 1, max(self.candidates) - 1)
+        if self.confidences is not None and self.confidences.shape != expected:
+            raise ValueError(f"confidences of shape {self.confidences.shape} for a table that needs {expected}")
 
     @property
     def n(self) -> int:
@@ -93,6 +104,25 @@ class AcceptanceTable:
             lengths.append(step)
             cursor += step
             previous_b, previous_a = b, step
+        return sizes, lengths
+
+    def walk_trim(self, verify_count: Callable[[np.ndarray], int]) -> tuple[list[int], list[int]]:
+        """(verified block sizes, acceptance lengths) of draft-then-trim at the largest candidate D: each cycle
+        drafts D slots (cut as a live run cuts them), verifies 1 + `verify_count(their confidences)` positions and
+        commits min(a(i, D), that)."""
+        if self.confidences is None:
+            raise ValueError("this table has no draft confidences (labels from before them): relabel to walk trim")
+        drafted = max(self.candidates)
+        row, sizes, lengths, cursor = self.row(drafted), [], [], 1
+        while cursor < self.n:
+            slots = self.block_size_at(cursor, drafted) - 1
+            kept = verify_count(self.confidences[cursor - 1, :slots]) if slots > 0 else 0
+            if not 0 <= kept <= slots:
+                raise ValueError(f"verify_count kept {kept} drafts of a block with {slots}")
+            step = min(int(row[cursor - 1]), kept + 1)
+            sizes.append(kept + 1)
+            lengths.append(step)
+            cursor += step
         return sizes, lengths
 
     def tau(self) -> list[float]:
@@ -135,15 +165,13 @@ def acceptance_table(
     candidates: Sequence[int],
     max_new_tokens: int,
     slot_hits: np.ndarray | None = None,  # (K, max b - 1, 2): per candidate and draft slot, [right, drafted] += ...
-    confidence_hits: np.ndarray | None = None,  # (bins, 2): largest candidate, per confidence bin, [right, reached] += ...
 ) -> AcceptanceTable:
-    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked).
+    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked), and the
+    largest candidate's draft confidences in every slot.
 
-    A block's drafts past its first wrong one change nothing, so the last layer's per-token part and the head run
-    only on the slots blocks reach (`_accepted_drafts`), unless `slot_hits` asks for every slot's accuracy.
-    `confidence_hits` collects, for the largest candidate's drafts, what draft-then-trim calibrates on
-    (`blockpilot.trim`): per bin of the drafter's top probability, the drafts whose earlier slots were all
-    right (reached) and how many of them were right."""
+    A block's drafts past its first wrong one change nothing to a(i, b), so the last layer's per-token part and the
+    head run only on the slots blocks reach (`_accepted_drafts`), except for the largest candidate, whose every slot's
+    confidence the table keeps, and unless `slot_hits` asks for every slot's accuracy."""
     candidates = distinct_block_sizes(candidates)
     drafter, device = models.drafter, models.device
     if drafter is None:
@@ -154,8 +182,10 @@ def acceptance_table(
         raise ValueError(f"features cover {features.shape[0]} positions; the table needs {context_length}")
     commits = np.ones((len(candidates), max(n - 1, 0)), dtype=np.int16)
     generated = np.asarray(tokens, dtype=np.int64)
+    largest = max(candidates)
+    confidences = torch.full((max(n - 1, 0), largest - 1), torch.nan)
     if n < 2:
-        return AcceptanceTable(candidates, commits, max_new_tokens, generated)
+        return AcceptanceTable(candidates, commits, max_new_tokens, generated, confidences.numpy())
     sequence = torch.as_tensor(list(tokens), device=device)
     context = features[:context_length].to(device)[None]
     context_kv = drafter.encode_context(context, torch.arange(context_length, device=device)[None])
@@ -181,18 +211,20 @@ def acceptance_table(
                 mask_token_id=models.mask_token_id,
                 defer_last_layer=True,
             )
-            accepted = _accepted_drafts(
+            accepted, confidence = _accepted_drafts(
                 blocks,
                 head,
                 padded,
                 cursors[rows],
                 sizes[rows],
                 slot_hits[column] if slot_hits is not None else None,
-                confidence_hits if b == max(candidates) else None,
+                every_slot=b == largest,
             )
             step = torch.minimum(accepted + 1, n - cursors[rows])
             commits[column, rows.cpu().numpy()] = step.cpu().numpy()
-    return AcceptanceTable(candidates, commits, max_new_tokens, generated)
+            if b == largest:
+                confidences[rows.cpu(), : width - 1] = confidence.cpu()
+    return AcceptanceTable(candidates, commits, max_new_tokens, generated, confidences.numpy())
 
 
 def _accepted_drafts(
@@ -202,13 +234,17 @@ def _accepted_drafts(
     cursors: torch.Tensor,  # (m,) each block's cursor: slot j drafts g_{cursor + j - 1}
     sizes: torch.Tensor,  # (m,) each block's slots
     slot_hits: np.ndarray | None,  # (>= W - 1, 2) of this candidate: every slot computed and counted
-    confidence_hits: np.ndarray | None,
-) -> torch.Tensor:
-    """(m,) drafts of each block that match the sequence before its first wrong one. Slots are computed
-    `SLOTS_PER_STAGE` at a time, each stage only for the blocks whose drafts were all right before it."""
+    every_slot: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """((m,) drafts of each block that match the sequence before its first wrong one, and with `every_slot` the
+    drafter's confidence in every slot, (m, W - 1), NaN past a block's size). Slots are computed `SLOTS_PER_STAGE`
+    at a time, each stage only for the blocks whose drafts were all right before it, unless every slot is asked
+    for (`every_slot`, `slot_hits`)."""
     width = blocks.residual.shape[1]
-    stage = width if slot_hits is not None else SLOTS_PER_STAGE
+    every_slot = every_slot or slot_hits is not None
+    stage = width if every_slot else SLOTS_PER_STAGE
     accepted = torch.zeros(cursors.shape[0], dtype=torch.int64, device=cursors.device)
+    confidences = None
     alive = torch.arange(cursors.shape[0], device=cursors.device)
     for start in range(1, width, stage):
         stop = min(width, start + stage)
@@ -222,20 +258,12 @@ def _accepted_drafts(
         if slot_hits is not None:
             slot_hits[start - 1 : stop - 1, 0] += right.sum(dim=0).cpu().numpy()
             slot_hits[start - 1 : stop - 1, 1] += in_block.sum(dim=0).cpu().numpy()
-        if confidence_hits is not None:
-            _count_confidence(confidence_hits, draft_logits, right, in_block)
+        if every_slot:
+            confidences = torch.where(in_block, draft_confidence(draft_logits), torch.nan)
         alive = alive[run[:, -1] > 0]
         if alive.numel() == 0:
             break
-    return accepted
-
-
-def _count_confidence(hits: np.ndarray, draft_logits: torch.Tensor, right: torch.Tensor, in_block: torch.Tensor) -> None:
-    earlier_right = torch.cumprod(torch.cat([torch.ones_like(right[:, :1]), right[:, :-1]], dim=1).to(torch.int64), dim=1)
-    reached = (earlier_right > 0) & in_block
-    bins = confidence_bin(draft_confidence(draft_logits), hits.shape[0])  # (m, W - 1)
-    np.add.at(hits[:, 0], bins[reached & right].cpu().numpy(), 1)
-    np.add.at(hits[:, 1], bins[reached].cpu().numpy(), 1)
+    return accepted, confidences
 
 
 # ----------------------------------------------------------------------------- in label rows
@@ -243,17 +271,20 @@ def _count_confidence(hits: np.ndarray, draft_logits: torch.Tensor, right: torch
 
 def table_columns(tables: Sequence[AcceptanceTable]) -> dict[str, list]:
     """The tables of one label row (one per pooled sample) as the row's `table_commits` (per candidate, every
-    sample's a(i, b) concatenated), `table_anchors` (cursors per sample) and `table_tokens` (every sample's
-    sequence g_0..g_{n-1} concatenated, n = cursors + 1; null unless every table knows its sequence) columns."""
+    sample's a(i, b) concatenated), `table_anchors` (cursors per sample), `table_tokens` (every sample's
+    sequence g_0..g_{n-1} concatenated, n = cursors + 1) and `table_confidences` (every sample's (n - 1, D - 1)
+    confidences, row-major, concatenated) columns; the last two are null unless every table knows them."""
     if not tables:
-        return {"table_commits": None, "table_anchors": None, "table_tokens": None}
+        return {"table_commits": None, "table_anchors": None, "table_tokens": None, "table_confidences": None}
     known = all(table.tokens is not None for table in tables)
+    confident = all(table.confidences is not None for table in tables)
     return {
         "table_commits": [
             [int(v) for table in tables for v in table.commits[k]] for k in range(len(tables[0].candidates))
         ],
         "table_anchors": [table.commits.shape[1] for table in tables],
         "table_tokens": [int(v) for table in tables for v in table.tokens] if known else None,
+        "table_confidences": np.concatenate([t.confidences.ravel() for t in tables]).tolist() if confident else None,
     }
 
 
@@ -272,7 +303,16 @@ def tables_from_row(row: dict) -> list[AcceptanceTable]:
         if token_bounds[-1] != len(tokens):
             raise ValueError(f"row {row.get('prompt_id')!r}: {len(tokens)} table tokens for {list(anchors)} cursors")
         sequences = [tokens[start:stop] for start, stop in zip(token_bounds[:-1], token_bounds[1:], strict=True)]
+    confidences: list[np.ndarray | None] = [None] * len(anchors)
+    if row.get("table_confidences") is not None:  # labels of earlier versions lack them
+        slots = max(candidates) - 1
+        values = np.asarray(row["table_confidences"], dtype=np.float32)
+        if len(values) != bounds[-1] * slots:
+            raise ValueError(
+                f"row {row.get('prompt_id')!r}: {len(values)} confidences for {bounds[-1]} cursors of {slots} slots"
+            )
+        confidences = [values[start * slots : stop * slots].reshape(-1, slots) for start, stop in zip(bounds, bounds[1:])]
     return [
-        AcceptanceTable(candidates, matrix[:, start:stop], int(row["max_new_tokens"]), sequence)
-        for start, stop, sequence in zip(bounds[:-1], bounds[1:], sequences, strict=True)
+        AcceptanceTable(candidates, matrix[:, start:stop], int(row["max_new_tokens"]), sequence, confidence)
+        for start, stop, sequence, confidence in zip(bounds[:-1], bounds[1:], sequences, confidences, strict=True)
     ]

@@ -29,6 +29,7 @@ from blockpilot.cost import CycleCost
 from blockpilot.decoding.acceptance import confidence_bin
 from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.files import write_text_atomic
+from blockpilot.table import AcceptanceTable
 
 CONFIDENCE_BINS = 10
 
@@ -57,6 +58,21 @@ class TrimCalibration:
         survival = np.where(reached > 0, right / np.maximum(reached, 1), pooled)
         return cls(block_size, tuple(float(s) for s in survival), tuple(int(n) for n in reached), cost or CycleCost.uniform())
 
+    @classmethod
+    def from_tables(cls, tables: Sequence[AcceptanceTable], cost: CycleCost | None = None) -> TrimCalibration:
+        """From the largest candidate's drafts in acceptance tables (`survival_hits`)."""
+        if not tables:
+            raise ValueError("no acceptance table to calibrate on")
+        drafted = max(tables[0].candidates)
+        hits = np.zeros((CONFIDENCE_BINS, 2), dtype=np.int64)
+        for table in tables:
+            if max(table.candidates) != drafted:
+                raise ValueError(f"tables of largest candidates {drafted} and {max(table.candidates)}: calibrate on one")
+            hits += survival_hits(table)
+        if hits[:, 1].sum() == 0:
+            raise ValueError("no draft was verified on these tables: nothing to calibrate (longer generations?)")
+        return cls.from_hits(drafted, hits, cost)
+
     def survival_of(self, confidence: torch.Tensor) -> torch.Tensor:
         bins = confidence_bin(confidence, len(self.survival))
         return torch.as_tensor(self.survival, dtype=torch.float32)[bins.cpu()]
@@ -84,6 +100,36 @@ class TrimCalibration:
             tuple(int(n) for n in raw["counts"]),
             CycleCost.from_dict(raw["cost"]),
         )
+
+
+def survival_hits(table: AcceptanceTable) -> np.ndarray:
+    """(CONFIDENCE_BINS, 2) [right, reached] counts of the largest candidate's drafts in `table`, per bin of their
+    confidence: a slot is reached when every earlier draft of its block was right. A block that commits up to
+    the end of the sequence says nothing of its draft of the last token (a(i, b) is capped there), so that slot
+    and the slots past it count as neither (a block cut to the generation budget ends before them)."""
+    if table.confidences is None:
+        raise ValueError("this table has no draft confidences (labels from before them): relabel to calibrate trim")
+    drafted = max(table.candidates)
+    cursors = np.arange(1, table.n)[:, None]
+    slots = np.arange(1, drafted)[None, :]  # slot j drafts g_{i + j - 1}
+    commits = table.row(drafted).astype(np.int64)[:, None]
+    reached = (slots <= commits) & (slots < table.n - cursors)
+    right = reached & (slots < commits)
+    bins = confidence_bin(torch.from_numpy(table.confidences[reached]), CONFIDENCE_BINS).numpy()
+    hits = np.zeros((CONFIDENCE_BINS, 2), dtype=np.int64)
+    np.add.at(hits[:, 0], bins[right[reached]], 1)
+    np.add.at(hits[:, 1], bins, 1)
+    return hits
+
+
+def walk_trim(calibration: TrimCalibration, table: AcceptanceTable) -> tuple[list[int], list[int]]:
+    """(verified block sizes, acceptance lengths) of `DraftThenTrim(calibration)` walked on `table`
+    (`AcceptanceTable.walk_trim`): it verifies what the live policy verifies from the same confidences."""
+    if calibration.block_size != max(table.candidates):
+        raise ValueError(
+            f"trim drafts b = {calibration.block_size}; the table keeps the confidences of b = {max(table.candidates)}"
+        )
+    return table.walk_trim(lambda confidences: verify_count(calibration, torch.from_numpy(confidences)))
 
 
 def verify_count(calibration: TrimCalibration, confidences: torch.Tensor) -> int:
@@ -126,11 +172,8 @@ def calibrate_trim(
     """Survival per confidence bin from the acceptance tables of `prompts` at `block_size`."""
     from blockpilot.sweep import SweepConfig, sweep_prompts
 
-    hits = np.zeros((CONFIDENCE_BINS, 2), dtype=np.int64)
     config = SweepConfig(
         (block_size,), temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids())
     )
-    sweep_prompts(models, prompts, list(range(len(prompts))), config, max_batch=max_batch, confidence_hits=hits)
-    if hits[:, 1].sum() == 0:
-        raise ValueError("no draft was verified on these prompts: nothing to calibrate (longer generations?)")
-    return TrimCalibration.from_hits(block_size, hits, cost)
+    sweeps = sweep_prompts(models, prompts, list(range(len(prompts))), config, max_batch=max_batch)
+    return TrimCalibration.from_tables([table for sweep in sweeps for table in sweep.tables], cost)

@@ -273,9 +273,11 @@ def run_demo(job: DemoJob) -> int:
         "best_fixed": (f"fixed:{best_fixed}", f"best fixed b = {best_fixed}"),
         "request": (f"learned:{predictor}", "learned (per request)"),
         "step": (adaptive, "learned+step (per step)"),
-        "oracle": (None, "static oracle"),
-        "step_oracle": (None, "per-step oracle"),
     }
+    if step.trim_calibration is not None:  # drafts the largest candidate, verifies what its confidences are worth
+        drafted = json.loads(step.trim_calibration.read_text())["block_size"]
+        specs["trim"] = (f"trim:{step.trim_calibration}", f"draft-then-trim (drafts {drafted})")
+    specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
     measure_speed(models, prompts_ids[:2], resolve_policy(f"fixed:{recipe.block_size}", models), config)  # warm-up

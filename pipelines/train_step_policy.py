@@ -9,7 +9,9 @@ driver (`blockpilot.predictor.step`); rows without tables stop the job here. fit
 reads them as a Ray Dataset and minimizes the expected regret, reporting each epoch (and to the MLflow
 run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
-fixed B, the best fixed b, the static oracle, the model and the per-step oracle; the folder and the metrics go
+fixed B, the best fixed b, the static oracle, the model, draft-then-trim (calibrated on the training tables at
+the same price, when the labels keep the drafts' confidences; `trim.json` in the model's folder) and the
+per-step oracle; the folder and the metrics go
 to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
 (its `champion` alias moves when a version beats the champion's held-out modeled throughput). Generate and serve
 take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
@@ -84,6 +86,7 @@ class StepOutcome:
     model_dir: Path
     metrics: dict[str, float]
     run_id: str | None
+    trim_calibration: Path | None = None  # draft-then-trim on the same labels and price, when they allow it
 
 
 def _worker(config: dict[str, Any]) -> None:
@@ -145,6 +148,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     )
     from blockpilot.predictor.store import load_predictor
     from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
+    from blockpilot.trim import TrimCalibration
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
     from pipelines.train_checkpoints import refuse_existing_run
 
@@ -160,6 +164,16 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     if job.tokens and not tokens:
         print("[step] the labels carry no generated sequences (labeled before `table_tokens`): no token features")
     features, regret = regret_dataset(train_rows, cost, job.loads, tokens)
+    confident = all(t.confidences is not None for row in [*train_rows, *eval_rows] for t in row.tables)
+    if not confident:
+        print("[step] the labels keep no draft confidences (labeled before them): draft-then-trim is not evaluated")
+
+    def trim_at(load: int | None) -> TrimCalibration | None:
+        """Draft-then-trim calibrated on the training tables, deciding at the price it is evaluated at."""
+        if not confident:
+            return None
+        tables = [t for row in train_rows for t in row.tables]
+        return TrimCalibration.from_tables(tables, cost if load is None else cost.at_batch(load))
     first = train_table.slice(0, 1).to_pylist()[0]
     candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(
@@ -213,8 +227,12 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
             model = StepModel.load(Path(directory) / "step")
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         # A load-aware model is reported at each of its loads (`load<n>/...`), and at the largest without a prefix.
-        by_load = {load: evaluate_step_model(model, eval_rows, cost, load=load) for load in job.loads}
-        metrics = by_load[max(job.loads)] if job.loads else evaluate_step_model(model, eval_rows, cost)
+        by_load = {
+            load: evaluate_step_model(model, eval_rows, cost, load=load, trim=trim_at(load)) for load in job.loads
+        }
+        trim = trim_at(max(job.loads) if job.loads else None)
+        trim_path = trim.save(out / "trim.json") if trim is not None else None
+        metrics = by_load[max(job.loads)] if job.loads else evaluate_step_model(model, eval_rows, cost, trim=trim)
         metrics = metrics | {f"load{load}/{k}": v for load, at_load in by_load.items() for k, v in at_load.items()}
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
         for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):
@@ -231,7 +249,9 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     crowned = " (the new champion)" if champion else ""
     spec = f"learned+step:{job.prior},{out}" if prior is not None else f"learned-step:{out}"
     print(f"[step] saved to {out}{registered}{crowned}; use it with --policy {spec}")
-    return StepOutcome(out, metrics, tracker.run_id)
+    if trim_path is not None:
+        print(f"[step] draft-then-trim at b = {trim.block_size}, calibrated on these labels: --policy trim:{trim_path}")
+    return StepOutcome(out, metrics, tracker.run_id, trim_path)
 
 
 def main(argv: list[str] | None = None) -> int:

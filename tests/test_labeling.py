@@ -59,22 +59,25 @@ def test_table_walks_equal_live_runs_on_random_models(random_models):
 
 
 def test_slots_past_a_wrong_draft_change_nothing_in_the_table(tiny_models, heldout):
-    """The table computes a block's slots only up to its first wrong draft; asking for every slot's accuracy
-    computes them all. Same tables, same confidence counts (they count reached slots only)."""
+    """The table computes a block's slots only up to its first wrong draft (every slot of the largest candidate,
+    whose confidences it keeps); asking for every slot's accuracy computes them all. Same tables."""
     stop = tuple(tiny_models.stop_token_ids())
     config = SweepConfig(candidates=(2, 3, 4, 8, 16), max_new_tokens=40, stop_token_ids=stop)
     prompts, seeds = heldout[:4], [0, 1, 2, 3]
     slots = np.zeros((5, 15, 2), dtype=np.int64)
-    staged_confidence, every_confidence = np.zeros((10, 2), dtype=np.int64), np.zeros((10, 2), dtype=np.int64)
-    staged = sweep_prompts(tiny_models, prompts, seeds, config, confidence_hits=staged_confidence)
-    every = sweep_prompts(tiny_models, prompts, seeds, config, slot_hits=slots, confidence_hits=every_confidence)
+    staged = sweep_prompts(tiny_models, prompts, seeds, config)
+    every = sweep_prompts(tiny_models, prompts, seeds, config, slot_hits=slots)
     for a, b in zip(staged, every, strict=True):
         assert [t.commits.tolist() for t in a.tables] == [t.commits.tolist() for t in b.tables]
-    assert np.array_equal(staged_confidence, every_confidence) and staged_confidence[:, 1].sum() > 0
+        for staged_table, every_table in zip(a.tables, b.tables, strict=True):
+            assert np.array_equal(staged_table.confidences, every_table.confidences, equal_nan=True)
     assert (slots[..., 0] <= slots[..., 1]).all()
-    anchors = sum(t.n - 1 for s in every for t in s.tables)
     # Slot j of candidate b is drafted at every anchor whose block (cut at the budget) still has it.
-    assert slots[4, 0, 1] <= anchors and slots[4, 0, 1] > slots[4, 14, 1] > 0 and slots[0, 1:, 1].sum() == 0
+    tables = [t for s in every for t in s.tables]
+    for column, b in enumerate(config.candidates):
+        drafted = [sum(t.block_size_at(i, b) > j for t in tables for i in range(1, t.n)) for j in range(1, 16)]
+        assert slots[column, :, 1].tolist() == drafted
+    assert slots[0, 0, 1] > 0
 
 
 def test_the_reference_generation_drafts_at_the_training_block_size(random_models, monkeypatch):

@@ -200,7 +200,10 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
         run_step_train_job(StepTrainJob(labels=tiny_labels["train"], storage=tmp_path / "ray", name="step-tiny"))
     for group in ("", "T0/", "T1/", "load1/", "load8/T0/"):
         assert outcome.metrics[f"{group}throughput_step"] <= outcome.metrics[f"{group}throughput_step_oracle"] + 1e-9
-        assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle"} <= set(outcome.metrics)
+        assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle", f"{group}tau_trim"} <= set(outcome.metrics)
+    # Draft-then-trim, calibrated on the training tables at the largest load's price, is what the run saved.
+    trim = resolve_policy(f"trim:{outcome.trim_calibration}", tiny_models)
+    assert trim.calibration.block_size == 6 and trim.calibration.cost == curve.at_batch(8)
     # Without a prefix: at the largest load. Fixed walks cost what the curve at that load says.
     assert outcome.metrics["throughput_step"] == outcome.metrics["load8/throughput_step"]
     assert outcome.metrics["load1/tau_B"] == outcome.metrics["load8/tau_B"]

@@ -45,6 +45,7 @@ from blockpilot.predictor.step import (
 )
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable, tables_from_row
+from blockpilot.trim import CONFIDENCE_BINS, TrimCalibration
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
 
@@ -695,3 +696,29 @@ def test_a_token_model_decodes_losslessly_as_it_walks_the_table(tiny_models, loa
     assert walk_step_model(model, shifted, anchors)[0] != sizes, "the model reads the tokens"
     with pytest.raises(ValueError, match="sequence"):
         walk_step_model(model, replace(table, tokens=None), anchors)
+
+
+def test_labels_keep_the_largest_candidates_confidences_and_evaluation_walks_trim(tiny_labels):
+    table = pq.read_table(tiny_labels["heldout"])
+    rows = step_rows(table)
+    drafted = max(rows[0].tables[0].candidates)
+    for t in (t for row in rows for t in row.tables):
+        assert t.confidences.shape == (t.n - 1, drafted - 1)
+        sizes = np.array([t.block_size_at(i, drafted) for i in range(1, t.n)])
+        in_block = np.arange(1, drafted)[None, :] < sizes[:, None]
+        assert np.isnan(t.confidences[~in_block]).all()
+        assert ((t.confidences[in_block] > 0) & (t.confidences[in_block] <= 1)).all()
+    every = TrimCalibration(drafted, (1.0,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS)  # uniform cost: keep every draft
+    metrics = evaluate_step_model(None, rows, CycleCost.uniform(), train_block_size=drafted, trim=every)
+    assert metrics["tau_trim"] == metrics["tau_B"], "verifying every draft of b is fixed b"
+    none = TrimCalibration(drafted, (0.0,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS, CycleCost({1: {1: 1.0, 8: 2.0}}))
+    assert evaluate_step_model(None, rows, CycleCost.uniform(), trim=none)["tau_trim"] == 1.0
+    with pytest.raises(ValueError, match="confidences of b"):
+        evaluate_step_model(None, rows, CycleCost.uniform(), trim=replace(every, block_size=drafted + 1))
+    older = [StepRow(r.prompt_id, r.temperature, [replace(t, confidences=None) for t in r.tables], r.anchors) for r in rows]
+    with pytest.raises(ValueError, match="relabel"):
+        evaluate_step_model(None, older, CycleCost.uniform(), trim=every)
+    broken = {**table.filter(pc.is_valid(table["table_commits"])).slice(0, 1).to_pylist()[0]}
+    broken["table_confidences"] = broken["table_confidences"][:-1]
+    with pytest.raises(ValueError, match="confidences"):
+        tables_from_row(broken)

@@ -10,7 +10,16 @@ import torch
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
 from blockpilot.decoding.resolve import PolicySpec, resolve_policy
-from blockpilot.trim import CONFIDENCE_BINS, DraftThenTrim, TrimCalibration, calibrate_trim, verify_count
+from blockpilot.table import AcceptanceTable
+from blockpilot.trim import (
+    CONFIDENCE_BINS,
+    DraftThenTrim,
+    TrimCalibration,
+    calibrate_trim,
+    survival_hits,
+    verify_count,
+    walk_trim,
+)
 from support import check_stats_invariants, greedy_reference
 
 STEEP = CycleCost({1: {1: 1.0, 2: 1.6, 8: 8.0}})  # each verified position costs more than it can return
@@ -63,13 +72,14 @@ def test_calibration_from_tables_round_trips_and_resolves(tiny_models, tmp_path)
     prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "Write the numbers from 2 to 20.")]
     made = calibrate_trim(tiny_models, prompts, 6, cost=STEEP, max_new_tokens=32)
     assert all(0.0 <= s <= 1.0 for s in made.survival) and made.block_size == 6
-    # Every drafting anchor reaches its first slot; a slot is reached only after every earlier one was right, so
-    # an anchor reaches at most its b - 1 slots (the same tables, rebuilt by a plain sweep).
+    # Every anchor reaches its first slot when that slot drafts a token before the sequence's last; a slot is
+    # reached only after every earlier one was right, so an anchor reaches at most those slots (the same tables,
+    # rebuilt by a plain sweep).
     from blockpilot.sweep import SweepConfig, sweep_prompts
 
     config = SweepConfig((6,), max_new_tokens=32, stop_token_ids=tuple(tiny_models.stop_token_ids()))
     tables = [t for sweep in sweep_prompts(tiny_models, prompts, [0, 1], config) for t in sweep.tables]
-    slots = [t.block_size_at(i, 6) - 1 for t in tables for i in range(1, t.n)]
+    slots = [min(t.block_size_at(i, 6), t.n - i) - 1 for t in tables for i in range(1, t.n)]
     assert sum(1 for k in slots if k > 0) <= sum(made.counts) <= sum(slots)
     path = made.save(tmp_path / "trim.json")
     assert TrimCalibration.load(path) == made
@@ -91,3 +101,62 @@ def test_survival_is_the_rate_of_right_drafts_among_those_reached():
     assert made.survival[0] == pytest.approx(10 / 14)  # no evidence: the pooled rate
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         TrimCalibration(8, (1.5,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS)
+
+
+def hand_made_table(confidences: np.ndarray, commits: list[int], max_new_tokens: int = 16) -> AcceptanceTable:
+    """A table of candidates (2, 4) over n = len(commits) + 1 tokens, with b = 4's commits and confidences given."""
+    row = np.asarray(commits, dtype=np.int16)
+    return AcceptanceTable((2, 4), np.stack([np.minimum(row, 2), row]), max_new_tokens, confidences=confidences)
+
+
+def test_survival_counts_the_drafts_reached_and_says_nothing_past_the_end():
+    sure, even, unsure = 0.95, 0.55, 0.15  # confidence bins 9, 5, 1
+    confidences = np.array(
+        [[sure, even, unsure], [sure] * 3, [even] * 3, [sure, unsure, unsure], [even, unsure, unsure], [unsure] * 3],
+        np.float32,
+    )
+    # n = 7. Cursor 1 commits 2: slot 1 right, slot 2 wrong. Cursor 2: its 3 drafts right. Cursor 3: 2 right, the
+    # third wrong. Cursor 4: slot 1 right, slot 2 wrong. Cursor 5 commits 2 = n - 5, up to the end: slot 1 right,
+    # and its slot 2 drafted the last token, which a(i, b) capped there does not tell. Cursor 6: nothing before the end.
+    hits = survival_hits(hand_made_table(confidences, [2, 4, 3, 2, 2, 1]))
+    assert hits[9].tolist() == [5, 5] and hits[5].tolist() == [3, 5] and hits[1].tolist() == [0, 1]
+    assert hits.sum(axis=0).tolist() == [8, 11]
+    made = TrimCalibration.from_tables([hand_made_table(confidences, [2, 4, 3, 2, 2, 1])])
+    assert made.block_size == 4 and made.survival[9] == 1.0 and made.survival[5] == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="relabel"):
+        survival_hits(AcceptanceTable((2, 4), np.ones((2, 3), np.int16), 16))
+    with pytest.raises(ValueError, match="shape"):
+        hand_made_table(confidences[:, :2], [2, 4, 3, 2, 2, 1])
+
+
+def test_a_trim_walk_verifies_what_its_rule_keeps_and_commits_within_the_drafted_block():
+    sure, unsure = 0.95, 0.15
+    confidences = np.array(
+        [[sure, sure, unsure], [unsure, sure, sure], [sure] * 3, [sure] * 3, [sure] * 3, [unsure] * 3], np.float32
+    )
+    table = hand_made_table(confidences, [4, 1, 3, 2, 2, 1])
+    confident_only = TrimCalibration(4, (0.0,) * 5 + (1.0,) * 5, (1,) * 10, CycleCost({1: {1: 1.0, 4: 1.2}}))
+    # Cursor 1 verifies its 2 confident drafts and commits 3 of a(1, 4) = 4; cursor 4 verifies all 3 and commits
+    # a(4, 4) = 2; cursor 6 verifies none of its unconfident drafts.
+    assert walk_trim(confident_only, table) == ([3, 4, 1], [3, 2, 1])
+    everything = calibration(1.0, block_size=4)  # uniform cost: every draft is worth verifying
+    assert walk_trim(everything, table) == ([4, 4], table.walk(4))
+    with pytest.raises(ValueError, match="b = 6"):
+        walk_trim(calibration(1.0), table)
+
+
+@pytest.mark.parametrize("survival", [0.05, 0.5, None])
+def test_a_trim_walk_on_the_table_is_the_live_trim_run(tiny_models, survival):
+    """fp32 on the CPU: draft-then-trim walked on acceptance tables verifies and commits, cycle by cycle, what it
+    does live (None: the calibration made from those tables)."""
+    from blockpilot.sweep import SweepConfig, sweep_prompts
+
+    prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Write a poem.")]
+    stop = tuple(tiny_models.stop_token_ids())
+    config = SweepConfig((2, 4, 6), max_new_tokens=32, stop_token_ids=stop)
+    tables = [sweep.tables[0] for sweep in sweep_prompts(tiny_models, prompts, [0, 1, 2], config)]
+    price = CycleCost({1: {1: 1.0, 6: 2.5}})
+    made = TrimCalibration.from_tables(tables, price) if survival is None else calibration(survival, cost=price)
+    for prompt, table in zip(prompts, tables, strict=True):
+        live = generate(tiny_models, prompt, policy=DraftThenTrim(made), config=GenerationConfig(32, stop_token_ids=stop))
+        assert walk_trim(made, table) == (live.block_sizes, live.acceptance_lengths)

@@ -13,6 +13,10 @@ Columns (lists follow `candidates`):
                                               the cursors per sample (see `blockpilot.table`)
     table_tokens                              every sample's generated sequence g_0..g_{n-1} concatenated
                                               (n = its cursors + 1): each cursor's block's first token
+    table_confidences                         the drafter's top probability in every slot of the largest
+                                              candidate D's block at every cursor of every sample: cursors x
+                                              (D - 1) values per sample, row-major, NaN in the slots of a block
+                                              cut to the generation budget (what draft-then-trim decides with)
     anchor_entropy, anchor_top_probs          per cursor of the table, the target distribution at the
                                               anchor (T = 1): entropy in nats and top-k probabilities
     topk_ids, topk_probs, entropy             the prefill distribution (T = 1), top k + entropy in nats
@@ -62,6 +66,7 @@ LABEL_SCHEMA = pa.schema(
         pa.field("table_commits", pa.list_(pa.list_(pa.int16()))),
         pa.field("table_anchors", pa.list_(pa.int32())),
         pa.field("table_tokens", pa.list_(pa.int32())),
+        pa.field("table_confidences", pa.list_(pa.float32())),
         pa.field("anchor_entropy", pa.list_(pa.float16())),
         pa.field("anchor_top_probs", pa.list_(pa.list_(pa.float16()))),
         pa.field("topk_ids", pa.list_(pa.int32())),

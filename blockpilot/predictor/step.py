@@ -53,6 +53,7 @@ from blockpilot.decoding.policies import (
 from blockpilot.files import load_weights_folder, save_weights_folder
 from blockpilot.scoring import format_table
 from blockpilot.table import AcceptanceTable, tables_from_row
+from blockpilot.trim import TrimCalibration, walk_trim
 
 ANCHOR_FEATURES = ("entropy", *(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), "temperature", "log_cursor")
 HISTORY_FEATURES = ("log1p_last_accepted", "last_accepted_share")
@@ -72,6 +73,7 @@ def prior_probability_features(candidates: tuple[int, ...]) -> tuple[str, ...]:
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens"]
 STEP_COLUMNS += ["table_commits", "table_anchors", "anchor_entropy", "anchor_top_probs"]
 TOKEN_COLUMNS = ["table_tokens", "vocab_size"]  # what token features need besides; labels before them lack these
+TRIM_COLUMNS = ["table_confidences"]  # what walking draft-then-trim needs besides; labels before them lack it
 
 
 def anchor_tokens(generated: np.ndarray, cursors: np.ndarray) -> np.ndarray:
@@ -494,7 +496,7 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
         raise ValueError(f"labels lack the columns a step model needs: {missing} (relabel with this version)")
     table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
     priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
-    columns = STEP_COLUMNS + [c for c in TOKEN_COLUMNS if c in table.column_names]
+    columns = STEP_COLUMNS + [c for c in TOKEN_COLUMNS + TRIM_COLUMNS if c in table.column_names]
     out = []
     for row, (b0, probabilities) in zip(table.select(columns).to_pylist(), priors, strict=True):
         tables = tables_from_row(row)
@@ -657,6 +659,8 @@ class _RowWalks:
     half_tokens: float = 0.0
     step_cycles: float = 0.0  # the step model's walk
     step_cost: float = 0.0
+    trim_cycles: float = 0.0  # draft-then-trim's walk
+    trim_cost: float = 0.0
 
 
 def walk_step_model(
@@ -699,7 +703,9 @@ def walk_step_model(
     return table.walk_policy(choose)
 
 
-def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost, load: int) -> _RowWalks:
+def _walk_row(
+    row: StepRow, model: StepModel | None, cost: CycleCost, load: int, trim: TrimCalibration | None = None
+) -> _RowWalks:
     candidates = row.tables[0].candidates
     count = len(candidates)
     walks = _RowWalks(0.0, np.zeros(count), np.zeros(count), 0.0, 0.0, np.zeros((2, count)), np.zeros((2, count)))
@@ -723,6 +729,10 @@ def _walk_row(row: StepRow, model: StepModel | None, cost: CycleCost, load: int)
             sizes, _ = walk_step_model(model, t, anchors, row.prior_block_size, row.prior_probabilities, load)
             walks.step_cycles += len(sizes)
             walks.step_cost += t.walk_cost(sizes, cost=cost)
+        if trim is not None:
+            sizes, _ = walk_trim(trim, t)
+            walks.trim_cycles += len(sizes)
+            walks.trim_cost += sum(cost(size) for size in sizes)
     return walks
 
 
@@ -732,22 +742,27 @@ def evaluate_step_model(
     cost: CycleCost,
     train_block_size: int | None = None,
     load: int | None = None,
+    trim: TrimCalibration | None = None,
 ) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
     per unit cost) of fixed B, the best fixed b, the per-request predictor (`request`, when the rows carry its
-    b0), the static oracle, the step model (`step`, when given; after b0 when there is one) and the per-step
-    oracle, each walked on the same tables. Fixed B is the model's training block size, else `train_block_size`.
+    b0), the static oracle, the step model (`step`, when given; after b0 when there is one), draft-then-trim
+    (`trim`, with its calibration) and the per-step oracle, each walked on the same tables. Fixed B is the model's
+    training block size, else `train_block_size`.
 
     Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch size of `cost` without one;
-    a load-aware model reads that load."""
+    a load-aware model reads that load. A trim cycle is priced as one of the size it verifies, as the trim rule
+    prices it: the slots it drafts and does not verify are not in that price."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
+    if trim is not None and trim.block_size != max(candidates):
+        raise ValueError(f"trim drafts b = {trim.block_size}; the tables keep the confidences of b = {max(candidates)}")
     if load is None:
         load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
     else:
         cost = cost.at_batch(load)
-    walked = [_walk_row(row, model, cost, load) for row in rows]
+    walked = [_walk_row(row, model, cost, load, trim) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
     pairs = list(zip(walked, rows, strict=True))
@@ -780,6 +795,8 @@ def evaluate_step_model(
             put("request", sum(w.fixed_cycles[k] for w, k in chosen), sum(w.fixed_cost[k] for w, k in chosen))
         if model is not None:
             put("step", sum(w.step_cycles for w in members), sum(w.step_cost for w in members))
+        if trim is not None:
+            put("trim", sum(w.trim_cycles for w in members), sum(w.trim_cost for w in members))
         put("step_oracle", sum(w.oracle_cycles for w in members), sum(w.oracle_cost for w in members))
         _put_split_half(metrics, prefix, members)
     return metrics
@@ -821,6 +838,7 @@ STEP_REPORT_COLUMNS = (
     ("request", "request"),
     ("static", "oracle"),
     ("step", "step"),
+    ("trim", "trim"),
     ("oracle", "step_oracle"),
 )
 
