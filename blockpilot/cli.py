@@ -101,8 +101,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
     if models.drafter is None:
         raise ValueError("--drafter is required: a cycle drafts a block")
-    block_sizes = args.block_sizes or tuple(range(1, 2 * models.train_block_size + 1))
-    cost = calibrate(models, block_sizes, args.batch_sizes, repeats=args.repeats, cycles=args.cycles)
+    default_top = args.drafted or 2 * models.train_block_size
+    block_sizes = args.block_sizes or tuple(range(1, default_top + 1))
+    cost = calibrate(
+        models, block_sizes, args.batch_sizes, repeats=args.repeats, cycles=args.cycles, drafted=args.drafted
+    )
     cost.save(args.out)
     print(f"cost curve -> {args.out}")
     print("ms per cycle, fitted non-decreasing in b (the measured median in brackets where it differs)")
@@ -229,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", type=Path, required=True, help="the cost curve (JSON) to write")
     cal.add_argument("--repeats", type=positive_int_arg, default=5, help="timed runs per point (median)")
     cal.add_argument("--cycles", type=positive_int_arg, default=12, help="cycles per timed run")
+    cal.add_argument(
+        "--drafted",
+        type=positive_int_arg,
+        default=None,
+        help="time draft-then-trim's cycles: draft this many slots, verify each block size (default: 1 .. this)",
+    )
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")
     cal.add_argument("--device", default=None)
     cal.add_argument("--dtype", default=None)

@@ -46,10 +46,17 @@ class CycleCost:
     target_id: str = ""
     drafter_id: str = ""
     measured: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> b -> raw median seconds
+    # Draft-then-trim's cycles: every cycle drafted this many slots and b is what it verified (None: it drafted b).
+    drafted: int | None = None
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
             raise ValueError("a cost curve needs at least one (batch, block size) measurement")
+        if self.drafted is not None:
+            positive_int(self.drafted, "drafted")
+            wider = sorted(b for by_b in self.seconds.values() for b in by_b if b > self.drafted)
+            if wider:
+                raise ValueError(f"a curve of cycles that draft {self.drafted} cannot verify b = {wider}")
         for batch, by_b in self.seconds.items():
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -123,6 +130,7 @@ class CycleCost:
             target_id=raw.get("target_id", ""),
             drafter_id=raw.get("drafter_id", ""),
             measured=curve(raw.get("measured", {})),
+            drafted=raw.get("drafted"),
         )
 
     def describe(self) -> str:
@@ -130,7 +138,8 @@ class CycleCost:
             return "uniform (every cycle costs 1)"
         batch = min(self.seconds)
         curve = ", ".join(f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.seconds[batch].items()))
-        return f"{self.device} {self.dtype}, batch {batch}: {curve}"
+        drafting = f", drafting {self.drafted} (b verified)" if self.drafted is not None else ""
+        return f"{self.device} {self.dtype}, batch {batch}{drafting}: {curve}"
 
 
 def nondecreasing_in_block_size(by_b: dict[int, float]) -> dict[int, float]:
@@ -173,11 +182,32 @@ def load_cost(path: str | Path | None, batch: int | None = None) -> CycleCost:
     return cost if batch is None else cost.at_batch(batch)
 
 
-def seconds_per_cycle(models: Any, prompts: Sequence[Sequence[int]], block_sizes: Sequence[int], cycles: int) -> float:
-    """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch.
+class _DraftThenVerify:
+    """Drafts `drafted` slots every cycle and verifies `verified` positions: a trimmed cycle, for timing."""
+
+    name = "draft-then-verify"
+
+    def __init__(self, drafted: int, verified: int) -> None:
+        self.drafted, self.verified = drafted, verified
+
+    def initial_block_size(self, prefill: Any) -> int:
+        return self.drafted
+
+    def next_block_size(self, cycle: Any) -> int:
+        return self.drafted
+
+    def verify_count(self, confidences: Any) -> int:
+        return min(self.verified - 1, len(confidences))
+
+
+def seconds_per_cycle(
+    models: Any, prompts: Sequence[Sequence[int]], block_sizes: Sequence[int], cycles: int, drafted: int | None = None
+) -> float:
+    """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
+    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle).
 
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
-    may generate up to its b tokens a cycle, so none finishes inside the timed cycles.
+    may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
     """
     from blockpilot.decoding.engine import SpeculativeEngine
     from blockpilot.decoding.policies import FixedBlockSize
@@ -188,8 +218,9 @@ def seconds_per_cycle(models: Any, prompts: Sequence[Sequence[int]], block_sizes
         raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
     engine = SpeculativeEngine(models, max_batch=len(prompts))
     for prompt, b in zip(prompts, block_sizes, strict=True):
-        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
-        engine.submit(GenerationRequest(list(prompt), config, FixedBlockSize(b)))
+        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
+        policy = FixedBlockSize(b) if drafted is None else _DraftThenVerify(drafted, b)
+        engine.submit(GenerationRequest(list(prompt), config, policy))
     engine.step()  # admission (prefill) and the first cycle: not timed
     started = time.perf_counter()
     ran = 0
@@ -217,8 +248,10 @@ def calibrate(
     cycles: int = 12,
     repeats: int = 5,
     warmup: int = 2,
+    drafted: int | None = None,
 ) -> CycleCost:
-    """Median wall time of one engine cycle at each (batch, b), on the models' device.
+    """Median wall time of one engine cycle at each (batch, b), on the models' device; with `drafted`, of a
+    cycle that drafts that many slots and verifies b (draft-then-trim's price, `CycleCost.drafted`).
 
     Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
     `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
@@ -232,13 +265,15 @@ def calibrate(
 
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
+    if drafted is not None and max(block_sizes) > drafted:
+        raise ValueError(f"cycles that draft {drafted} verify at most {drafted} positions, not b = {max(block_sizes)}")
     generator = torch.Generator().manual_seed(0)
     measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
         rounds = []
         for attempt in range(warmup + repeats):
-            timed = {b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles) for b in block_sizes}
+            timed = {b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, drafted) for b in block_sizes}
             if attempt >= warmup:
                 rounds.append(timed)
         measured[batch] = round_relative_medians(rounds)
@@ -250,6 +285,7 @@ def calibrate(
         target_id=models.target_id,
         drafter_id=models.drafter_id,
         measured=measured,
+        drafted=drafted,
     )
 
 

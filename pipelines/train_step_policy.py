@@ -44,6 +44,12 @@ class StepTrainJob:
     labels: Path = option(type=Path, help="label Parquet file or folder (replay labels: they carry the tables)")
     eval: Path | None = option(None, type=Path, help="held-out labels for the report (default: --labels)")
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate); default: every cycle costs 1")
+    trim_cost: Path | None = option(
+        None,
+        type=Path,
+        help="cost of draft-then-trim's cycles (blockpilot calibrate --drafted D, D the largest candidate); "
+        "default: --cost, a price that leaves out the drafts trimmed away",
+    )
     cost_batch: int = option(
         1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
     )
@@ -155,6 +161,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     storage = job.storage or blockpilot_home() / "ray_results" / "step"
     refuse_existing_run(storage, job.name, resumable=False)
     cost = load_cost(job.cost, None if job.loads else job.cost_batch)
+    trim_cost = load_cost(job.trim_cost, None if job.loads else job.cost_batch) if job.trim_cost else None
     prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
     train_rows = step_rows(train_table, prior)
@@ -173,7 +180,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         if not confident:
             return None
         tables = [t for row in train_rows for t in row.tables]
-        return TrimCalibration.from_tables(tables, cost if load is None else cost.at_batch(load))
+        price = trim_cost or cost
+        return TrimCalibration.from_tables(tables, price if load is None else price.at_batch(load))
     first = train_table.slice(0, 1).to_pylist()[0]
     candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(
@@ -228,11 +236,15 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         # A load-aware model is reported at each of its loads (`load<n>/...`), and at the largest without a prefix.
         by_load = {
-            load: evaluate_step_model(model, eval_rows, cost, load=load, trim=trim_at(load)) for load in job.loads
+            load: evaluate_step_model(model, eval_rows, cost, load=load, trim=trim_at(load), trim_cost=trim_cost)
+            for load in job.loads
         }
         trim = trim_at(max(job.loads) if job.loads else None)
         trim_path = trim.save(out / "trim.json") if trim is not None else None
-        metrics = by_load[max(job.loads)] if job.loads else evaluate_step_model(model, eval_rows, cost, trim=trim)
+        if not job.loads:
+            metrics = evaluate_step_model(model, eval_rows, cost, trim=trim, trim_cost=trim_cost)
+        else:
+            metrics = by_load[max(job.loads)]
         metrics = metrics | {f"load{load}/{k}": v for load, at_load in by_load.items() for k, v in at_load.items()}
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
         for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):

@@ -8,6 +8,7 @@ import torch
 
 from blockpilot.cost import (
     CycleCost,
+    _DraftThenVerify,
     calibrate,
     ladder,
     load_cost,
@@ -16,6 +17,7 @@ from blockpilot.cost import (
     round_relative_medians,
     seconds_per_cycle,
 )
+from blockpilot.decoding import GenerationConfig, generate
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
@@ -90,6 +92,20 @@ def test_a_cycle_can_be_timed_with_every_row_at_its_own_block_size(random_models
     assert seconds_per_cycle(random_models, prompts, [2, 5, 9], cycles=2) > 0
     with pytest.raises(ValueError, match="one block size per prompt"):
         seconds_per_cycle(random_models, prompts, [2, 5], cycles=2)
+
+
+def test_trimmed_cycles_are_calibrated_as_their_own_curve(random_models, tmp_path):
+    """`drafted`: every timed cycle drafts that many slots and verifies b, draft-then-trim's price."""
+    cost = calibrate(random_models, (1, 3), drafted=4, cycles=2, repeats=1, warmup=0)
+    assert cost.drafted == 4 and set(cost.seconds[1]) == {1, 3} and "drafting 4" in cost.describe()
+    assert load_cost(cost.save(tmp_path / "trim-cost.json")) == cost
+    with pytest.raises(ValueError, match="verify at most 4"):
+        calibrate(random_models, (1, 5), drafted=4, cycles=1, repeats=1, warmup=0)
+    with pytest.raises(ValueError, match=r"cannot verify b = \[6\]"):
+        CycleCost({1: {1: 1.0, 6: 2.0}}, drafted=4)
+    # The timed cycles verify what they are told: a lossless generation whose cycles never verify more.
+    result = generate(random_models, [5, 6, 7], policy=_DraftThenVerify(4, 3), config=GenerationConfig(max_new_tokens=12))
+    assert result.cycles and max(result.block_sizes) <= 3
 
 
 def test_a_short_calibration_climbs_a_ladder_to_the_top():

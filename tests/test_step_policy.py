@@ -713,6 +713,14 @@ def test_labels_keep_the_largest_candidates_confidences_and_evaluation_walks_tri
     assert metrics["tau_trim"] == metrics["tau_B"], "verifying every draft of b is fixed b"
     none = TrimCalibration(drafted, (0.0,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS, CycleCost({1: {1: 1.0, 8: 2.0}}))
     assert evaluate_step_model(None, rows, CycleCost.uniform(), trim=none)["tau_trim"] == 1.0
+    line = CycleCost({1: {1: 1.0, drafted: 2.0}})
+    dear = CycleCost({1: {1: 5.0, drafted: 10.0}}, drafted=drafted)  # a trimmed cycle still pays for its drafts
+    plain = evaluate_step_model(None, rows, line, trim=replace(every, cost=line))
+    priced = evaluate_step_model(None, rows, line, trim=replace(every, cost=dear), trim_cost=dear)
+    assert priced["tau_trim"] == plain["tau_trim"]
+    assert priced["throughput_trim"] == pytest.approx(plain["throughput_trim"] / 5)
+    with pytest.raises(ValueError, match="trim's cycles draft"):
+        evaluate_step_model(None, rows, line, trim=every, trim_cost=CycleCost({1: {1: 1.0}}, drafted=drafted + 1))
     with pytest.raises(ValueError, match="confidences of b"):
         evaluate_step_model(None, rows, CycleCost.uniform(), trim=replace(every, block_size=drafted + 1))
     older = [StepRow(r.prompt_id, r.temperature, [replace(t, confidences=None) for t in r.tables], r.anchors) for r in rows]

@@ -704,7 +704,12 @@ def walk_step_model(
 
 
 def _walk_row(
-    row: StepRow, model: StepModel | None, cost: CycleCost, load: int, trim: TrimCalibration | None = None
+    row: StepRow,
+    model: StepModel | None,
+    cost: CycleCost,
+    load: int,
+    trim: TrimCalibration | None = None,
+    trim_cost: CycleCost | None = None,
 ) -> _RowWalks:
     candidates = row.tables[0].candidates
     count = len(candidates)
@@ -732,7 +737,7 @@ def _walk_row(
         if trim is not None:
             sizes, _ = walk_trim(trim, t)
             walks.trim_cycles += len(sizes)
-            walks.trim_cost += sum(cost(size) for size in sizes)
+            walks.trim_cost += sum((trim_cost or cost)(size) for size in sizes)
     return walks
 
 
@@ -743,6 +748,7 @@ def evaluate_step_model(
     train_block_size: int | None = None,
     load: int | None = None,
     trim: TrimCalibration | None = None,
+    trim_cost: CycleCost | None = None,
 ) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
     per unit cost) of fixed B, the best fixed b, the per-request predictor (`request`, when the rows carry its
@@ -751,18 +757,22 @@ def evaluate_step_model(
     training block size, else `train_block_size`.
 
     Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch size of `cost` without one;
-    a load-aware model reads that load. A trim cycle is priced as one of the size it verifies, as the trim rule
-    prices it: the slots it drafts and does not verify are not in that price."""
+    a load-aware model reads that load. Trim's cycles are priced with `trim_cost` (cycles that draft trim's block
+    and verify b: `calibrate(drafted=...)`), at the same load; without it, as cycles that draft what they verify,
+    a price that leaves out the drafts trimmed away."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
     if trim is not None and trim.block_size != max(candidates):
         raise ValueError(f"trim drafts b = {trim.block_size}; the tables keep the confidences of b = {max(candidates)}")
+    if trim_cost is not None and trim_cost.drafted not in (None, trim and trim.block_size):
+        raise ValueError(f"trim's cycles draft b = {trim and trim.block_size}, not the cost's {trim_cost.drafted}")
     if load is None:
         load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
     else:
         cost = cost.at_batch(load)
-    walked = [_walk_row(row, model, cost, load, trim) for row in rows]
+        trim_cost = trim_cost.at_batch(load) if trim_cost is not None else None
+    walked = [_walk_row(row, model, cost, load, trim, trim_cost or cost) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
     pairs = list(zip(walked, rows, strict=True))
