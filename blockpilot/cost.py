@@ -97,6 +97,16 @@ class CycleCost:
         measured = {nearest: dict(self.measured[nearest])} if nearest in self.measured else {}
         return replace(self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured)
 
+    def scaled(self, factor: float) -> CycleCost:
+        """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"a cost curve scales by a positive factor, got {factor!r}")
+
+        def times(curve: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+            return {batch: {b: value * factor for b, value in by_b.items()} for batch, by_b in curve.items()}
+
+        return replace(self, seconds=times(self.seconds), measured=times(self.measured))
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for name in ("seconds", "measured"):

@@ -103,6 +103,11 @@ def test_trimmed_cycles_are_calibrated_as_their_own_curve(random_models, tmp_pat
         calibrate(random_models, (1, 5), drafted=4, cycles=1, repeats=1, warmup=0)
     with pytest.raises(ValueError, match=r"cannot verify b = \[6\]"):
         CycleCost({1: {1: 1.0, 6: 2.0}}, drafted=4)
+    # Put on another curve's level (evaluation does, through the point both curves share), only the level moves.
+    level = cost.scaled(2.0)
+    assert level(3) == pytest.approx(2 * cost(3)) and level.drafted == 4
+    with pytest.raises(ValueError, match="positive factor"):
+        cost.scaled(0.0)
     # The timed cycles verify what they are told: a lossless generation whose cycles never verify more.
     result = generate(random_models, [5, 6, 7], policy=_DraftThenVerify(4, 3), config=GenerationConfig(max_new_tokens=12))
     assert result.cycles and max(result.block_sizes) <= 3

@@ -758,8 +758,10 @@ def evaluate_step_model(
 
     Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch size of `cost` without one;
     a load-aware model reads that load. Trim's cycles are priced with `trim_cost` (cycles that draft trim's block
-    and verify b: `calibrate(drafted=...)`), at the same load; without it, as cycles that draft what they verify,
-    a price that leaves out the drafts trimmed away."""
+    D and verify b: `calibrate(drafted=...)`), at the same load; without it, as cycles that draft what they verify,
+    a price that leaves out the drafts trimmed away. Two curves timed apart on a machine whose speed drifts may sit
+    at different levels, so `trim_cost` is put on `cost`'s level through the point they share: a trimmed cycle
+    that verifies all D of its drafts is a plain cycle at D."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
@@ -772,6 +774,8 @@ def evaluate_step_model(
     else:
         cost = cost.at_batch(load)
         trim_cost = trim_cost.at_batch(load) if trim_cost is not None else None
+    if trim is not None and trim_cost is not None:
+        trim_cost = trim_cost.scaled(cost(trim.block_size) / trim_cost(trim.block_size))
     walked = [_walk_row(row, model, cost, load, trim, trim_cost or cost) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
