@@ -49,6 +49,10 @@ class TrimCalibration:
             raise ValueError(f"{len(self.survival)} survival values for {len(self.counts)} counts")
         if not all(0.0 <= s <= 1.0 for s in self.survival):
             raise ValueError(f"survival probabilities must lie in [0, 1], got {list(self.survival)}")
+        if self.cost.drafted not in (None, self.block_size):
+            raise ValueError(
+                f"a cost of cycles that draft {self.cost.drafted} cannot price trim's, which draft {self.block_size}"
+            )
 
     @classmethod
     def from_hits(cls, block_size: int, hits: np.ndarray, cost: CycleCost | None = None) -> TrimCalibration:
@@ -67,7 +71,7 @@ class TrimCalibration:
         hits = np.zeros((CONFIDENCE_BINS, 2), dtype=np.int64)
         for table in tables:
             if max(table.candidates) != drafted:
-                raise ValueError(f"tables of largest candidates {drafted} and {max(table.candidates)}: calibrate on one")
+                raise ValueError(f"tables of largest candidates {drafted} and {max(table.candidates)}: calibrate apart")
             hits += survival_hits(table)
         if hits[:, 1].sum() == 0:
             raise ValueError("no draft was verified on these tables: nothing to calibrate (longer generations?)")

@@ -109,7 +109,8 @@ def test_trimmed_cycles_are_calibrated_as_their_own_curve(random_models, tmp_pat
     with pytest.raises(ValueError, match="positive factor"):
         cost.scaled(0.0)
     # The timed cycles verify what they are told: a lossless generation whose cycles never verify more.
-    result = generate(random_models, [5, 6, 7], policy=_DraftThenVerify(4, 3), config=GenerationConfig(max_new_tokens=12))
+    config = GenerationConfig(max_new_tokens=12)
+    result = generate(random_models, [5, 6, 7], policy=_DraftThenVerify(4, 3), config=config)
     assert result.cycles and max(result.block_sizes) <= 3
 
 

@@ -726,7 +726,9 @@ def test_labels_keep_the_largest_candidates_confidences_and_evaluation_walks_tri
         evaluate_step_model(None, rows, line, trim=every, trim_cost=CycleCost({1: {1: 1.0}}, drafted=drafted + 1))
     with pytest.raises(ValueError, match="confidences of b"):
         evaluate_step_model(None, rows, CycleCost.uniform(), trim=replace(every, block_size=drafted + 1))
-    older = [StepRow(r.prompt_id, r.temperature, [replace(t, confidences=None) for t in r.tables], r.anchors) for r in rows]
+    older = [
+        StepRow(r.prompt_id, r.temperature, [replace(t, confidences=None) for t in r.tables], r.anchors) for r in rows
+    ]
     with pytest.raises(ValueError, match="relabel"):
         evaluate_step_model(None, older, CycleCost.uniform(), trim=every)
     broken = {**table.filter(pc.is_valid(table["table_commits"])).slice(0, 1).to_pylist()[0]}

@@ -99,6 +99,8 @@ def test_survival_is_the_rate_of_right_drafts_among_those_reached():
     made = TrimCalibration.from_hits(8, hits)
     assert made.survival[9] == pytest.approx(0.9) and made.survival[2] == pytest.approx(0.25)
     assert made.survival[0] == pytest.approx(10 / 14)  # no evidence: the pooled rate
+    with pytest.raises(ValueError, match="draft 6 cannot price trim's, which draft 8"):
+        TrimCalibration.from_hits(8, hits, CycleCost({1: {1: 1.0, 6: 2.0}}, drafted=6))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         TrimCalibration(8, (1.5,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS)
 
@@ -158,5 +160,6 @@ def test_a_trim_walk_on_the_table_is_the_live_trim_run(tiny_models, survival):
     price = CycleCost({1: {1: 1.0, 6: 2.5}})
     made = TrimCalibration.from_tables(tables, price) if survival is None else calibration(survival, cost=price)
     for prompt, table in zip(prompts, tables, strict=True):
-        live = generate(tiny_models, prompt, policy=DraftThenTrim(made), config=GenerationConfig(32, stop_token_ids=stop))
+        config = GenerationConfig(32, stop_token_ids=stop)
+        live = generate(tiny_models, prompt, policy=DraftThenTrim(made), config=config)
         assert walk_trim(made, table) == (live.block_sizes, live.acceptance_lengths)
