@@ -776,7 +776,7 @@ def evaluate_step_model(
         trim_cost = trim_cost.at_batch(load) if trim_cost is not None else None
     if trim is not None and trim_cost is not None:
         trim_cost = trim_cost.scaled(cost(trim.block_size) / trim_cost(trim.block_size))
-    walked = [_walk_row(row, model, cost, load, trim, trim_cost or cost) for row in rows]
+    walked = [_walk_row(row, model, cost, load, trim, trim_cost) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
     metrics: dict[str, float] = {}
     pairs = list(zip(walked, rows, strict=True))
