@@ -221,9 +221,10 @@ def acceptance_table(
                 every_slot=b == largest,
             )
             step = torch.minimum(accepted + 1, n - cursors[rows])
-            commits[column, rows.cpu().numpy()] = step.cpu().numpy()
+            on_host = rows.cpu()
+            commits[column, on_host.numpy()] = step.cpu().numpy()
             if b == largest:
-                confidences[rows.cpu(), : width - 1] = confidence.cpu()
+                confidences[on_host, : width - 1] = confidence.cpu()
     return AcceptanceTable(candidates, commits, max_new_tokens, generated, confidences.numpy())
 
 

@@ -23,7 +23,7 @@ import argparse
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,16 +172,17 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         print("[step] the labels carry no generated sequences (labeled before `table_tokens`): no token features")
     features, regret = regret_dataset(train_rows, cost, job.loads, tokens)
     confident = all(t.confidences is not None for row in [*train_rows, *eval_rows] for t in row.tables)
+    # Draft-then-trim's survival, calibrated once on the training tables; each load prices it apart.
+    survival = TrimCalibration.from_tables([t for row in train_rows for t in row.tables]) if confident else None
     if not confident:
         print("[step] the labels keep no draft confidences (labeled before them): draft-then-trim is not evaluated")
 
     def trim_at(load: int | None) -> TrimCalibration | None:
-        """Draft-then-trim calibrated on the training tables, deciding at the price it is evaluated at."""
-        if not confident:
+        """Draft-then-trim deciding at the price it is evaluated at."""
+        if survival is None:
             return None
-        tables = [t for row in train_rows for t in row.tables]
         price = trim_cost or cost
-        return TrimCalibration.from_tables(tables, price if load is None else price.at_batch(load))
+        return replace(survival, cost=price if load is None else price.at_batch(load))
     first = train_table.slice(0, 1).to_pylist()[0]
     candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(

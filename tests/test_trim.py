@@ -155,11 +155,11 @@ def test_a_trim_walk_on_the_table_is_the_live_trim_run(tiny_models, survival):
 
     prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Write a poem.")]
     stop = tuple(tiny_models.stop_token_ids())
-    config = SweepConfig((2, 4, 6), max_new_tokens=32, stop_token_ids=stop)
-    tables = [sweep.tables[0] for sweep in sweep_prompts(tiny_models, prompts, [0, 1, 2], config)]
+    sweep = SweepConfig((2, 4, 6), max_new_tokens=32, stop_token_ids=stop)
+    tables = [swept.tables[0] for swept in sweep_prompts(tiny_models, prompts, [0, 1, 2], sweep)]
     price = CycleCost({1: {1: 1.0, 6: 2.5}})
     made = TrimCalibration.from_tables(tables, price) if survival is None else calibration(survival, cost=price)
+    generation = GenerationConfig(32, stop_token_ids=stop)
     for prompt, table in zip(prompts, tables, strict=True):
-        config = GenerationConfig(32, stop_token_ids=stop)
-        live = generate(tiny_models, prompt, policy=DraftThenTrim(made), config=config)
+        live = generate(tiny_models, prompt, policy=DraftThenTrim(made), config=generation)
         assert walk_trim(made, table) == (live.block_sizes, live.acceptance_lengths)

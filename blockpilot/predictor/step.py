@@ -765,10 +765,8 @@ def evaluate_step_model(
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
-    if trim is not None and trim.block_size != max(candidates):
-        raise ValueError(f"trim drafts b = {trim.block_size}; the tables keep the confidences of b = {max(candidates)}")
-    if trim_cost is not None and trim_cost.drafted not in (None, trim and trim.block_size):
-        raise ValueError(f"trim's cycles draft b = {trim and trim.block_size}, not the cost's {trim_cost.drafted}")
+    if trim is not None and trim_cost is not None and trim_cost.drafted not in (None, trim.block_size):
+        raise ValueError(f"trim's cycles draft b = {trim.block_size}, not the cost's {trim_cost.drafted}")
     if load is None:
         load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
     else:
