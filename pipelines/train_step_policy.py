@@ -237,15 +237,11 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         # A load-aware model is reported at each of its loads (`load<n>/...`), and at the largest without a prefix.
         by_load = {
-            load: evaluate_step_model(model, eval_rows, cost, load=load, trim=trim_at(load), trim_cost=trim_cost)
-            for load in job.loads
+            load: evaluate_step_model(model, eval_rows, cost, load=load, trim=trim_at(load)) for load in job.loads
         }
         trim = trim_at(max(job.loads) if job.loads else None)
         trim_path = trim.save(out / "trim.json") if trim is not None else None
-        if not job.loads:
-            metrics = evaluate_step_model(model, eval_rows, cost, trim=trim, trim_cost=trim_cost)
-        else:
-            metrics = by_load[max(job.loads)]
+        metrics = by_load[max(job.loads)] if job.loads else evaluate_step_model(model, eval_rows, cost, trim=trim)
         metrics = metrics | {f"load{load}/{k}": v for load, at_load in by_load.items() for k, v in at_load.items()}
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
         for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):

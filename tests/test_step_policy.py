@@ -718,12 +718,12 @@ def test_labels_keep_the_largest_candidates_confidences_and_evaluation_walks_tri
     # level of `line`, which evaluation takes out through c(D).
     dear = CycleCost({1: {1: 3.2, drafted: 4.0}}, drafted=drafted)
     plain = evaluate_step_model(None, rows, line, trim=replace(every, cost=line))
-    priced = evaluate_step_model(None, rows, line, trim=replace(every, cost=dear), trim_cost=dear)
-    none_verified = evaluate_step_model(None, rows, line, trim=replace(none, cost=dear), trim_cost=dear)
+    priced = evaluate_step_model(None, rows, line, trim=replace(every, cost=dear))
+    none_verified = evaluate_step_model(None, rows, line, trim=replace(none, cost=dear))
     assert priced["tau_trim"] == plain["tau_trim"] and priced["throughput_trim"] <= plain["throughput_trim"] + 1e-9
     assert none_verified["throughput_trim"] == pytest.approx(1.0 / 1.6)  # a token per cycle at 1.6 (rescaled 3.2)
-    with pytest.raises(ValueError, match="trim's cycles draft"):
-        evaluate_step_model(None, rows, line, trim=every, trim_cost=CycleCost({1: {1: 1.0}}, drafted=drafted + 1))
+    with pytest.raises(ValueError, match="cannot price trim's"):
+        evaluate_step_model(None, rows, line, trim=replace(every, cost=CycleCost({1: {1: 1.0}}, drafted=drafted + 1)))
     with pytest.raises(ValueError, match="confidences of b"):
         evaluate_step_model(None, rows, CycleCost.uniform(), trim=replace(every, block_size=drafted + 1))
     older = [

@@ -709,7 +709,7 @@ def _walk_row(
     cost: CycleCost,
     load: int,
     trim: TrimCalibration | None = None,
-    trim_cost: CycleCost | None = None,
+    trim_cost: CycleCost | None = None,  # trim's price; None: `cost`
 ) -> _RowWalks:
     candidates = row.tables[0].candidates
     count = len(candidates)
@@ -748,7 +748,6 @@ def evaluate_step_model(
     train_block_size: int | None = None,
     load: int | None = None,
     trim: TrimCalibration | None = None,
-    trim_cost: CycleCost | None = None,
 ) -> dict[str, float]:
     """Per temperature (`T<t>/...`) and over all rows: tau (tokens per cycle) and modeled throughput (tokens
     per unit cost) of fixed B, the best fixed b, the per-request predictor (`request`, when the rows carry its
@@ -757,22 +756,22 @@ def evaluate_step_model(
     training block size, else `train_block_size`.
 
     Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch size of `cost` without one;
-    a load-aware model reads that load. Trim's cycles are priced with `trim_cost` (cycles that draft trim's block
-    D and verify b: `calibrate(drafted=...)`), at the same load; without it, as cycles that draft what they verify,
-    a price that leaves out the drafts trimmed away. Two curves timed apart on a machine whose speed drifts may sit
-    at different levels, so `trim_cost` is put on `cost`'s level through the point they share: a trimmed cycle
-    that verifies all D of its drafts is a plain cycle at D."""
+    a load-aware model reads that load. Trim's cycles are priced with its own curve when `trim.cost` is one of
+    cycles that draft trim's block D and verify b (`calibrate(drafted=...)`), at the same load; otherwise with
+    `cost`, as cycles that draft what they verify, a price that leaves out the drafts trimmed away. Two curves timed
+    apart on a machine whose speed drifts may sit at different levels, so trim's curve is put on `cost`'s level
+    through the point they share: a trimmed cycle that verifies all D of its drafts is a plain cycle at D."""
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
-    if trim is not None and trim_cost is not None and trim_cost.drafted not in (None, trim.block_size):
-        raise ValueError(f"trim's cycles draft b = {trim.block_size}, not the cost's {trim_cost.drafted}")
+    # TrimCalibration refuses a curve of cycles that draft another D than its own.
+    trim_cost = trim.cost if trim is not None and trim.cost.drafted is not None else None
     if load is None:
         load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
     else:
         cost = cost.at_batch(load)
         trim_cost = trim_cost.at_batch(load) if trim_cost is not None else None
-    if trim is not None and trim_cost is not None:
+    if trim_cost is not None:
         trim_cost = trim_cost.scaled(cost(trim.block_size) / trim_cost(trim.block_size))
     walked = [_walk_row(row, model, cost, load, trim, trim_cost) for row in rows]
     train = model.config.train_block_size if model is not None else train_block_size
