@@ -6,7 +6,7 @@
 
 prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the
 driver (`blockpilot.predictor.step`); rows without tables stop the job here. fit: a `TorchTrainer` worker
-reads them as a Ray Dataset and minimizes the expected regret, reporting each epoch (and to the MLflow
+reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each epoch (and to the MLflow
 run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
 fixed B, the best fixed b, the static oracle, the model, draft-then-trim (calibrated on the training tables at
@@ -120,8 +120,8 @@ def _worker(config: dict[str, Any]) -> None:
         if rank == 0 and config["run_id"]:
             from blockpilot.tracking import log_epoch_metrics
 
-            log_epoch_metrics(config["run_id"], {"train/expected_regret": loss}, epoch, config["tracking_uri"])
-        metrics = {"epoch": epoch, "train/expected_regret": loss, "train/resumed_from_epoch": first_epoch}
+            log_epoch_metrics(config["run_id"], {"train/regret_loss": loss}, epoch, config["tracking_uri"])
+        metrics = {"epoch": epoch, "train/regret_loss": loss, "train/resumed_from_epoch": first_epoch}
         save = (lambda folder: model.save(folder / "step")) if rank == 0 else None
         report_epoch(metrics, epoch, optimizer, save=save)
 

@@ -210,7 +210,7 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     assert outcome.metrics["load1/throughput_B"] > outcome.metrics["load8/throughput_B"]
     mlflow.set_tracking_uri(mlflow_store)
     client = mlflow.MlflowClient()
-    assert sorted(m.step for m in client.get_metric_history(outcome.run_id, "train/expected_regret")) == [0, 1]
+    assert sorted(m.step for m in client.get_metric_history(outcome.run_id, "train/regret_loss")) == [0, 1]
     run = client.get_run(outcome.run_id)
     assert "eval/T0/throughput_step" in run.data.metrics
     assert {i.dataset.name for i in run.inputs.dataset_inputs} == {"labels/train/train", "labels/heldout/evaluation"}

@@ -32,11 +32,11 @@ from blockpilot.predictor.step import (
     anchor_features,
     anchor_tokens,
     evaluate_step_model,
-    expected_regret,
     format_step_metrics,
     fit_step_model,
     fixed_walk_cycles,
     regret_dataset,
+    regret_loss,
     step_features,
     step_rows,
     prior_probability_features,
@@ -176,17 +176,35 @@ def test_a_choice_is_the_argmax_of_the_model_before_and_after_its_weights_change
     assert model.choose(features).tolist() == argmax() == [len(CANDIDATES) - 1] * 64 != before
 
 
-def test_training_lowers_the_expected_regret(tiny_labels):
+def test_the_regrets_of_a_walk_add_up_to_its_cost_over_the_per_step_oracle(tiny_labels):
+    """A regret is what a choice adds to the cost of the rest of the generation, so along every walk they sum to the
+    walk's cost minus the per-step oracle's (in cycles of the smallest candidate): the mean regret is the loss."""
+    rows = step_rows(pq.read_table(tiny_labels["train"]))
+    cost = CycleCost({1: {1: 1.0, 8: 3.0}})  # a wider block costs more
+    _, regret = regret_dataset(rows, cost)
+    start = 0
+    for t in (t for row in rows for t in row.tables if t.n >= 2):
+        oracle, unit = t.cost_to_go(cost)[0][1], cost(min(t.candidates))
+        for k, b in enumerate(t.candidates):
+            cycles = len(t.walk(b))
+            excess = t.walk_cost([b] * cycles, cost=cost) - oracle
+            assert float(regret[start : start + cycles, k].sum()) * unit == pytest.approx(excess, rel=1e-4, abs=1e-4)
+            start += cycles
+    assert start == len(regret), "the cycles come table by table, each candidate's walk in order"
+    assert (regret.max(axis=1) > 0).any(), "some choice must cost more than the oracle's for the check to bite"
+
+
+def test_training_lowers_the_regret_loss(tiny_labels):
     rows = step_rows(pq.read_table(tiny_labels["train"]))
     features, regret = regret_dataset(rows, CycleCost.uniform())
     model = random_step_model(7, rows[0].tables[0].candidates)
     x, r = torch.as_tensor(features), torch.as_tensor(regret)
     with torch.no_grad():
-        before = float(expected_regret(model(x), r))
+        before = float(regret_loss(model(x), r))
     losses = []
     fit_step_model(model, features, regret, epochs=5, on_epoch=lambda epoch, loss: losses.append(loss))
     with torch.no_grad():
-        after = float(expected_regret(model(x), r))
+        after = float(regret_loss(model(x), r))
     assert len(losses) == 5 and after < before
 
 

@@ -19,10 +19,12 @@ Features of the cycle at cursor i (the block's first token is g_{i-1}; nothing e
 Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what
 is maximized); for a load-aware model, under the cost at each of its batch sizes, every cycle once per load.
 The last cycle depends on the path to cursor i, so the training examples are the cycles of every candidate's
-fixed-b walk over each table, each with the last cycle that walk ran. Training minimizes
-the expected relative regret sum_b softmax(logits)_b (Q(i, b) / min_b Q - 1). Evaluation walks each held-out
-table cycle by cycle with the model's choices (`walk_step_model`) beside fixed B, the best fixed b, the
-static oracle and the per-step oracle, and checks what of the static oracle's margin is hindsight (`_put_split_half`).
+fixed-b walk over each table, each with the last cycle that walk ran. The model learns each candidate's regret there,
+Q(i, b) - min_b Q(i, b), the cost the choice adds over the per-step oracle's (`regret_dataset`: along any walk the
+regrets add up to its excess cost; `regret_loss`); the policy takes the candidate with the least predicted
+regret. Evaluation walks each held-out table cycle by cycle with the model's choices (`walk_step_model`) beside
+fixed B, the best fixed b, the static oracle and the per-step oracle, and checks what of the static oracle's margin
+is hindsight (`_put_split_half`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.checks import distinct_block_sizes, positive_int
@@ -226,8 +227,8 @@ class StepModelConfig:
 
 
 class StepModel(nn.Module):
-    """(N, F) features -> (N, K) logits over the candidates: the features standardized (`standardize`; the
-    identity until then), then an MLP with one hidden layer.
+    """(N, F) features -> (N, K) scores of the candidates, minus the regret it predicts for each (`regret_loss`): the
+    features standardized (`standardize`; the identity until then), then an MLP with one hidden layer.
 
     A load-aware model has one such MLP per load (`heads`, in `config.loads` order) instead of `net`: each row goes
     to the head of its batch size's nearest load (the rule that prices it, `nearest_batch_size`), which reads the
@@ -325,12 +326,12 @@ class StepModel(nn.Module):
             table = self.token_embedding.weight.detach().cpu().numpy()
             x = np.concatenate([x, table[self._token_rows(features)].reshape(len(x), -1)], axis=1)
         if not self.config.uses_load:
-            return _mlp_logits(self.net, x).argmax(axis=-1)
+            return _mlp_outputs(self.net, x).argmax(axis=-1)
         heads = self._head_of_row(features)
         out = np.empty(x.shape[0], dtype=np.int64)
         for index in np.unique(heads):
             rows = heads == index
-            out[rows] = _mlp_logits(self.heads[int(index)], x[rows]).argmax(axis=-1)
+            out[rows] = _mlp_outputs(self.heads[int(index)], x[rows]).argmax(axis=-1)
         return out
 
     def save(self, directory: str | Path) -> Path:
@@ -349,8 +350,8 @@ class StepModel(nn.Module):
         return model.eval()
 
 
-def _mlp_logits(mlp: nn.Sequential, x: np.ndarray) -> np.ndarray:
-    """The logits of a one-hidden-layer MLP in numpy, over views of its weights."""
+def _mlp_outputs(mlp: nn.Sequential, x: np.ndarray) -> np.ndarray:
+    """The outputs of a one-hidden-layer MLP in numpy, over views of its weights."""
     first, _, second = mlp
     weights = [p.detach().cpu().numpy() for p in (first.weight, first.bias, second.weight, second.bias)]
     hidden = np.maximum(x @ weights[0].T + weights[1], 0.0)
@@ -552,9 +553,15 @@ def regret_dataset(
     rows: list[StepRow], cost: CycleCost, loads: Sequence[int] = (), tokens: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """(X (M, F), R (M, K)): the features of every cycle of every candidate's fixed-b walk
-    (`fixed_walk_cycles`), and the relative regret of choosing each candidate there. With `loads` (a load-aware
-    model), every cycle once per batch size n, priced with c(b, n) and with log(n) as its last feature. With
-    `tokens`, the token features of each cycle (`anchor_tokens`; the tables must know their sequences)."""
+    (`fixed_walk_cycles`), and the regret of choosing each candidate there: Q(i, b) - min_b Q(i, b), what the choice
+    adds to the cost of the rest of the generation, in cycles of the smallest candidate at the price used. With
+    `loads` (a load-aware model), every cycle once per batch size n, priced with c(b, n) and with log(n) as its last
+    feature. With `tokens`, the token features of each cycle (`anchor_tokens`; the tables must know their sequences).
+
+    Since Q(i, b) = c(b) + min Q at the cursor the cycle lands on, the regrets of any walk's cycles add up to that
+    walk's cost over the per-step oracle's: the mean regret is what a policy loses, cycle for cycle. A relative
+    regret, Q / min Q - 1, divides by the cost left to the end, so the last cycles of a sequence outweighed the rest
+    (README, "The regret a step model learns")."""
     if tokens:
         require_sequences(rows)
     features, regrets = [], []
@@ -565,6 +572,7 @@ def regret_dataset(
                 if t.n < 2:
                     continue
                 _, q = t.cost_to_go(priced)  # (K, n - 1)
+                unit = priced(min(t.candidates))
                 cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
                 features.append(
                     step_features(
@@ -577,7 +585,7 @@ def regret_dataset(
                         anchor_tokens(t.tokens, cursors) if tokens else None,
                     )
                 )
-                regrets.append((q / q.min(axis=0, keepdims=True) - 1.0).T[cursors - 1])
+                regrets.append(((q - q.min(axis=0, keepdims=True)) / unit).T[cursors - 1])
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
 
@@ -592,9 +600,16 @@ def require_sequences(rows: list[StepRow]) -> None:
         raise ValueError("token features need the generated sequences (`table_tokens`): relabel with this version")
 
 
-def expected_regret(logits: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of the regret expected under the predicted distribution over candidates."""
-    return (F.softmax(logits, dim=-1) * regret).sum(dim=-1).mean()
+def regret_loss(scores: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
+    """The squared error of the model's scores (N, K) as minus the regret (N, K) of every candidate, plus the regret
+    expected under softmax(scores), both averaged over rows.
+
+    The expected regret alone is what a policy pays, but it has plateaus where the softmax is sure, and its fits
+    landed on one of two policies by seed. The regression alone is stable, but where the candidates' regrets differ
+    by less than its error (a flat price) it chose worse than one fixed b. Together: the regression ties the scores
+    to the regrets' scale, the expected regret orders the close ones (README, "The regret a step model learns")."""
+    squared = ((scores + regret) ** 2).mean()
+    return squared + (torch.softmax(scores, dim=-1) * regret).sum(dim=-1).mean()
 
 
 def fit_step_model(
@@ -610,7 +625,7 @@ def fit_step_model(
     optimizer: torch.optim.Optimizer | None = None,
     on_epoch: Any = None,
 ) -> StepModel:
-    """Minimize `expected_regret` with AdamW (or `optimizer`); `on_epoch(epoch, loss)` after each epoch. A NaN
+    """Minimize `regret_loss` with AdamW (or `optimizer`); `on_epoch(epoch, loss)` after each epoch. A NaN
     loss stops. A fit from epoch 0 first standardizes the model's inputs on `features`. An interrupted fit
     continues exactly from `first_epoch` with the model (standardization included) and optimizer state it had
     saved after the epoch before: the shuffles of the skipped epochs are drawn again, not used."""
@@ -628,7 +643,7 @@ def fit_step_model(
             continue
         for start in range(0, len(x), batch_size):
             index = order[start : start + batch_size]
-            loss = expected_regret(model(x[index]), r[index])
+            loss = regret_loss(model(x[index]), r[index])
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"step model loss is {loss.item()} at epoch {epoch}")
             optimizer.zero_grad()
