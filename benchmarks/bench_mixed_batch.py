@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mixed_batch.py --target $ZOO/target --drafter $ZOO/drafter
         [--prompts zoo:$ZOO:heldout] [--batch 32] [--low 6] [--high 8] [--shares 0,0.15,0.5,1]
-        [--rounds 5] [--layouts packed,padded]
+        [--rounds 5] [--layouts packed,padded] [--held]
 
 A per-step policy under load makes the rows of a batch draft blocks of unequal sizes. The engine packs them
 (`RaggedTokens`), so a row's token-by-token work follows its own b, but attention and the caches span the widest
@@ -11,9 +11,14 @@ block. Modeled throughput prices each row at c(b, batch) of its own b; this meas
 Each row drafts --high with probability `share` and --low otherwise, drawn again before every cycle (seeded), greedy
 and without stop tokens, so every row decodes --max-new-tokens and the batch stays full. Prints the median time of a
 cycle (engine time per cycle of each row, median over rows, then over --rounds rounds that interleave the shares),
-the mean b drafted, and what a per-row price interpolates between the two pure batches for the same mean b. With
-both layouts, every round runs each (share, layout) pair, so the layouts are compared within a run: this machine's
-speed drifts by more than the difference between runs taken minutes apart.
+the mean b drafted, what a per-row price interpolates between the two pure batches for the same mean b, and the
+share of the step from that price to the pure --high batch that the mixed batch pays (0: its rows' own prices; 1: the
+widest block for every row). With both layouts, every round runs each (share, layout) pair, so the layouts are
+compared within a run: this machine's speed drifts by more than the difference between runs taken minutes apart.
+
+With --held, each mix is held still instead: round(share x batch) rows (drawn per round) at --high and the rest at
+--low through --cycles cycles after one untimed cycle (`blockpilot.cost.seconds_per_cycle`, the calibration's
+timer), so no row finishes, no row changes b and no cache grows inside the timed cycles.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import statistics
 
 import torch
 
+from blockpilot.cost import seconds_per_cycle
 from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine
 from blockpilot.decoding.policies import CycleState, PrefillState
@@ -70,6 +76,8 @@ def main() -> None:
         default="packed",
         help="packed (each row's own block), padded (every row padded to the widest), or both, comma-separated",
     )
+    parser.add_argument("--held", action="store_true", help="hold each mix still (see above) instead of redrawing it")
+    parser.add_argument("--cycles", type=int, default=12, help="with --held: timed cycles per measurement")
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -93,6 +101,12 @@ def main() -> None:
 
     def run(share: float, layout: str, seed: int) -> tuple[float, float]:
         """(median seconds per cycle over the rows, mean b drafted) of one full batch."""
+        if args.held:
+            wide = round(share * args.batch)
+            sizes = [high] * wide + [low] * (args.batch - wide)
+            random.Random(seed).shuffle(sizes)
+            seconds = seconds_per_cycle(models, prompts, sizes, args.cycles, packed=layout == "packed")
+            return seconds, statistics.fmean(sizes)
         policy = RandomMix(low, high, share, seed)
         engine = SpeculativeEngine(models, max_batch=args.batch, packed=layout == "packed")
         for prompt in prompts:
@@ -114,18 +128,25 @@ def main() -> None:
             drafted[share, layout].append(mean_b)
     print(
         f"device={models.device} threads={torch.get_num_threads()} batch={args.batch} b={low}/{high} "
-        f"max_new_tokens={args.max_new_tokens} rounds={args.rounds}"
+        f"max_new_tokens={args.max_new_tokens} rounds={args.rounds} "
+        f"mixes={f'held, {args.cycles} cycles' if args.held else 'drawn every cycle'}"
     )
-    print(f"{'layout':>7} {'share at b=' + str(high):>14} {'mean b':>7} {'ms/cycle':>9} {'per-row price':>14}")
+    print(
+        f"{'layout':>7} {'share at b=' + str(high):>14} {'mean b':>7} {'ms/cycle':>9} {'per-row price':>14} "
+        f"{'widest share':>13}"
+    )
     for layout in layouts:
         pure = {share: statistics.median(cycles[share, layout]) for share in (0.0, 1.0) if share in shares}
         for share in shares:
             mean_b = statistics.fmean(drafted[share, layout])
-            priced = ""
+            median = statistics.median(cycles[share, layout])
+            priced = widest = ""
             if len(pure) == 2:  # c(b, n) per row, linear between the two pure batches, at this mix's mean b
-                priced = f"{1e3 * (pure[0.0] + (pure[1.0] - pure[0.0]) * (mean_b - low) / (high - low)):>14.2f}"
-            median = 1e3 * statistics.median(cycles[share, layout])
-            print(f"{layout:>7} {share:>14.2f} {mean_b:>7.2f} {median:>9.2f} {priced}")
+                price = pure[0.0] + (pure[1.0] - pure[0.0]) * (mean_b - low) / (high - low)
+                priced = f"{1e3 * price:>14.2f}"
+                if 0.0 < share < 1.0 and pure[1.0] > price:
+                    widest = f"{(median - price) / (pure[1.0] - price):>13.2f}"
+            print(f"{layout:>7} {share:>14.2f} {mean_b:>7.2f} {1e3 * median:>9.2f} {priced} {widest}")
 
 
 if __name__ == "__main__":

@@ -211,10 +211,17 @@ class _DraftThenVerify:
 
 
 def seconds_per_cycle(
-    models: Any, prompts: Sequence[Sequence[int]], block_sizes: Sequence[int], cycles: int, drafted: int | None = None
+    models: Any,
+    prompts: Sequence[Sequence[int]],
+    block_sizes: Sequence[int],
+    cycles: int,
+    drafted: int | None = None,
+    *,
+    packed: bool = True,
 ) -> float:
     """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
-    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle).
+    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle). Rows of
+    unequal blocks run as the engine's `packed` says.
 
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
     may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
@@ -226,7 +233,7 @@ def seconds_per_cycle(
 
     if len(prompts) != len(block_sizes) or not prompts:
         raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
-    engine = SpeculativeEngine(models, max_batch=len(prompts))
+    engine = SpeculativeEngine(models, max_batch=len(prompts), packed=packed)
     for prompt, b in zip(prompts, block_sizes, strict=True):
         config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
         policy = FixedBlockSize(b) if drafted is None else _DraftThenVerify(drafted, b)
