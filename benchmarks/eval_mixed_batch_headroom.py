@@ -20,47 +20,32 @@ measured share, no policy that chooses per row reaches that bar in a full batch 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
-from blockpilot.cost import load_cost
+from blockpilot.cost import CycleCost, load_cost
 from blockpilot.data.labels import read_labels
-from blockpilot.predictor.step import StepModel, StepRow, load_step_model, step_rows, walk_step_model
+from blockpilot.predictor.step import StepModel, StepRow, evaluate_step_model, load_step_model, step_rows
 
 
-def mixed_price(cost: Callable[[int], float], share: float, widest: int) -> Callable[[int], float]:
-    """A row's cycle at b in a batch whose widest block is `widest`, paying `share` of the step to it."""
+def mixed_price(cost: CycleCost, share: float, widest: int) -> CycleCost:
+    """A row's cycle at b in a batch whose widest block is `widest`, paying `share` of the step to it: the curve of
+    `cost` (at one load) at every b up to `widest`."""
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"a widest share lies within [0, 1], got {share}")
-    return lambda b: (1.0 - share) * cost(b) + share * cost(widest)
+    (batch,) = cost.seconds
+    return CycleCost({batch: {b: (1.0 - share) * cost(b) + share * cost(widest) for b in range(1, widest + 1)}})
 
 
-def headroom(
-    rows: list[StepRow], cost: Callable[[int], float], shares: list[float], model: StepModel | None, batch: int
-) -> str:
-    candidates = rows[0].tables[0].candidates
-    tables = [(row, t, anchors) for row in rows for t, anchors in zip(row.tables, row.anchors, strict=True)]
-    tokens = sum(t.n - 1 for _, t, _ in tables)
-    fixed = {b: tokens / sum(t.walk_cost([b] * len(t.walk(b)), cost=cost) for _, t, _ in tables) for b in candidates}
-    best = max(fixed, key=fixed.get)
-    lines = [f"  best fixed b = {best}: {fixed[best]:.1f} (uniform batches, c(b))"]
-    walks = {"per-step oracle": None} | ({"step model": model} if model is not None else {})
-    for name, walker in walks.items():
-        for share in shares:
-            price = mixed_price(cost, share, max(candidates))
-            spent = widest = cycles = 0.0
-            for row, t, anchors in tables:
-                if walker is None:
-                    sizes, _ = t.oracle_walk(price)
-                else:
-                    sizes, _ = walk_step_model(walker, t, anchors, batch_rows=batch)
-                spent += t.walk_cost(sizes, cost=price)
-                widest += sum(size == max(candidates) for size in sizes)
-                cycles += len(sizes)
-            value = tokens / spent
-            lines.append(
-                f"  {name:<15} share {share:4.2f}: {value:7.1f} = {value / fixed[best]:.3f}x best fixed "
-                f"(b = {max(candidates)} in {widest / cycles:.0%} of cycles)"
-            )
+def headroom(rows: list[StepRow], cost: CycleCost, shares: list[float], model: StepModel | None) -> str:
+    widest = max(rows[0].tables[0].candidates)
+    plain = evaluate_step_model(None, rows, cost)
+    best = plain["throughput_best_fixed"]
+    lines = [f"  best fixed b = {plain['best_fixed_b']:g}: {best:.1f} (uniform batches, c(b))"]
+    priced = {share: evaluate_step_model(model, rows, mixed_price(cost, share, widest)) for share in shares}
+    for name, key in (("per-step oracle", "step_oracle"), ("step model", "step")):
+        for share, metrics in priced.items():
+            if f"throughput_{key}" in metrics:
+                value = metrics[f"throughput_{key}"]
+                lines.append(f"  {name:<15} share {share:4.2f}: {value:7.1f} = {value / best:.3f}x best fixed")
     return "\n".join(lines)
 
 
@@ -82,7 +67,7 @@ def main() -> None:
     for temperature in sorted({row.temperature for row in rows}):
         group = [row for row in rows if row.temperature == temperature]
         print(f"T = {temperature:g}, batch {args.batch}, {len(group)} label rows")
-        print(headroom(group, cost, shares, model, args.batch))
+        print(headroom(group, cost, shares, model))
 
 
 if __name__ == "__main__":
