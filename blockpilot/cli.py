@@ -49,6 +49,27 @@ def cmd_zoo_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_zoo_evaluate(args: argparse.Namespace) -> int:
+    from blockpilot.files import write_text_atomic
+    from blockpilot.zoo.build import reevaluate_zoo
+
+    _quiet_transformers()
+    evaluation = reevaluate_zoo(args.zoo, device=args.device)
+    for label, summary in (("T = 0", evaluation), ("T = 1", evaluation["T1"])):
+        sizes = list(summary["tau_by_block_size"])
+        print(f"held-out tau(b) at {label}, b = {sizes[0]}..{sizes[-1]}")
+        groups = {"all": summary, **summary["by_source"], **{f"ends: {k}": v for k, v in summary["by_ending"].items()}}
+        print(f"  {'':<14} {'prompts':>7} {'to budget':>9} {'peak b':>6}  tau(b)")
+        for name, group in groups.items():
+            curve = " ".join(f"{tau:.2f}" for tau in group["tau_by_block_size"].values())
+            budget = f"{group['budget_share']:.2f}" if "budget_share" in group else ""
+            print(f"  {name:<14} {group['prompts']:>7} {budget:>9} {str(group['peak_block_size']):>6}  {curve}")
+    if args.out is not None:
+        write_text_atomic(args.out, json.dumps(evaluation, indent=2) + "\n")
+        print(f"evaluation -> {args.out}")
+    return 0
+
+
 def _policy_spec(args: argparse.Namespace) -> str:
     """--block-size N and --predictor P are shorthands of --policy fixed:N and --policy learned:P."""
     given = [flag for flag, value in (("--block-size", args.block_size), ("--predictor", args.predictor)) if value]
@@ -201,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     build = zoo_commands.add_parser("build", help="train a target and its DFlash drafter from local text")
     add_options(build, ZooBuildJob)
     build.set_defaults(handler=cmd_zoo_build)
+    evaluate = zoo_commands.add_parser("evaluate", help="a built zoo's held-out tau(b) again, per source and ending")
+    evaluate.add_argument("--zoo", type=Path, required=True, help="a folder written by `blockpilot zoo build`")
+    evaluate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    evaluate.add_argument("--out", type=Path, default=None, help="also write the evaluation here, as JSON")
+    evaluate.set_defaults(handler=cmd_zoo_evaluate)
 
     gen = commands.add_parser("generate", help="generate with the target, speculatively when a drafter is given")
     gen.add_argument("--target", type=model_ref, required=True, help="target model folder or hub id")

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockpilot.models.drafter import DFlashDrafter
-from blockpilot.zoo.build import RECIPES, build_zoo, ends_in_loop, zoo_cache_dir
+from blockpilot.cli import main
+from blockpilot.zoo.build import RECIPES, build_zoo, ends_in_loop, summarize_tau, zoo_cache_dir
 from blockpilot.zoo.corpus import Corpus, CorpusSpec, split_files, stdlib_sources
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
 from blockpilot.zoo.tokenizer import train_byte_level_tokenizer
@@ -176,6 +177,34 @@ def test_ends_in_loop():
     assert not ends_in_loop([1, 1])
 
 
+def test_the_tau_summary_splits_by_source_and_by_how_generations_end():
+    def row(source, taus, stopped):
+        tau = dict(zip((1, 2, 3, 4), taus, strict=True))
+        return {"id": source, "source": source, "tau": tau, "loops": False, "stopped": stopped}
+
+    rows = [
+        row("sort", (1.0, 1.6, 1.2, 1.2), True),
+        row("sort", (1.0, 1.4, 1.2, 1.0), True),
+        row("count", (1.0, 2.0, 3.0, 3.0), False),
+    ]
+    summary = summarize_tau(rows, [1, 2, 3, 4], block=2)
+    sort, count = summary["by_source"]["sort"], summary["by_source"]["count"]
+    assert sort["tau_by_block_size"] == {"1": 1.0, "2": 1.5, "3": 1.2, "4": 1.1}
+    assert (sort["prompts"], sort["peak_block_size"]) == (2, 2)
+    assert (count["prompts"], count["peak_block_size"]) == (1, 3)
+    assert (sort["budget_share"], count["budget_share"]) == (0.0, 1.0)
+    assert summary["budget_share"] == pytest.approx(1 / 3)
+    stopped, budget = summary["by_ending"]["stopped"], summary["by_ending"]["budget"]
+    assert (stopped["prompts"], stopped["tau_by_block_size"]) == (2, sort["tau_by_block_size"])
+    assert (budget["prompts"], budget["tau_by_block_size"]) == (1, count["tau_by_block_size"])
+    assert summary["tau_by_block_size"]["3"] == pytest.approx((1.2 + 1.2 + 3.0) / 3, abs=1e-4)
+    assert (summary["prompts"], summary["peak_block_size"]) == (3, 3)
+    assert summary["tau_at_B"] == pytest.approx(5.0 / 3, abs=1e-4)
+
+    none_ran_on = summarize_tau([{**r, "stopped": True} for r in rows], [1, 2, 3, 4], block=2)["by_ending"]["budget"]
+    assert none_ran_on["prompts"] == 0 and none_ran_on["peak_block_size"] is None
+
+
 # ----------------------------------------------------------------------------- the tiny zoo built here
 
 
@@ -193,6 +222,28 @@ def test_tiny_zoo_learned_something(tiny_zoo):
     assert set(heldout[0]) == {"id", "source", "prompt"}
     assert not {r["prompt"] for r in heldout} & {r["prompt"] for r in train}
     assert len({r["id"] for r in heldout + train}) == len(heldout) + len(train)
+
+
+def test_zoo_evaluate_reproduces_the_builds_evaluation(tiny_zoo, tmp_path, capsys):
+    """Run again on the saved models, the evaluation gives the build's tau table (the sweep is seeded), and the
+    command prints every source's and ending's curve."""
+    out = tmp_path / "evaluation.json"
+    assert main(["zoo", "evaluate", "--zoo", str(tiny_zoo), "--out", str(out)]) == 0
+    again, built = json.loads(out.read_text()), json.loads((tiny_zoo / "zoo.json").read_text())["evaluation"]
+    assert again["tau_by_block_size"] == built["tau_by_block_size"]
+    assert again["T1"]["tau_by_block_size"] == built["T1"]["tau_by_block_size"]
+    assert sum(group["prompts"] for group in again["by_ending"].values()) == again["prompts"]
+    printed = capsys.readouterr().out
+    assert all(f"  {source} " in printed for source in again["by_source"])
+    assert "ends: stopped" in printed and "ends: budget" in printed
+
+
+def test_zoo_evaluate_refuses_a_zoo_of_another_recipe(tiny_zoo, tmp_path, capsys):
+    info = json.loads((tiny_zoo / "zoo.json").read_text())
+    info["recipe"]["response_tokens"] += 1
+    (tmp_path / "zoo.json").write_text(json.dumps(info))
+    assert main(["zoo", "evaluate", "--zoo", str(tmp_path)]) == 2
+    assert "response_tokens" in capsys.readouterr().err
 
 
 def test_the_saved_zoo_is_the_model_that_was_trained(tiny_zoo, tiny_zoo_trained):

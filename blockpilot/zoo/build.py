@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from blockpilot.blocks import best_block_size, candidates_around
-from blockpilot.checks import mean_or_nan
+from blockpilot.checks import differing_fields, mean_or_nan
 from blockpilot.data.sources import ZOO_CORPUS_PART, PromptRecord, zoo_prompt_file, zoo_prompts
 from blockpilot.files import atomic_folder, write_text_atomic
 from blockpilot.home import blockpilot_home
@@ -443,7 +443,8 @@ def evaluate_zoo(
     models: Any, heldout: Sequence[PromptRecord], recipe: ZooRecipe, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Held-out tau for b = 1..2B at T = 0 (and at T = 1, `recipe.eval_samples` pooled runs), B* over
-    B-2..B+2, the oracle's gain, the loop share, per source, and how often each draft slot is right per b.
+    B-2..B+2, the oracle's gain, the loop share, tau(b) per source and split by how the generation ended, and how
+    often each draft slot is right per b.
 
     A replay sweep (`blockpilot.sweep`): acceptance tables give every b's tau for the cost of one generation.
     """
@@ -470,6 +471,7 @@ def evaluate_zoo(
                 "source": record.source,
                 "tau": {b: (t if sweep.cycles[i] else 1.0) for i, (b, t) in enumerate(zip(sizes, sweep.tau, strict=True))},
                 "loops": ends_in_loop(sweep.token_ids),
+                "stopped": bool(sweep.token_ids) and sweep.token_ids[-1] in stop,  # at T = 1: the first sample
             }
             for record, sweep in zip(prompts, sweeps, strict=True)
         ]
@@ -485,31 +487,54 @@ def evaluate_zoo(
 
 
 def summarize_tau(per_prompt: list[dict[str, Any]], sizes: list[int], block: int) -> dict[str, Any]:
+    """The evaluation's summary of per-prompt rows `{id, source, tau: {b: tau}, loops, stopped}`.
+
+    `by_ending` splits the prompts by whether the generation stopped on a stop token (`stopped`) or ran to the
+    token budget (`budget`): a generation that runs on (a loop, a count past its end) is the easiest text there is
+    for every draft slot, however far past B.
+    """
     window = list(candidates_around(block))
-    tau_table = {b: mean_or_nan(p["tau"][b] for p in per_prompt) for b in sizes}
     histogram = Counter(best_block_size(window, [p["tau"][b] for b in window]) for p in per_prompt)
     oracle = mean_or_nan(max(p["tau"][b] for b in window) for p in per_prompt)
-    sources = sorted({p["source"] for p in per_prompt})
+    tau_at_block = mean_or_nan(p["tau"][block] for p in per_prompt)
+    sources: dict[str, list[dict[str, Any]]] = {}
+    for p in per_prompt:
+        sources.setdefault(p["source"], []).append(p)
     by_source = {
-        s: {
-            "prompts": sum(p["source"] == s for p in per_prompt),
-            "tau_at_B": mean_or_nan(p["tau"][block] for p in per_prompt if p["source"] == s),
-            "loop_share": mean_or_nan(float(p["loops"]) for p in per_prompt if p["source"] == s),
+        source: {
+            **_tau_curve(group, sizes),
+            "tau_at_B": mean_or_nan(p["tau"][block] for p in group),
+            "loop_share": mean_or_nan(float(p["loops"]) for p in group),
+            "budget_share": mean_or_nan(float(not p["stopped"]) for p in group),
         }
-        for s in sources
+        for source, group in sorted(sources.items())
+    }
+    by_ending = {
+        "stopped": _tau_curve([p for p in per_prompt if p["stopped"]], sizes),
+        "budget": _tau_curve([p for p in per_prompt if not p["stopped"]], sizes),
     }
     return {
-        "prompts": len(per_prompt),
-        "tau_by_block_size": {str(b): round(v, 4) for b, v in tau_table.items()},
-        "tau_at_B": round(tau_table[block], 4),
-        "peak_block_size": max(sizes, key=lambda b: (tau_table[b], -b)),
+        **_tau_curve(per_prompt, sizes),
+        "tau_at_B": round(tau_at_block, 4),
         "candidates": window,
         "best_block_size_histogram": {str(b): histogram.get(b, 0) for b in window},
         "largest_best_share": max(histogram.values()) / len(per_prompt),
         "oracle_tau": round(oracle, 4),
-        "oracle_over_fixed_B": round(oracle / tau_table[block], 4),
+        "oracle_over_fixed_B": round(oracle / tau_at_block, 4),
         "loop_share": mean_or_nan(float(p["loops"]) for p in per_prompt),
+        "budget_share": mean_or_nan(float(not p["stopped"]) for p in per_prompt),
         "by_source": by_source,
+        "by_ending": by_ending,
+    }
+
+
+def _tau_curve(per_prompt: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+    """How many prompts, their mean tau(b), and the b where it peaks (the smallest on a tie; None for no prompts)."""
+    curve = {b: mean_or_nan(p["tau"][b] for p in per_prompt) for b in sizes}
+    return {
+        "prompts": len(per_prompt),
+        "tau_by_block_size": {str(b): round(tau, 4) for b, tau in curve.items()},
+        "peak_block_size": max(sizes, key=lambda b: (curve[b], -b)) if per_prompt else None,
     }
 
 
@@ -585,6 +610,31 @@ def _build_into(work: Path, recipe: ZooRecipe, seed: int, device: str | None, tr
     write_text_atomic(work / "zoo.json", json.dumps(info, indent=2) + "\n")
     log(f"[zoo] built in {info['build_seconds']:.0f}s: tau at B={recipe.block_size} is {evaluation['tau_at_B']:.2f}")
     return info
+
+
+def reevaluate_zoo(
+    zoo: str | Path, *, device: str | None = None, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """The held-out evaluation of a built zoo, run again on its saved models with this version's code (a new split
+    or summary without a rebuild). Its `zoo.json` must hold the recipe `RECIPES` has for its size today: the
+    evaluation's settings (prompts, samples, token budget, B) come from there."""
+    from blockpilot.models.loading import load_models
+
+    zoo = Path(zoo)
+    info_path = zoo / "zoo.json"
+    if not info_path.is_file():
+        raise FileNotFoundError(f"no zoo.json in {str(zoo)!r}: expected a folder written by `blockpilot zoo build`")
+    info = json.loads(info_path.read_text())
+    size = info.get("size")
+    if size not in RECIPES:
+        raise ValueError(f"{str(info_path)!r} names zoo size {size!r}; expected one of {sorted(RECIPES)}")
+    recipe = RECIPES[size]
+    saved, today = info.get("recipe", {}), json.loads(json.dumps(_recipe_dict(recipe)))
+    if saved != today:
+        changed = differing_fields(saved, today)
+        raise ValueError(f"{str(zoo)!r} was built with another {size!r} recipe (differs in {changed}): rebuild it")
+    models = load_models(zoo / "target", zoo / "drafter", device=device)
+    return evaluate_zoo(models, zoo_prompts(zoo, "heldout"), recipe, log)
 
 
 def _track_build(info: dict[str, Any], work: Path, enabled: bool) -> None:
