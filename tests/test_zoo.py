@@ -238,12 +238,14 @@ def test_zoo_evaluate_reproduces_the_builds_evaluation(tiny_zoo, tmp_path, capsy
     assert "ends: stopped" in printed and "ends: budget" in printed
 
 
-def test_zoo_evaluate_refuses_a_zoo_of_another_recipe(tiny_zoo, tmp_path, capsys):
+def test_zoo_evaluate_refuses_another_recipe_and_a_folder_that_is_no_zoo(tiny_zoo, tmp_path, capsys):
     info = json.loads((tiny_zoo / "zoo.json").read_text())
     info["recipe"]["response_tokens"] += 1
     (tmp_path / "zoo.json").write_text(json.dumps(info))
     assert main(["zoo", "evaluate", "--zoo", str(tmp_path)]) == 2
     assert "response_tokens" in capsys.readouterr().err
+    assert main(["zoo", "evaluate", "--zoo", str(tmp_path / "elsewhere")]) == 2
+    assert "no zoo.json" in capsys.readouterr().err
 
 
 def test_the_saved_zoo_is_the_model_that_was_trained(tiny_zoo, tiny_zoo_trained):

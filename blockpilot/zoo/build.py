@@ -650,7 +650,7 @@ def _track_build(info: dict[str, Any], work: Path, enabled: bool) -> None:
                 tracker.log_metrics({f"{kind}_loss": loss}, step=(index + 1) * every)
         evaluation = info["evaluation"]
         tracker.log_metrics({f"tau_b{b}": tau for b, tau in evaluation["tau_by_block_size"].items()})
-        keys = ("tau_at_B", "oracle_tau", "oracle_over_fixed_B", "largest_best_share", "loop_share")
+        keys = ("tau_at_B", "oracle_tau", "oracle_over_fixed_B", "largest_best_share", "loop_share", "budget_share")
         tracker.log_metrics({key: evaluation[key] for key in keys})
         tracker.log_metrics({"build_seconds": info["build_seconds"]})
         tracker.log_artifact(work / "zoo.json")
