@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from blockpilot.models.drafter import DFlashDrafter
 from blockpilot.cli import main
+from blockpilot.models.drafter import DFlashDrafter
 from blockpilot.zoo.build import RECIPES, build_zoo, ends_in_loop, summarize_tau, zoo_cache_dir
 from blockpilot.zoo.corpus import Corpus, CorpusSpec, split_files, stdlib_sources
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
