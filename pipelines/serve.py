@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -210,7 +210,7 @@ class ModelLoader:
     device: Optional[str] = None
     dtype: Optional[str] = None
     limits: ServeLimits = ServeLimits()
-    api_key: Optional[str] = None
+    api_key: Optional[str] = field(default=None, repr=False)  # a secret: kept out of logs and Serve's config dumps
 
     def adaptive_spec(self) -> str:
         return self.policy or str(adaptive_spec(self.predictor, self.step_model))
@@ -556,22 +556,48 @@ class ServeJob:
     limits: ServeLimits = nested(ServeLimits)
 
     def loader(self) -> ModelLoader:
-        fields = {k: v for k, v in asdict(self).items() if k in ModelLoader.__dataclass_fields__ and k != "limits"}
-        return ModelLoader(**fields, limits=self.limits, api_key=self.api_key or os.environ.get(API_KEY_ENV))
+        """The replica's loader: every field the two share, taken as it is (`limits` stays a `ServeLimits`), the
+        key falling back to the environment. One mapping, so a field added to both is passed once."""
+        shared = {name: getattr(self, name) for name in ModelLoader.__dataclass_fields__}
+        shared["api_key"] = self.api_key or os.environ.get(API_KEY_ENV)
+        return ModelLoader(**shared)
 
 
 def run_serve_job(job: ServeJob) -> int:
-    """Serve until Ctrl-C."""
-    server = serve_locally(
-        job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus, num_cpus=job.num_cpus
-    )
-    server.wait_healthy()
-    print(f"serving {job.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
+    """Serve until Ctrl-C (SIGINT) or SIGTERM, then stop what this process started: the app, and Serve and Ray
+    too when Ray is the embedded one (on a cluster, `RAY_ADDRESS`, only this app goes)."""
+    import signal
+
+    import ray
+
+    embedded = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # Both set here: a process started in the background by a shell inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    server = None
     try:
+        server = serve_locally(
+            job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus, num_cpus=job.num_cpus
+        )
+        server.wait_healthy()
+        print(f"serving {job.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        server.shutdown()
+        print("stopping the endpoint", flush=True)
+    finally:
+        # A second Ctrl-C while stopping would leave Serve's actors and the embedded Ray running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if server is not None:
+            server.shutdown()
+        if embedded and ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
     return 0
 
 
