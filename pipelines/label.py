@@ -5,7 +5,7 @@
     blockpilot label --prompts zoo:$ZOO --target $ZOO/target --drafter $ZOO/drafter --out labels/   # locally
 
 Prompts are read on the driver (an unknown source fails here, before anything starts). The output folder
-holds the job's fingerprint (`job.json`: target, drafter, settings): a rerun with other settings is refused,
+holds the job's fingerprint (`_job.json`: target, drafter, settings): a rerun with other settings is refused,
 a rerun with the same ones labels only what is missing, and an advisory lock keeps two jobs off one folder.
 Ray Data shards the tasks over an actor pool (models loaded once per actor; each actor sweeps its batch of
 prompts together), and the driver writes each finished batch as its own Parquet file (staged, then renamed
@@ -53,7 +53,10 @@ from blockpilot.options import (
     positive_int_arg,
 )
 
-FINGERPRINT_FILE = "job.json"
+# The folder's own files start with "_" or ".", which Parquet readers (pandas, pyarrow, Ray Data, Spark, DuckDB)
+# skip: the folder reads as one dataset as it is.
+FINGERPRINT_FILE = "_job.json"
+LEGACY_FINGERPRINT_FILE = "job.json"  # its name before, renamed on the next run over the folder
 LOCK_FILE = ".lock"
 
 
@@ -135,6 +138,10 @@ def exclusive(out: Path) -> Iterator[None]:
 def check_fingerprint(job: LabelJob) -> None:
     """Refuse to mix rows of differently configured jobs in one folder; record the fingerprint otherwise."""
     path = job.out / FINGERPRINT_FILE
+    legacy = job.out / LEGACY_FINGERPRINT_FILE
+    if legacy.is_file() and not path.exists():
+        os.replace(legacy, path)
+        print(f"[label] renamed {legacy} to {path.name}: Parquet readers now read the folder as it is", flush=True)
     wanted = json.loads(json.dumps(job.fingerprint()))  # as JSON would give it back (tuples -> lists)
     if path.is_file():
         found = json.loads(path.read_text())

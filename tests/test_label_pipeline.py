@@ -55,6 +55,13 @@ def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path,
     assert set(table["temperature"].to_pylist()) == {0.0, 1.0}
     assert sum(summary.best_block_size_histogram.values()) == 16
     files = parquet_files(out)
+    # The folder is a Parquet dataset as it is: its own files (the fingerprint, the lock) are skipped by every reader.
+    import pandas
+    import pyarrow.dataset
+
+    assert len(pandas.read_parquet(out)) == 16
+    assert pyarrow.dataset.dataset(out).to_table().num_rows == 16
+    assert local_ray.data.read_parquet(str(out)).count() == 16
 
     again = run_label_job(make_job(tiny_zoo, out))
     assert (again.rows, again.new_rows) == (16, 0)
@@ -77,11 +84,14 @@ def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path,
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
     assert {"best_block_size_histogram.png", "tau_vs_block_size.png"} <= artifacts
 
-    # A job with other settings may not write into this folder.
+    # A job with other settings may not write into this folder. A folder labeled before the fingerprint was named
+    # `_job.json` has its old `job.json` renamed, and is refused all the same.
+    (out / "_job.json").rename(out / "job.json")
     other = make_job(tiny_zoo, out, limit=10, settings=LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=16, top_k=8))
     with pytest.raises(ValueError, match="differing: max_new_tokens"):
         run_label_job(other)
     assert read_labels(out).num_rows == 20
+    assert (out / "_job.json").is_file() and not (out / "job.json").exists()
 
 
 def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path):

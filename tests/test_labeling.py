@@ -239,6 +239,10 @@ def test_reading_labels_skips_broken_files_and_duplicates(labeler, tmp_path):
     table, broken = read_label_files(tmp_path)
     assert table.num_rows == 2 and [p.name for p in broken] == ["c.parquet"]
     assert read_labels(tmp_path).num_rows == 1
+    # Quarantined, the broken file takes a name Parquet readers skip, and the folder reads as a dataset again.
+    read_label_files(tmp_path, quarantine=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_corrupt-c.parquet", "a.parquet", "b.parquet"]
+    assert pq.ParquetDataset(tmp_path).read().num_rows == 2
     assert deduplicate(pa.concat_tables([table, table])).num_rows == 1
     with pytest.raises(FileNotFoundError, match="no label Parquet files"):
         read_labels(tmp_path / "nothing")

@@ -111,7 +111,12 @@ def parquet_files(path: str | Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         return []
-    return sorted(p for p in path.rglob("*.parquet") if not p.name.startswith("."))
+    return sorted(p for p in path.rglob("*.parquet") if not _hidden(p.relative_to(path)))
+
+
+def _hidden(relative: Path) -> bool:
+    """Whether a Parquet reader skips this path inside a dataset folder: a part of it starts with "_" or "."."""
+    return any(part.startswith(("_", ".")) for part in relative.parts)
 
 
 def read_label_files(
@@ -119,8 +124,8 @@ def read_label_files(
 ) -> tuple[pa.Table, list[Path]]:
     """Every readable label file under `path`, concatenated, and the files that could not be read.
 
-    A job killed mid-write can leave a truncated file: it is skipped (and renamed `*.corrupt` when
-    `quarantine`), so that its prompts count as unlabeled and are labeled again.
+    A job killed mid-write can leave a truncated file: it is skipped (and, when `quarantine`, renamed with a
+    leading "_" that every Parquet reader skips), so that its prompts count as unlabeled and are labeled again.
     """
     import pyarrow.parquet as pq
 
@@ -134,7 +139,7 @@ def read_label_files(
             logger.warning("skipping unreadable label file %s: %s", file, error)
             broken.append(file)
             if quarantine:
-                file.rename(file.with_name(file.name + ".corrupt"))
+                file.rename(file.with_name(f"_corrupt-{file.name}"))
             continue
         tables.append(table)
     if not tables:
