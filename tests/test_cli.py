@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from support import greedy_reference
@@ -99,33 +96,6 @@ def test_missing_paths_exit_nonzero_naming_the_flag(random_zoo, capsys, tmp_path
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert flag in err and "missing" in err
-
-
-def test_python_dash_m_entry_point(random_zoo):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "blockpilot",
-            "generate",
-            "--target",
-            str(random_zoo["target"]),
-            "--drafter",
-            str(random_zoo["drafter"]),
-            "--prompt",
-            "hi",
-            "--max-new-tokens",
-            "5",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
-    assert len(json.loads(completed.stdout)["token_ids"]) == 5
 
 
 def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zoo, capsys):

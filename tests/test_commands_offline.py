@@ -1,0 +1,67 @@
+"""The README's commands that need no Ray, run as a user types them (subprocesses, tiny and random zoos, small
+limits): `zoo random`, `zoo build`, `zoo evaluate`, `calibrate` (plain and draft-then-trim), `calibrate-trim`,
+and `generate` with each policy family that needs no trained model. `test_commands_on_ray.py` has the rest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from commands import run, user_env
+from support import greedy_reference
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Count from 3 to 14."
+
+
+def test_zoo_random_build_and_evaluate(tiny_zoo, tmp_path):
+    """`zoo build` reuses the suite's cached tiny zoo (same recipe and seed, its home) and copies it out;
+    `zoo evaluate` on the copy gives the build's own tau tables again."""
+    env = user_env(tiny_zoo.parents[1])
+    printed = run(f"blockpilot zoo random --out {tmp_path / 'rz'}", env)
+    assert (tmp_path / "rz" / "target" / "tokenizer.json").is_file() and "drafter:" in printed
+
+    zoo = tmp_path / "zoo"
+    printed = run(f"blockpilot zoo build --size tiny --out {zoo}", env)
+    assert "reusing" in printed and (zoo / "drafter" / "model.safetensors").is_file()
+
+    evaluation = tmp_path / "evaluation.json"
+    printed = run(f"blockpilot zoo evaluate --zoo {zoo} --out {evaluation}", env)
+    again, built = json.loads(evaluation.read_text()), json.loads((zoo / "zoo.json").read_text())["evaluation"]
+    assert again["tau_by_block_size"] == built["tau_by_block_size"]
+    assert again["T1"]["tau_by_block_size"] == built["T1"]["tau_by_block_size"]
+    assert sum(group["prompts"] for group in again["by_ending"].values()) == again["prompts"]
+    assert all(f"  {source} " in printed for source in again["by_source"])
+    assert "ends: stopped" in printed and "ends: budget" in printed
+
+
+def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training(tiny_zoo, tiny_models, tmp_path):
+    env = user_env(tmp_path / "home")
+    models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
+    small = "--block-sizes 1,2,4 --repeats 1 --cycles 2"
+    printed = run(f"blockpilot calibrate {models} {small} --out {tmp_path / 'cost.json'}", env)
+    assert json.loads((tmp_path / "cost.json").read_text())["seconds"]["1"].keys() == {"1", "2", "4"}
+    assert "b=4" in printed
+    run(f"blockpilot calibrate {models} --drafted 8 {small} --out {tmp_path / 'cost-trim.json'}", env)
+    printed = run(
+        f"blockpilot calibrate-trim {models} --prompts zoo:{tiny_zoo} --block-size 8 --cost {tmp_path / 'cost-trim.json'} "
+        f"--limit 4 --max-new-tokens 16 --out {tmp_path / 'trim.json'}",
+        env,
+    )
+    assert f"--policy trim:{tmp_path / 'trim.json'}" in printed
+
+    prompt_ids = tiny_models.encode_prompt(PROMPT)
+    greedy = greedy_reference(tiny_models.target, prompt_ids, 24, tiny_models.stop_token_ids())
+    generate = f"generate {models} --prompt '{PROMPT}' --max-new-tokens 24"
+    for command, policy in [
+        (f"blockpilot {generate} --policy fixed:3 --json", "fixed"),
+        (f"blockpilot {generate} --policy entropy --json", "entropy"),
+        (f"blockpilot {generate} --policy trim:{tmp_path / 'trim.json'} --json", "trim"),
+        (f"python -m blockpilot {generate} --policy autoregressive --json", "autoregressive"),
+    ]:
+        payload = json.loads(run(command, env))
+        assert payload["token_ids"] == greedy, command  # at T = 0 every policy decodes the target's greedy output
+        assert payload["policy"] == policy
+    printed = run(f"blockpilot {generate} --policy entropy --temperature 0.8 --verify rejection", env)
+    assert "mean tau:" in printed and "block size:" in printed
