@@ -8,10 +8,14 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's scripts: `blockpilot`, `ray`
+PROMPT = "Count from 3 to 14."
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:
@@ -25,9 +29,7 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
 
 def run(command: str, env: dict[str, str], timeout: float = 300) -> str:
     """Run `command` (a shell line, as in the README) and return its standard output; fail naming what it printed."""
-    completed = subprocess.run(
-        shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    completed = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, (
         f"`{command}` exited with {completed.returncode}\n--- stdout\n{completed.stdout[-4000:]}\n"
         f"--- stderr\n{completed.stderr[-4000:]}"
@@ -39,3 +41,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 180) -> None:
+    """Until GET `url` answers 200; fails if `process` (the server's, when the test started it) exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            output = process.stdout.read()[-4000:] if process.stdout else ""
+            raise AssertionError(f"the server exited with {process.returncode} before it answered:\n{output}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer 200 in {timeout_s} s")
+
+
+def check_endpoint(url: str, model: str) -> None:
+    """One completion and one streamed chat through the openai client, and one bad request answered 4xx."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert completion.usage.completion_tokens >= 1 and completion.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    bad = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "temperature": -1}, timeout=30)
+    assert bad.status_code == 400 and "temperature" in bad.text

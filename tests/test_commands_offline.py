@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from commands import run, user_env
+from commands import PROMPT, run, user_env
 from support import greedy_reference
 
 pytestmark = pytest.mark.slow
-
-PROMPT = "Count from 3 to 14."
 
 
 def test_zoo_random_build_and_evaluate(tiny_zoo, tmp_path):
@@ -45,8 +43,8 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     assert "b=4" in printed
     run(f"blockpilot calibrate {models} --drafted 8 {small} --out {tmp_path / 'cost-trim.json'}", env)
     printed = run(
-        f"blockpilot calibrate-trim {models} --prompts zoo:{tiny_zoo} --block-size 8 --cost {tmp_path / 'cost-trim.json'} "
-        f"--limit 4 --max-new-tokens 16 --out {tmp_path / 'trim.json'}",
+        f"blockpilot calibrate-trim {models} --prompts zoo:{tiny_zoo} --block-size 8 "
+        f"--cost {tmp_path / 'cost-trim.json'} --limit 4 --max-new-tokens 16 --out {tmp_path / 'trim.json'}",
         env,
     )
     assert f"--policy trim:{tmp_path / 'trim.json'}" in printed

@@ -26,7 +26,9 @@ def shell_lines(text: str) -> list[str]:
     return lines
 
 
-def subcommands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], argparse.ArgumentParser]:
+def subcommands(
+    parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], argparse.ArgumentParser]:
     """Every leaf subcommand of the CLI, by its words (("zoo", "build"), ("label",), ...), with its parser."""
     found = {}
     for action in parser._actions:
@@ -61,7 +63,9 @@ def test_every_command_the_readme_shows_exists_and_takes_its_flags():
 
 
 def test_every_subcommand_is_in_the_readme():
-    shown = {tuple(words[:2]) for words in documented_invocations()} | {(words[0],) for words in documented_invocations()}
+    shown = {tuple(words[:2]) for words in documented_invocations()} | {
+        (words[0],) for words in documented_invocations()
+    }
     missing = [" ".join(path) for path in subcommands(build_parser()) if path not in shown]
     assert not missing, f"subcommands the README (or docs/) never shows: {missing}"
 

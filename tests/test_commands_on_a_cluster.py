@@ -1,0 +1,91 @@
+"""`ray job submit` of the pipelines and `serve deploy` of cluster/serve.yaml, as the README shows them, against a Ray
+head the test starts (`ray start --head`, with the dashboard that serves jobs) on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from commands import BIN, ROOT, check_endpoint, free_port, run, user_env, wait_healthy
+
+from blockpilot.data.labels import read_labels
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head with its dashboard (the job server) on free ports, as `ray start --head` starts one; stopped by
+    killing its process group, so no other cluster on this machine is touched (`ray stop` would stop them all)."""
+    home = tmp_path / "home"
+    dashboard, gcs = free_port(), free_port()
+    env = user_env(home, RAY_AUTH_MODE="disabled")
+    command = (
+        f"{BIN / 'ray'} start --head --block --num-cpus 4 --port {gcs} --dashboard-host 127.0.0.1 "
+        f"--dashboard-port {dashboard} --ray-client-server-port {free_port()} "
+        f"--dashboard-agent-listen-port {free_port()} --include-dashboard true --disable-usage-stats"
+    )
+    head = subprocess.Popen(
+        command.split(),
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        wait_healthy(f"{address}/api/version", head, timeout_s=120)
+        yield address, env, home
+    finally:
+        processes = [psutil.Process(head.pid), *psutil.Process(head.pid).children(recursive=True)]
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(processes, timeout=30)
+
+
+def local_runtime_env(path: Path, home: Path) -> Path:
+    """`ray_job.yaml` for this machine: the same working directory and excludes; no pip packages (the head runs in
+    this venv, which has them) and the environment pointing at local folders instead of the cluster's."""
+    runtime_env = yaml.safe_load((ROOT / "ray_job.yaml").read_text())
+    runtime_env.pop("pip")
+    runtime_env["working_dir"] = str(ROOT)
+    runtime_env["env_vars"] = {"BLOCKPILOT_HOME": str(home), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    path.write_text(yaml.safe_dump(runtime_env))
+    return path
+
+
+def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, tmp_path):
+    address, env, home = ray_head
+    runtime_env = local_runtime_env(tmp_path / "ray_job.yaml", home)
+    submit = f"ray job submit --address {address} --runtime-env {runtime_env} --"
+    models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
+    labels, predictor = tmp_path / "labels", tmp_path / "predictor"
+    run(
+        f"{submit} python -m pipelines.label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 "
+        f"--temperatures 0 --max-new-tokens 16 --top-k 8 --actors 1 --num-cpus-per-actor 0.5 --no-track",
+        env,
+    )
+    assert read_labels(labels).num_rows == 8
+    run(f"{submit} python -m pipelines.train_predictor --labels {labels} --epochs 1 --out {predictor} --no-track", env)
+    assert (predictor / "config.json").is_file()
+
+    # cluster/serve.yaml with this zoo's models and a free port, as `serve deploy` sends it (the package is installed
+    # in the venv the head runs in, as in the cluster's image).
+    config = yaml.safe_load((ROOT / "cluster" / "serve.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    application = config["applications"][0]
+    application["args"].update(
+        target=str(tiny_zoo / "target"), drafter=str(tiny_zoo / "drafter"), predictor=str(predictor)
+    )
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    run(f"serve deploy --address {address} {tmp_path / 'serve.yaml'}", env)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(f"{url}/health")
+    check_endpoint(url, application["args"]["model_name"])
