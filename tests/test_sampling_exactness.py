@@ -155,3 +155,54 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows(drafters, rule):
     others = [request(100 + i, 1.0 + 0.1 * i, 2 + i % 5) for i in range(10)]
     mixed = generate_many(models, others[:5] + watched + others[5:], max_batch=7)
     assert [r.token_ids for r in mixed[5:11]] == alone
+
+
+# ----------------------------------------------------------------------------- the static cycle's sampler
+
+
+def static_counts(models: SpeculativeModels, width: int) -> torch.Tensor:
+    """Counts of (x1, x2, x3) over SAMPLES seeds from the static decoder (`blockpilot.decoding.static`) at `width`,
+    BATCH rows at a time."""
+    from blockpilot.decoding.static import StaticDecoder
+
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    decoder = StaticDecoder(models, rows=BATCH, width=width, capacity=32, sampling=True)
+    for first in range(0, SAMPLES, BATCH):
+        seeds = list(range(first, first + BATCH))
+        for tokens in decoder.generate([PROMPT] * BATCH, 3, temperatures=[TEMPERATURE] * BATCH, seeds=seeds):
+            counts[tokens[0], tokens[1], tokens[2]] += 1
+    return counts
+
+
+def test_the_static_sampler_follows_the_target_distribution_and_the_check_catches_a_shared_uniform(
+    drafters, exact_joint, monkeypatch
+):
+    """Autoregressive (width 1) draws by inverse CDF at the uniform of (seed, position) sample the joint law; the
+    negative control draws every position of a row from one uniform, and the test must fail it."""
+    import blockpilot.decoding.static as static
+
+    assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) > P_VALUE_FLOOR
+    exact_uniform = static.position_uniform
+    monkeypatch.setattr(static, "position_uniform", lambda seeds, positions: exact_uniform(seeds, positions * 0))
+    assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) < 1e-9
+
+
+def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters):
+    """The speculative output for a seed is the autoregressive one: at any block size, beside other rows (other
+    seeds, temperatures, block sizes), so it samples the target's distribution exactly, as the test above shows."""
+    from blockpilot.decoding.static import StaticDecoder
+
+    models = drafters["random"]
+    rows = 8
+    seeds, temperatures = list(range(rows)), [TEMPERATURE, 1.0, 0.0, 1.3] * 2
+    alone = [
+        StaticDecoder(models, rows=1, width=1, capacity=48, sampling=True).generate(
+            [PROMPT], 16, temperatures=[t], seeds=[s]
+        )[0]
+        for s, t in zip(seeds, temperatures, strict=True)
+    ]
+    decoder = StaticDecoder(models, rows=rows, width=4, capacity=48, sampling=True)
+    mixed = decoder.generate([PROMPT] * rows, 16, block_sizes=[4, 2, 3, 1] * 2, temperatures=temperatures, seeds=seeds)
+    assert mixed == alone
+    assert alone[2] == greedy_reference(models.target, PROMPT, 16)  # the T = 0 row is greedy
+    assert len({tuple(tokens) for tokens in alone}) > 4  # seeds and temperatures do change the samples
