@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from commands import PROMPT, run, user_env
+from commands import PROMPT, ROOT, run, user_env
 from support import greedy_reference
 
 pytestmark = pytest.mark.slow
@@ -63,3 +63,31 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
         assert payload["policy"] == policy
     printed = run(f"blockpilot {generate} --policy entropy --temperature 0.8 --verify rejection", env)
     assert "mean tau:" in printed and "block size:" in printed
+
+
+def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
+    """`benchmarks/bench_cycle.py` (kept ready for a lent GPU) end to end on the CPU, eager, at a tiny shape: a
+    script that breaks would waste the rare minutes of a GPU lease."""
+    config = json.loads((ROOT / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json").read_text())
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        num_target_layers=4,
+        vocab_size=512,
+        layer_types=["full_attention"] * 2,
+        dflash_config={"mask_token_id": 500, "target_layer_ids": [0, 2]},
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "results.json"
+    printed = run(
+        f"python benchmarks/bench_cycle.py --drafter-config {tmp_path / 'config.json'} --device cpu --batches 1,2 "
+        f"--widths 1,4 --modes off --tree-nodes 8 --capacity 128 --cycles 2 --hf-steps 2 --engine-widths 4 --out {out}",
+        user_env(tmp_path / "home"),
+    )
+    results = json.loads(out.read_text())
+    assert set(results["static_cycle_s"]["off"]) == {"1", "4"} and results["floor_s"] > 0
+    assert "static cycle" in printed and "tree verify" in printed

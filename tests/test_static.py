@@ -66,3 +66,17 @@ def test_bad_settings_are_refused_naming_the_value(random_models):
         decoder.start([[1, 2], [3]], temperatures=[0.5, 0.0])
     with pytest.raises(ValueError, match="do not fit 32 slots"):
         decoder.start([[1] * 30, [3]])
+
+
+def test_rows_that_finish_early_hold_their_place_while_the_others_run(tiny_models):
+    """Rows that stop early keep cycling in place: the cache need only fit the longest prompt and the budget, however
+    long the other rows run, and every row still decodes its greedy output."""
+    prompts, expected = references(tiny_models, 60)
+    assert len({len(tokens) for tokens in expected}) > 1, "the rows should end at different lengths"
+    capacity = max(map(len, prompts)) + 60 + 8
+    decoder = StaticDecoder(tiny_models, rows=4, width=8, capacity=capacity)
+    assert decoder.generate(prompts, 60, stop_token_ids=tiny_models.stop_token_ids()) == expected
+    for prompt, tokens, length in zip(prompts, expected, decoder.length.tolist(), strict=True):
+        assert length < len(prompt) + len(tokens) + 8  # at most the finishing cycle's dropped tokens past its end
+    with pytest.raises(ValueError, match="do not fit"):
+        decoder.generate(prompts, 61)

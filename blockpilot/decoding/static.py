@@ -430,13 +430,17 @@ class StaticDecoder:
         temperatures: Sequence[float] | None = None,
         seeds: Sequence[int] | None = None,
     ) -> list[list[int]]:
-        """Decode every prompt to `max_new_tokens` or a stop token (rows that finish keep cycling until all have:
-        their extra tokens are dropped). One device-to-host copy per cycle."""
+        """Decode every prompt to `max_new_tokens` or a stop token. A row that finishes keeps cycling in place (its
+        length held where it ended, its tokens dropped) until every row has. One device-to-host copy per cycle."""
         outputs = [[token] for token in self.start(prompts, block_sizes, temperatures, seeds)]
         done = [out[-1] in stop_token_ids or len(out) >= max_new_tokens for out in outputs]
-        limit = self.capacity - self.width
+        if max(len(p) for p in prompts) + max_new_tokens + self.width > self.capacity:
+            raise ValueError(f"{max_new_tokens} new tokens after these prompts do not fit {self.capacity} slots")
+        held, finished = self.length.clone(), torch.tensor(done, device=self.device)
         while not all(done):
             tokens, counts = self.cycle()
+            if any(done):
+                self.length.copy_(torch.where(finished, held, self.length))
             host_tokens, host_counts = tokens.tolist(), counts.tolist()
             for row, out in enumerate(outputs):
                 if done[row]:
@@ -446,6 +450,7 @@ class StaticDecoder:
                     if token in stop_token_ids or len(out) >= max_new_tokens:
                         done[row] = True
                         break
-            if int(self.length.max()) > limit:  # a finished row may run on; it must not pass the cache's end
-                raise ValueError(f"the rows outgrew {self.capacity} cache slots: raise capacity")
+            if sum(done) > int(finished.sum()):  # rows that finished this cycle are held from the next one on
+                finished = torch.tensor(done, device=self.device)
+                held = torch.where(finished, self.length, held)
         return outputs

@@ -1,0 +1,309 @@
+"""What one draft/verify cycle costs against what it must cost, at a real model's shape (random weights).
+
+    python benchmarks/bench_cycle.py [--drafter-config tests/fixtures/zlab_qwen3_4b_dflash_b16_config.json] \\
+        [--batches 1,8,32,64] [--widths 1,8,16] [--modes graph] [--compile-points 1x1,1x16] \\
+        [--tree-nodes 16,32,64,128,256] [--capacity 1024] [--out results.json]
+
+Builds the target and drafter the config names (z-lab's Qwen3-4B b16 drafter by default: a 36-layer, 2560-wide
+target), random weights, bf16 on a GPU (timing does not depend on weight values), and prints, in one run:
+
+1. the floor: the bytes of the target's and the drafter's weights over a measured device-to-device copy bandwidth
+   (bytes read + written per second), the least a batch-1 cycle can cost when it reads every weight once;
+2. transformers' autoregressive step on the same weights: eager with a `DynamicCache`, and (with --hf-compile)
+   a `StaticCache` step under `torch.compile(mode="reduce-overhead")`;
+3. the engine's cycle (`blockpilot.cost.seconds_per_cycle`, transformers' modules, eager) at each width, batch 1;
+4. the static cycle (`blockpilot.decoding.static`) at every batch x width, per --modes; --compile-points
+   (BATCHxWIDTH) lists the points also run `compile+graph` (each shape compiles on its own);
+5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph.
+
+Every figure is a median of CUDA-event (or synchronised wall) timings after warm-up. Random weights accept no
+draft, so a cycle commits one token: these are costs, not speedups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from blockpilot.cost import random_prompts, seconds_per_cycle
+from blockpilot.decoding.static import StaticDecoder, StaticTarget
+from blockpilot.models.drafter import DFlashConfig
+from blockpilot.options import block_size_list
+from blockpilot.zoo.random_models import random_models_like
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json"
+RESULTS: dict = {}
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of `fn()` over `repeats` runs (CUDA events on a GPU, a synchronised clock elsewhere)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    source = torch.empty(1 << 29, dtype=torch.float16, device=device).normal_()
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    seconds = timed(lambda: target.copy_(source), 20, device)
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def vocabulary(models) -> int:
+    return models.target.get_input_embeddings().weight.shape[0]
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for parameter in module.parameters():
+        if parameter.data_ptr() not in seen:
+            seen.add(parameter.data_ptr())
+            total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def hf_eager_step(models, steps: int) -> float:
+    """Seconds per token of transformers' eager greedy loop (DynamicCache, batch 1, one token a step)."""
+    from transformers import DynamicCache
+
+    target, device = models.target, models.device
+    prompt = torch.randint(0, vocabulary(models), (1, 64), device=device)
+    cache = DynamicCache()
+    out = target(input_ids=prompt, past_key_values=cache, use_cache=True)
+    token = out.logits[:, -1:].argmax(-1)
+
+    def step():
+        nonlocal token
+        for _ in range(steps):
+            token = target(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    step()  # warm-up
+    return timed(step, 3, device) / steps
+
+
+def hf_compiled_step(models, steps: int) -> tuple[float, float]:
+    """(seconds per token, compile seconds) of a StaticCache step under torch.compile(mode="reduce-overhead")."""
+    from transformers import StaticCache
+
+    target, device = models.target, models.device
+    cache = StaticCache(config=target.config, max_cache_len=64 + 8 * steps)
+    forward = torch.compile(target.forward, mode="reduce-overhead", fullgraph=True)
+    prompt = torch.randint(0, vocabulary(models), (1, 64), device=device)
+    out = target(
+        input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device=device)
+    )
+    token = out.logits[:, -1:].argmax(-1)
+    position = 64
+
+    def step(count: int):
+        nonlocal token, position
+        for _ in range(count):
+            cache_position = torch.tensor([position], device=device)
+            logits = forward(
+                input_ids=token, past_key_values=cache, use_cache=True, cache_position=cache_position
+            ).logits
+            token = logits[:, -1:].argmax(-1)
+            position += 1
+
+    started = time.perf_counter()
+    step(3)  # compiles and records the graphs
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    compile_seconds = time.perf_counter() - started
+    return timed(lambda: step(steps), 3, device) / steps, compile_seconds
+
+
+def release(device: torch.device) -> None:
+    """The caches of the last decoder back to the device (each point allocates its own)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def static_cycle(models, batch: int, width: int, mode: str, capacity: int, cycles: int) -> tuple[float, float]:
+    """(seconds per cycle, build seconds) of the static decoder at (batch, width) in `mode`."""
+    decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode)
+    generator = torch.Generator().manual_seed(batch * 100 + width)
+    decoder.start(random_prompts(models, batch, 64, generator))
+    decoder.cycle()  # builds (compiles, captures) and runs one
+    repeats = max(1, (capacity - 64 - 2 * width) // (cycles * width) - 1)
+    seconds = timed(lambda: [decoder.cycle() for _ in range(cycles)], min(5, repeats), models.device) / cycles
+    return seconds, decoder.compile_seconds or 0.0
+
+
+def tree_verify(models, batch: int, nodes: int, capacity: int) -> float:
+    """Seconds of one target pass over `nodes` tree nodes a row, as a CUDA graph (eager elsewhere)."""
+    device = models.device
+    target = StaticTarget(models.target, batch, capacity, models.drafter.target_layer_ids)
+    parents = torch.randint(0, nodes, (nodes,)).clamp(max=torch.arange(nodes) - 1).clamp(min=-1)  # a random tree
+    ancestor = torch.eye(nodes, dtype=torch.bool)
+    for node in range(1, nodes):
+        if parents[node] >= 0:
+            ancestor[node] |= ancestor[parents[node]]
+    depth = ancestor.sum(1) - 1
+    start = 64
+    ids = torch.randint(0, vocabulary(models), (batch, nodes), device=device)
+    positions = (start + depth).to(device)[None].expand(batch, -1).contiguous()
+    slots = (start + torch.arange(nodes)).to(device)[None].expand(batch, -1).contiguous()
+    mask = torch.zeros(batch, 1, nodes, capacity, dtype=torch.bool, device=device)
+    mask[..., :start] = True
+    mask[:, 0, :, start : start + nodes] = ancestor.to(device)
+    run = lambda: target(ids, positions, slots, mask)  # noqa: E731
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+    run()
+    return timed(run, 20, device)
+
+
+def points(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter-config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--batches", type=block_size_list, default=(1, 8, 32, 64))
+    parser.add_argument("--widths", type=block_size_list, default=(1, 8, 16))
+    parser.add_argument("--modes", default="graph", help="static cycle modes for every point (off, compile, graph)")
+    parser.add_argument("--compile-points", type=points, default=[], help="BATCHxWIDTH,... also run compile+graph")
+    parser.add_argument("--tree-nodes", type=block_size_list, default=(16, 32, 64, 128, 256))
+    parser.add_argument("--capacity", type=int, default=1024, help="cache slots a row")
+    parser.add_argument("--cycles", type=int, default=8, help="cycles per timed run")
+    parser.add_argument("--hf-steps", type=int, default=32)
+    parser.add_argument("--hf-compile", action="store_true", help="also time transformers' compiled static step")
+    parser.add_argument("--engine-widths", type=block_size_list, default=(1, 8, 16))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    config = DFlashConfig.from_dict(json.loads(args.drafter_config.read_text()))
+    started = time.perf_counter()
+    models = random_models_like(config, device=args.device, dtype=args.dtype)
+    device = models.device
+    models.target.eval()
+    target_bytes, drafter_bytes = weight_bytes(models.target), weight_bytes(models.drafter)
+    bandwidth = copy_bandwidth(device)
+    floor = (target_bytes + drafter_bytes) / bandwidth
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    say(
+        f"{models.target_id} + {models.drafter_id}, {models.target.dtype} on {name}; torch {torch.__version__}; "
+        f"built in {time.perf_counter() - started:.0f} s"
+    )
+    say(
+        f"weights: target {target_bytes / 1e9:.2f} GB, drafter {drafter_bytes / 1e9:.2f} GB; copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s (read + written) -> floor {floor * 1000:.2f} ms a batch-1 cycle "
+        f"(target alone {target_bytes / bandwidth * 1000:.2f} ms)"
+    )
+    RESULTS.update(
+        device=name,
+        torch=torch.__version__,
+        target_bytes=target_bytes,
+        drafter_bytes=drafter_bytes,
+        copy_bandwidth=bandwidth,
+        floor_s=floor,
+        capacity=args.capacity,
+    )
+
+    with torch.inference_mode():
+        # transformers' own attention for its baselines (the engine's target runs the project's grouped SDPA).
+        engine_attention = models.target.config._attn_implementation
+        models.target.set_attn_implementation("sdpa")
+        eager = hf_eager_step(models, args.hf_steps)
+        models.target.set_attn_implementation(engine_attention)
+        say(f"transformers eager autoregressive step (DynamicCache, batch 1): {eager * 1000:.2f} ms a token")
+        RESULTS["hf_eager_step_s"] = eager
+        for width in args.engine_widths:
+            prompts = random_prompts(models, 1, 64, torch.Generator().manual_seed(width))
+            seconds_per_cycle(models, prompts, [width], 2)
+            engine = statistics.median(seconds_per_cycle(models, prompts, [width], args.cycles) for _ in range(3))
+            say(f"engine cycle (transformers modules, eager), batch 1, b = {width}: {engine * 1000:.2f} ms")
+            RESULTS.setdefault("engine_cycle_s", {})[width] = engine
+
+        say(f"static cycle, ms (capacity {args.capacity} slots a row); columns: batch {list(args.batches)}")
+        for mode in args.modes.split(","):
+            for width in args.widths:
+                cells = []
+                for batch in args.batches:
+                    seconds, build = static_cycle(models, batch, width, mode, args.capacity, args.cycles)
+                    release(device)
+                    cells.append(f"{seconds * 1000:8.2f}")
+                    RESULTS.setdefault("static_cycle_s", {}).setdefault(mode, {}).setdefault(width, {})[batch] = seconds
+                    RESULTS.setdefault("build_s", {}).setdefault(mode, {}).setdefault(width, {})[batch] = build
+                say(
+                    f"  {mode:<14} b = {width:<3}" + "".join(cells) + f"   (x floor at batch 1: "
+                    f"{RESULTS['static_cycle_s'][mode][width][args.batches[0]] / floor:.2f})"
+                )
+        for batch, width in args.compile_points:
+            seconds, build = static_cycle(models, batch, width, "compile+graph", args.capacity, args.cycles)
+            release(device)
+            say(
+                f"  compile+graph  batch {batch}, b = {width}: {seconds * 1000:.2f} ms (compiled in {build:.0f} s; "
+                f"x floor {seconds / floor:.2f})"
+            )
+            RESULTS.setdefault("compiled_cycle_s", {})[f"{batch}x{width}"] = [seconds, build]
+
+        say("tree verify (one target pass over N nodes a row, CUDA graph), ms")
+        for batch in (1, 8):
+            cells = []
+            for nodes in args.tree_nodes:
+                seconds = tree_verify(models, batch, nodes, args.capacity)
+                release(device)
+                cells.append(f"N={nodes}: {seconds * 1000:.2f}")
+                RESULTS.setdefault("tree_verify_s", {}).setdefault(batch, {})[nodes] = seconds
+            say(f"  batch {batch}: " + ", ".join(cells))
+
+        if args.hf_compile:
+            models.target.set_attn_implementation("sdpa")
+            try:
+                step, compile_seconds = hf_compiled_step(models, args.hf_steps)
+            except Exception as error:  # a transformers release whose compiled static step fails: say so, go on
+                say(f"transformers compiled static step failed: {type(error).__name__}: {error}"[:400])
+            else:
+                say(
+                    f"transformers StaticCache + torch.compile(reduce-overhead) step, batch 1: {step * 1000:.2f} ms "
+                    f"a token (compiled in {compile_seconds:.0f} s)"
+                )
+                RESULTS["hf_compiled_step_s"] = [step, compile_seconds]
+
+    if args.out is not None:
+        args.out.write_text(json.dumps(RESULTS, indent=2) + "\n")
+        say(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        if RESULTS:
+            print("RESULTS " + json.dumps(RESULTS), file=sys.stderr, flush=True)

@@ -1,0 +1,217 @@
+"""Tokens/s of every way to decode the same prompts on the same weights, in one run: the number users look for.
+
+    python benchmarks/bench_engine.py --zoo $ZOO [--prompts 24] [--max-new-tokens 128] [--widths 4,5,6,7,8] \\
+        [--temperatures 0,1] [--batch 8]
+
+On the zoo's held-out prompts (one at a time, batch 1), each decoder generating to a stop token or
+--max-new-tokens, tokens/s = generated tokens over the wall time of the whole generation, prefill included:
+
+- transformers: the target's plain greedy loop (`DynamicCache`, one token a step), and a `StaticCache` step under
+  `torch.compile` (compiled once, before timing);
+- the engine (`blockpilot.decoding.engine`, transformers' modules, eager): autoregressive and fixed b;
+- the static cycle (`blockpilot.decoding.static`, compiled once per width before timing): autoregressive and
+  fixed b, at every --widths (the best of them is the best fixed b).
+
+T > 0 rows run where the decoder samples (the engine and the static cycle). With --batch N, the engine and the
+static cycle also decode the prompts N at a time, each row at its own b (cycling through --widths). Compile times
+are printed; the figures are timings of this machine, so compare rows of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from blockpilot.data.sources import zoo_prompts
+from blockpilot.decoding import FixedBlockSize, GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.policies import Autoregressive
+from blockpilot.decoding.static import StaticDecoder
+from blockpilot.models.loading import load_models
+from blockpilot.options import block_size_list
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def truncate(tokens: list[int], stop: Sequence[int], limit: int) -> list[int]:
+    for index, token in enumerate(tokens[:limit]):
+        if token in stop:
+            return tokens[: index + 1]
+    return tokens[:limit]
+
+
+@torch.inference_mode()
+def hf_plain(models, prompt: list[int], max_new_tokens: int, stop: Sequence[int]) -> list[int]:
+    from transformers import DynamicCache
+
+    cache, tokens = DynamicCache(), []
+    logits = models.target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+    while True:
+        tokens.append(int(logits[0, -1].argmax()))
+        if tokens[-1] in stop or len(tokens) == max_new_tokens:
+            return tokens
+        logits = models.target(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+
+
+class HFCompiled:
+    """transformers' StaticCache with the one-token step under torch.compile; the prefill runs eager."""
+
+    def __init__(self, models, capacity: int) -> None:
+        from transformers import StaticCache
+
+        self.target = models.target
+        self.cache = StaticCache(config=models.target.config, max_cache_len=capacity)
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
+
+    def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        out = self.target(input_ids=token, past_key_values=self.cache, cache_position=position, use_cache=True)
+        return out.logits[:, -1].argmax(dim=-1, keepdim=True)
+
+    @torch.inference_mode()
+    def __call__(self, prompt: list[int], max_new_tokens: int, stop: Sequence[int]) -> list[int]:
+        self.cache.reset()
+        positions = torch.arange(len(prompt))
+        logits = self.target(
+            input_ids=torch.tensor([prompt]), past_key_values=self.cache, cache_position=positions, use_cache=True
+        ).logits
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)
+        tokens = [int(token)]
+        while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+            token = self.step(token, torch.tensor([len(prompt) + len(tokens) - 1]))
+            tokens.append(int(token))
+        return tokens
+
+
+def rate(decode: Callable[[list[int]], list[int]], prompts: list[list[int]], repeats: int) -> tuple[float, float]:
+    """(tokens/s, mean tokens a prompt): the median over `repeats` passes over every prompt, one at a time."""
+    speeds, count = [], 0
+    for _ in range(repeats):
+        started, count = time.perf_counter(), 0
+        for prompt in prompts:
+            count += len(decode(prompt))
+        speeds.append(count / (time.perf_counter() - started))
+    return statistics.median(speeds), count / len(prompts)
+
+
+def engine_decode(models, policy, temperature: float, max_new_tokens: int, stop) -> Callable:
+    def decode(prompt: list[int]) -> list[int]:
+        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=0)
+        return generate_many(models, [GenerationRequest(prompt, config, policy)])[0].token_ids
+
+    return decode
+
+
+def static_decode(decoder: StaticDecoder, temperature: float, max_new_tokens: int, stop) -> Callable:
+    def decode(prompt: list[int]) -> list[int]:
+        out = decoder.generate([prompt], max_new_tokens, stop_token_ids=stop, temperatures=[temperature], seeds=[0])
+        return truncate(out[0], stop, max_new_tokens)
+
+    return decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--zoo", type=Path, required=True, help="a built zoo (its target, drafter and held-out prompts)"
+    )
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--widths", type=block_size_list, default=None, help="fixed b to run (default: B-2 .. B+2)")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--batch", type=int, default=0, help="also decode N prompts at a time, rows of mixed b")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models = load_models(args.zoo / "target", args.zoo / "drafter", device="cpu")
+    stop = tuple(models.stop_token_ids())
+    prompts = [models.encode_prompt(r.turns[0]) for r in zoo_prompts(args.zoo, "heldout")[: args.prompts]]
+    B = models.train_block_size
+    widths = list(args.widths or range(max(2, B - 2), B + 3))
+    capacity = max(len(p) for p in prompts) + args.max_new_tokens + max(widths) + 8
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    say(
+        f"{args.zoo.name}: B = {B}, {len(prompts)} held-out prompts, up to {args.max_new_tokens} new tokens, "
+        f"batch 1, torch {torch.__version__} on {torch.get_num_threads()} threads; tokens/s over whole generations"
+    )
+
+    static: dict[int, StaticDecoder] = {}
+    for width in [1, *widths]:
+        decoder = StaticDecoder(models, rows=1, width=width, capacity=capacity, compile="compile", sampling=True)
+        decoder.generate([prompts[0]], 4, temperatures=[0.0])  # compiles
+        static[width] = decoder
+        say(f"  static cycle compiled at width {width} in {decoder.compile_seconds:.0f} s")
+    hf_compiled = HFCompiled(models, capacity)
+    started = time.perf_counter()
+    hf_compiled(prompts[0], 4, stop)
+    say(f"  transformers' static step compiled in {time.perf_counter() - started:.0f} s")
+
+    for temperature in temperatures:
+        rows: list[tuple[str, float, float]] = []
+
+        def add(name: str, decode: Callable) -> None:
+            speed, mean = rate(decode, prompts, args.repeats)
+            rows.append((name, speed, mean))
+            say(f"  T = {temperature:g}  {name:<36} {speed:9.1f} tokens/s  ({mean:.1f} tokens a prompt)")
+
+        if temperature == 0:
+            add("transformers, plain loop", lambda p: hf_plain(models, p, args.max_new_tokens, stop))
+            add("transformers, static cache + compile", lambda p: hf_compiled(p, args.max_new_tokens, stop))
+        add("engine, autoregressive", engine_decode(models, Autoregressive(), temperature, args.max_new_tokens, stop))
+        for width in widths:
+            add(
+                f"engine, fixed b = {width}",
+                engine_decode(models, FixedBlockSize(width), temperature, args.max_new_tokens, stop),
+            )
+        add("static, autoregressive", static_decode(static[1], temperature, args.max_new_tokens, stop))
+        for width in widths:
+            add(f"static, fixed b = {width}", static_decode(static[width], temperature, args.max_new_tokens, stop))
+        baseline = next((speed for name, speed, _ in rows if name == "transformers, static cache + compile"), None)
+        best = max((r for r in rows if r[0].startswith("static, fixed")), key=lambda r: r[1])
+        fixed_B = next(r for r in rows if r[0] == f"static, fixed b = {B}")
+        say(
+            f"T = {temperature:g}: static fixed B {fixed_B[1]:.1f}, best fixed ({best[0]}) {best[1]:.1f} tokens/s"
+            + (
+                f"; x compiled transformers: {fixed_B[1] / baseline:.2f} and {best[1] / baseline:.2f}"
+                if baseline
+                else ""
+            )
+        )
+
+    if args.batch > 1:
+        batch = prompts[: args.batch]
+        sizes = [widths[i % len(widths)] for i in range(len(batch))]
+        for temperature in temperatures:
+            config = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, stop_token_ids=stop)
+            requests = [
+                GenerationRequest(p, GenerationConfig(**config, seed=i), FixedBlockSize(b))
+                for i, (p, b) in enumerate(zip(batch, sizes, strict=True))
+            ]
+            started = time.perf_counter()
+            tokens = sum(len(r.token_ids) for r in generate_many(models, requests, max_batch=len(batch)))
+            engine_speed = tokens / (time.perf_counter() - started)
+            decoder = StaticDecoder(
+                models, rows=len(batch), width=max(sizes), capacity=capacity, compile="compile", sampling=True
+            )
+            seeds, row_temperatures = list(range(len(batch))), [temperature] * len(batch)
+            decoder.generate(batch, args.max_new_tokens, sizes, stop, row_temperatures, seeds)  # compiles
+            started = time.perf_counter()
+            outputs = decoder.generate(batch, args.max_new_tokens, sizes, stop, row_temperatures, seeds)
+            tokens = sum(len(truncate(t, stop, args.max_new_tokens)) for t in outputs)
+            static_speed = tokens / (time.perf_counter() - started)
+            say(
+                f"batch {len(batch)}, b = {sizes}, T = {temperature:g}: engine {engine_speed:.1f} tokens/s, static "
+                f"{static_speed:.1f} tokens/s (compiled in {decoder.compile_seconds:.0f} s)"
+            )
+
+
+if __name__ == "__main__":
+    main()
