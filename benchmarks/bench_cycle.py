@@ -142,11 +142,15 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def static_cycle(models, batch: int, width: int, mode: str, capacity: int, cycles: int) -> tuple[float, float]:
-    """(seconds per cycle, build seconds) of the static decoder at (batch, width) in `mode`."""
-    decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode)
+def static_cycle(
+    models, batch: int, width: int, mode: str, capacity: int, cycles: int, sampling: bool = False
+) -> tuple[float, float]:
+    """(seconds per cycle, build seconds) of the static decoder at (batch, width) in `mode`; with `sampling`, every
+    row at T = 1."""
+    decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode, sampling=sampling)
     generator = torch.Generator().manual_seed(batch * 100 + width)
-    decoder.start(random_prompts(models, batch, 64, generator))
+    temperatures = [1.0 if sampling else 0.0] * batch
+    decoder.start(random_prompts(models, batch, 64, generator), temperatures=temperatures, seeds=list(range(batch)))
     decoder.cycle()  # builds (compiles, captures) and runs one
     repeats = max(1, (capacity - 64 - 2 * width) // (cycles * width) - 1)
     seconds = timed(lambda: [decoder.cycle() for _ in range(cycles)], min(5, repeats), models.device) / cycles
@@ -198,6 +202,7 @@ def main() -> None:
     parser.add_argument("--widths", type=block_size_list, default=(1, 8, 16))
     parser.add_argument("--modes", default="graph", help="static cycle modes for every point (off, compile, graph)")
     parser.add_argument("--compile-points", type=points, default=[], help="BATCHxWIDTH,... also run compile+graph")
+    parser.add_argument("--sampled-points", type=points, default=[], help="BATCHxWIDTH,... compile+graph at T = 1")
     parser.add_argument("--tree-nodes", type=block_size_list, default=(16, 32, 64, 128, 256))
     parser.add_argument("--capacity", type=int, default=1024, help="cache slots a row")
     parser.add_argument("--cycles", type=int, default=8, help="cycles per timed run")
@@ -251,7 +256,7 @@ def main() -> None:
             RESULTS.setdefault("engine_cycle_s", {})[width] = engine
 
         say(f"static cycle, ms (capacity {args.capacity} slots a row); columns: batch {list(args.batches)}")
-        for mode in args.modes.split(","):
+        for mode in [m for m in args.modes.split(",") if m]:
             for width in args.widths:
                 cells = []
                 for batch in args.batches:
@@ -272,9 +277,17 @@ def main() -> None:
                 f"x floor {seconds / floor:.2f})"
             )
             RESULTS.setdefault("compiled_cycle_s", {})[f"{batch}x{width}"] = [seconds, build]
+        for batch, width in args.sampled_points:
+            seconds, build = static_cycle(models, batch, width, "compile+graph", args.capacity, args.cycles, True)
+            release(device)
+            say(
+                f"  compile+graph  batch {batch}, b = {width}, every row at T = 1: {seconds * 1000:.2f} ms "
+                f"(compiled in {build:.0f} s)"
+            )
+            RESULTS.setdefault("compiled_sampled_cycle_s", {})[f"{batch}x{width}"] = [seconds, build]
 
         say("tree verify (one target pass over N nodes a row, CUDA graph), ms")
-        for batch in (1, 8):
+        for batch in (1, 8) if args.tree_nodes else ():
             cells = []
             for nodes in args.tree_nodes:
                 seconds = tree_verify(models, batch, nodes, args.capacity)

@@ -78,7 +78,11 @@ def sample_counts(models: SpeculativeModels, rule: str) -> tuple[torch.Tensor, f
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     accepted = drafted = 0
     requests = [
-        GenerationRequest(PROMPT, GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, verify=rule, seed=seed), FixedBlockSize(4))
+        GenerationRequest(
+            PROMPT,
+            GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, verify=rule, seed=seed),
+            FixedBlockSize(4),
+        )
         for seed in range(SAMPLES)
     ]
     for result in generate_many(models, requests, max_batch=BATCH):
@@ -174,16 +178,18 @@ def static_counts(models: SpeculativeModels, width: int) -> torch.Tensor:
     return counts
 
 
-def test_the_static_sampler_follows_the_target_distribution_and_the_check_catches_a_shared_uniform(
+def test_the_static_sampler_follows_the_target_distribution_and_the_check_catches_shared_uniforms(
     drafters, exact_joint, monkeypatch
 ):
-    """Autoregressive (width 1) draws by inverse CDF at the uniform of (seed, position) sample the joint law; the
-    negative control draws every position of a row from one uniform, and the test must fail it."""
+    """Autoregressive (width 1) draws by an exponential race over the uniforms of (seed, position, token) sample the
+    joint law; the negative control draws every position of a row from the same uniforms, and the test must fail it."""
     import blockpilot.decoding.static as static
 
     assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) > P_VALUE_FLOOR
-    exact_uniform = static.position_uniform
-    monkeypatch.setattr(static, "position_uniform", lambda seeds, positions: exact_uniform(seeds, positions * 0))
+    exact_uniforms = static.token_uniforms
+    monkeypatch.setattr(
+        static, "token_uniforms", lambda seeds, positions, vocab: exact_uniforms(seeds, positions * 0, vocab)
+    )
     assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) < 1e-9
 
 
