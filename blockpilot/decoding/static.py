@@ -17,9 +17,9 @@ One cycle for `rows` rows of width W (each row its own block size b <= W; slots 
     state:   length += a + 1, last token = the pick at slot a
 
 Sampling is counter-based: the token at absolute position p of a row with seed s is drawn by an exponential race
-over uniforms that are hashes of (s, p, token). It needs no generator state, so it compiles and replays as a graph, and a row's
-output for a seed is a function of its prompt and seed alone: the same at any block size, in any batch, and equal
-to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
+over uniforms that are hashes of (s, p, token). It needs no generator state, so it compiles and replays as a graph,
+and a row's output for a seed is a function of its prompt and seed alone: the same at any block size, in any batch,
+and equal to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
 output does too).
 
 Stale entries (a rejected draft's slot, a short prompt's padding) always lie at or past `length`, are invisible to
@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,20 +103,13 @@ class _Attention:
 
 class _Layers(nn.Module):
     """Qwen3 decoder layers (target or drafter) as plain functions of their weights, with a KV cache per layer of
-    `rows` x `capacity` slots."""
+    `rows` x `capacity` slots. `config` names the layers' shape as both Qwen3's and DFlash's configs do
+    (`num_attention_heads`, `num_key_value_heads`, `head_dim`, `rms_norm_eps`)."""
 
-    def __init__(
-        self,
-        layers: Sequence[nn.Module],
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        eps: float,
-        rows: int,
-        capacity: int,
-    ) -> None:
+    def __init__(self, layers: Sequence[nn.Module], config: Any, rows: int, capacity: int) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
         self.attention = [
             _Attention(
                 a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.q_norm.weight, a.k_norm.weight
@@ -128,7 +122,7 @@ class _Layers(nn.Module):
         # dimensions, which inductor keeps in place (written through a view of one stacked cache, it copied the whole
         # cache every cycle: 32 ms against 4.7 eager at 8 rows of 4,096 slots on a CPU).
         weight = self.attention[0].k
-        shape = (rows, capacity, kv_heads, head_dim)
+        shape = (rows, capacity, self.kv_heads, self.head_dim)
         for index in range(len(layers)):
             for kind in ("keys", "values"):
                 cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
@@ -183,15 +177,7 @@ class StaticTarget(nn.Module):
         super().__init__()
         config = target.config.get_text_config()
         layers, norm = decoder_layers(target)
-        self.body = _Layers(
-            layers,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.rms_norm_eps,
-            rows,
-            capacity,
-        )
+        self.body = _Layers(layers, config, rows, capacity)
         self.embed = target.get_input_embeddings().weight
         self.head = target.get_output_embeddings().weight
         self.norm, self.eps = norm.weight, config.rms_norm_eps
@@ -230,15 +216,7 @@ class StaticDrafter(nn.Module):
     def __init__(self, drafter: nn.Module, rows: int, capacity: int) -> None:
         super().__init__()
         config = drafter.config
-        self.body = _Layers(
-            drafter.layers,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.rms_norm_eps,
-            rows,
-            capacity,
-        )
+        self.body = _Layers(drafter.layers, config, rows, capacity)
         self.fc, self.hidden_norm, self.norm = drafter.fc.weight, drafter.hidden_norm.weight, drafter.norm.weight
         self.eps, self.theta, self.head_dim = config.rms_norm_eps, config.rope_theta, config.head_dim
 
