@@ -9,8 +9,9 @@ from typing import Any
 from blockpilot.home import blockpilot_home
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to `address` (or `$RAY_ADDRESS`), else start an embedded Ray for this process.
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Connect to `address` (or `$RAY_ADDRESS`), else start an embedded Ray for this process; True when this call
+    started an embedded Ray (its caller may then shut it down).
 
     An embedded Ray gets at least 4 logical CPUs even on a 2-core machine: actor pools and Train workers
     take fractional or whole CPUs, and with only 2 logical CPUs a pool can take every one and hang the
@@ -20,11 +21,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-        return
+        return False
     if "RAY_AUTH_TOKEN_PATH" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(embedded_auth_token())
     # Token authentication stays on (Ray's default for a new local cluster); its notice on every start goes.
@@ -44,6 +45,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
         },
     )
+    return True
 
 
 def quiet_embedded_workers() -> None:

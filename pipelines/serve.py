@@ -475,6 +475,7 @@ class LocalServer:
 
     url: str
     app_name: str
+    started_ray: bool = False  # whether serve_locally started the embedded Ray this server runs on
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         """Block until GET /health answers 200 (the proxy and a replica are up), or raise TimeoutError."""
@@ -496,6 +497,15 @@ class LocalServer:
     def shutdown(self) -> None:
         serve.delete(self.app_name)
 
+    def close(self) -> None:
+        """Delete the app; when `serve_locally` started the embedded Ray, stop Serve and that Ray too."""
+        import ray
+
+        self.shutdown()
+        if self.started_ray and ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+
 
 def serve_locally(
     loader: Callable[[], BatchedDecoder],
@@ -515,14 +525,14 @@ def serve_locally(
 
     from pipelines.ray_runtime import ensure_ray
 
-    ensure_ray()
+    started_ray = ensure_ray()
     logs = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}
     logging.getLogger("ray.serve").setLevel(log_level)
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": request_timeout_s}, logging_config=logs)
     serve.run(
         build_app(loader, **deployment), name=app_name, route_prefix=route_prefix, blocking=False, logging_config=logs
     )
-    return LocalServer(f"http://{host}:{port}{route_prefix.rstrip('/')}", app_name)
+    return LocalServer(f"http://{host}:{port}{route_prefix.rstrip('/')}", app_name, started_ray)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -564,13 +574,9 @@ class ServeJob:
 
 
 def run_serve_job(job: ServeJob) -> int:
-    """Serve until Ctrl-C (SIGINT) or SIGTERM, then stop what this process started: the app, and Serve and Ray
-    too when Ray is the embedded one (on a cluster, `RAY_ADDRESS`, only this app goes)."""
+    """Serve until Ctrl-C (SIGINT) or SIGTERM, then stop what this process started (`LocalServer.close`): on a
+    cluster (`RAY_ADDRESS`) only this app goes."""
     import signal
-
-    import ray
-
-    embedded = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -594,10 +600,7 @@ def run_serve_job(job: ServeJob) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if server is not None:
-            server.shutdown()
-        if embedded and ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
+            server.close()
     return 0
 
 
