@@ -39,13 +39,6 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def truncate(tokens: list[int], stop: Sequence[int], limit: int) -> list[int]:
-    for index, token in enumerate(tokens[:limit]):
-        if token in stop:
-            return tokens[: index + 1]
-    return tokens[:limit]
-
-
 @torch.inference_mode()
 def hf_plain(models, prompt: list[int], max_new_tokens: int, stop: Sequence[int]) -> list[int]:
     from transformers import DynamicCache
@@ -109,8 +102,7 @@ def engine_decode(models, policy, temperature: float, max_new_tokens: int, stop)
 
 def static_decode(decoder: StaticDecoder, temperature: float, max_new_tokens: int, stop) -> Callable:
     def decode(prompt: list[int]) -> list[int]:
-        out = decoder.generate([prompt], max_new_tokens, stop_token_ids=stop, temperatures=[temperature], seeds=[0])
-        return truncate(out[0], stop, max_new_tokens)
+        return decoder.generate([prompt], max_new_tokens, stop_token_ids=stop, temperatures=[temperature], seeds=[0])[0]
 
     return decode
 
@@ -205,7 +197,7 @@ def main() -> None:
             decoder.generate(batch, args.max_new_tokens, sizes, stop, row_temperatures, seeds)  # compiles
             started = time.perf_counter()
             outputs = decoder.generate(batch, args.max_new_tokens, sizes, stop, row_temperatures, seeds)
-            tokens = sum(len(truncate(t, stop, args.max_new_tokens)) for t in outputs)
+            tokens = sum(len(t) for t in outputs)
             static_speed = tokens / (time.perf_counter() - started)
             say(
                 f"batch {len(batch)}, b = {sizes}, T = {temperature:g}: engine {engine_speed:.1f} tokens/s, static "

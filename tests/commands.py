@@ -43,12 +43,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 180) -> None:
-    """Until GET `url` answers 200; fails if `process` (the server's, when the test started it) exits first."""
+def wait_healthy(
+    url: str, process: subprocess.Popen | None = None, log: Path | None = None, timeout_s: float = 180
+) -> None:
+    """Until GET `url` answers 200; fails if `process` (the server's, when the test started it) exits first, with the
+    end of its `log`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            output = process.stdout.read()[-4000:] if process.stdout else ""
+            output = log.read_text()[-4000:] if log is not None else ""
             raise AssertionError(f"the server exited with {process.returncode} before it answered:\n{output}")
         try:
             if httpx.get(url, timeout=5).status_code == 200:

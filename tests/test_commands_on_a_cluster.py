@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def ray_head(tmp_path):
     """A Ray head with its dashboard (the job server) on free ports, as `ray start --head` starts one; stopped by
-    killing its process group, so no other cluster on this machine is touched (`ray stop` would stop them all)."""
+    killing its process tree, so no other cluster on this machine is touched (`ray stop` would stop them all)."""
     home = tmp_path / "home"
     dashboard, gcs = free_port(), free_port()
     env = user_env(home, RAY_AUTH_MODE="disabled")
@@ -42,7 +42,10 @@ def ray_head(tmp_path):
         wait_healthy(f"{address}/api/version", head, timeout_s=120)
         yield address, env, home
     finally:
-        processes = [psutil.Process(head.pid), *psutil.Process(head.pid).children(recursive=True)]
+        processes: list[psutil.Process] = []
+        with contextlib.suppress(psutil.NoSuchProcess):  # a head already gone leaves nothing to find
+            root = psutil.Process(head.pid)
+            processes = [root, *root.children(recursive=True)]
         for process in processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()

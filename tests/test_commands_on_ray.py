@@ -58,20 +58,21 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path):
 
     port = free_port()
     command = f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --step-model {STEP_MODEL} --port {port}"
-    server = subprocess.Popen(
-        command.split(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = tmp_path / "serve.log"  # a file, not a pipe: a pipe nobody reads would stall a chatty server
+    with open(log, "w") as output_file:
+        server = subprocess.Popen(command.split(), cwd=ROOT, env=env, stdout=output_file, stderr=subprocess.STDOUT)
     started: list[psutil.Process] = []
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", server)
+        wait_healthy(f"http://127.0.0.1:{port}/health", server, log)
         started = psutil.Process(server.pid).children(recursive=True)  # Ray's processes: GCS, raylet, workers
         assert started
         check_endpoint(f"http://127.0.0.1:{port}", "blockpilot")
         server.send_signal(signal.SIGINT)
-        output, _ = server.communicate(timeout=90)
+        server.wait(timeout=90)
     finally:
         if server.poll() is None:
             server.kill()
+    output = log.read_text()
     assert server.returncode == 0, output[-4000:]
     assert "stopping the endpoint" in output
     _, alive = psutil.wait_procs(started, timeout=30)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from commands import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -18,12 +18,6 @@ pytestmark = [
 ]
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "mlflow_screenshots.py"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_screenshots_of_a_tracked_run(tmp_path, monkeypatch):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from commands import free_port
 from test_serving import BAD_REQUESTS
 
 from blockpilot.decoding import GenerationConfig, generate
@@ -18,12 +18,6 @@ from blockpilot.serving import ServeLimits
 pytestmark = pytest.mark.slow
 
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -38,17 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockpilot.models.drafter import apply_rotary, rotary_cos_sin
+from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
 from blockpilot.models.loading import SpeculativeModels, synchronize
 
 COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3's RMSNorm: normalised in fp32, scaled in the input's dtype."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +76,6 @@ def pick_tokens(
     probs = torch.softmax(logits / scale[:, None, None], dim=-1).double()
     race = probs / -torch.log(token_uniforms(seeds, positions, logits.shape[-1]))
     return torch.where(temperatures[:, None] > 0, race.argmax(dim=-1), greedy)
-
-
-def _rope_theta(config) -> float:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10_000.0)))
 
 
 @dataclass(frozen=True)
@@ -132,7 +121,7 @@ class _Layers(nn.Module):
         """x (n, S, hidden) -> keys (n, kv_heads, S, d) with rotary applied, values (n, kv_heads, S, d)."""
         a = self.attention[index]
         n, s, _ = x.shape
-        k = _rms(F.linear(x, a.k).view(n, s, self.kv_heads, self.head_dim), a.k_norm, self.eps).transpose(1, 2)
+        k = rms_norm(F.linear(x, a.k).view(n, s, self.kv_heads, self.head_dim), a.k_norm, self.eps).transpose(1, 2)
         v = F.linear(x, a.v).view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
@@ -151,7 +140,7 @@ class _Layers(nn.Module):
         """Queries of x (n, S, hidden) over the first n rows of the cache; mask (n, 1, S, capacity), True = seen."""
         a = self.attention[index]
         n, s, _ = x.shape
-        q = _rms(F.linear(x, a.q).view(n, s, self.heads, self.head_dim), a.q_norm, self.eps).transpose(1, 2)
+        q = rms_norm(F.linear(x, a.q).view(n, s, self.heads, self.head_dim), a.q_norm, self.eps).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         out = F.scaled_dot_product_attention(
             q, *self.cached(index, n), attn_mask=mask, enable_gqa=self.heads != self.kv_heads
@@ -161,11 +150,11 @@ class _Layers(nn.Module):
     def layer(self, index: int, x: torch.Tensor, cos, sin, rows, slots, mask) -> torch.Tensor:
         """One whole decoder layer: its block's keys and values written at `slots`, then attention and MLP."""
         first, second = self.norms[index]
-        normed = _rms(x, first, self.eps)
+        normed = rms_norm(x, first, self.eps)
         self.write(index, rows, slots, *self.project_kv(index, normed, cos, sin))
         x = x + self.attend(index, normed, cos, sin, mask)
         gate, up, down = self.mlp[index]
-        normed = _rms(x, second, self.eps)
+        normed = rms_norm(x, second, self.eps)
         return x + F.linear(F.silu(F.linear(normed, gate)) * F.linear(normed, up), down)
 
 
@@ -181,7 +170,7 @@ class StaticTarget(nn.Module):
         self.embed = target.get_input_embeddings().weight
         self.head = target.get_output_embeddings().weight
         self.norm, self.eps = norm.weight, config.rms_norm_eps
-        self.theta, self.head_dim = _rope_theta(config), config.head_dim
+        self.theta, self.head_dim = float(config.rope_parameters["rope_theta"]), config.head_dim
         self.layer_ids = list(layer_ids) if layer_ids is not None else []
         self.last = len(layers) - 1
 
@@ -201,7 +190,7 @@ class StaticTarget(nn.Module):
             x = self.body.layer(index, x, cos, sin, rows, slots, mask)
             if index in self.layer_ids and index != self.last:
                 taps[index] = x
-        x = _rms(x, self.norm, self.eps)
+        x = rms_norm(x, self.norm, self.eps)
         if self.last in self.layer_ids:
             taps[self.last] = x
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
@@ -222,7 +211,7 @@ class StaticDrafter(nn.Module):
 
     def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S)."""
-        context = _rms(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
+        context = rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
         rows = torch.arange(features.shape[0], device=features.device)[:, None]
         for index in range(len(self.body.attention)):
@@ -236,7 +225,7 @@ class StaticDrafter(nn.Module):
         x = embeds.to(self.fc.dtype)
         for index in range(len(self.body.attention)):
             x = self.body.layer(index, x, cos, sin, rows, positions, mask)
-        return _rms(x, self.norm, self.eps)
+        return rms_norm(x, self.norm, self.eps)
 
 
 class StaticDecoder:
@@ -304,8 +293,7 @@ class StaticDecoder:
             hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees)
             drafts = F.linear(hidden[:, 1:], self.target.head).argmax(dim=-1)  # (n, W - 1)
             ids = torch.cat([ids[:, :1], drafts], dim=1)
-        mask = (self.capacity_range[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, C)
-        logits, features = self.target(ids, positions, positions, mask)
+        logits, features = self.target(ids, positions, positions, self._causal(positions))
         picks = self._pick(logits, positions + 1)  # (n, W)
         if self.drafter is not None:
             right = (ids[:, 1:] == picks[:, :-1]) & (self.offsets[1:] < self.block_sizes[:, None])
@@ -318,6 +306,10 @@ class StaticDecoder:
         self.last_token.copy_(picks.gather(1, accepted[:, None])[:, 0])
         self.length.add_(accepted + 1)
 
+    def _causal(self, positions: torch.Tensor) -> torch.Tensor:
+        """(n, 1, S, capacity): a token at position p sees the slots up to p (a chain's slot is its position)."""
+        return (self.capacity_range[None, None, :] <= positions[:, :, None])[:, None]
+
     def _pick(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.sampling:
             return pick_tokens(logits, self.temperatures, self.seeds, positions)
@@ -327,10 +319,10 @@ class StaticDecoder:
         """Compile and/or capture the cycle once, on the state `start` left (its outputs are then recomputed)."""
         started = time.perf_counter()
         step: Callable[[], None] = self._cycle
+        state = [t.clone() for t in (self.length, self.last_token)]
         if "compile" in self.mode:
             step = torch.compile(self._cycle, fullgraph=True, dynamic=False)
         if "graph" in self.mode:
-            state = [t.clone() for t in (self.length, self.last_token)]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -340,14 +332,11 @@ class StaticDecoder:
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
                 step()
-            self.length.copy_(state[0])
-            self.last_token.copy_(state[1])
             step = self._graph.replay
-        elif "compile" in self.mode:
-            state = [t.clone() for t in (self.length, self.last_token)]
+        else:
             step()  # compiles
-            self.length.copy_(state[0])
-            self.last_token.copy_(state[1])
+        self.length.copy_(state[0])
+        self.last_token.copy_(state[1])
         synchronize(self.device)
         self._step = step
         self.compile_seconds = time.perf_counter() - started
@@ -394,8 +383,7 @@ class StaticDecoder:
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.as_tensor(list(prompt), device=self.device)
         positions = torch.arange(span, device=self.device)[None].expand(self.rows, -1)
-        mask = (self.capacity_range[None, None, :] <= positions[:, :, None])[:, None]
-        logits, features = self.target(ids, positions, positions, mask)
+        logits, features = self.target(ids, positions, positions, self._causal(positions))
         self.block_sizes.copy_(torch.tensor(sizes, device=self.device))
         self.temperatures.copy_(torch.tensor(temperatures, dtype=torch.float32, device=self.device))
         self.seeds.copy_(torch.tensor(seeds, device=self.device))
@@ -419,10 +407,10 @@ class StaticDecoder:
     ) -> list[list[int]]:
         """Decode every prompt to `max_new_tokens` or a stop token. A row that finishes keeps cycling in place (its
         length held where it ended, its tokens dropped) until every row has. One device-to-host copy per cycle."""
-        outputs = [[token] for token in self.start(prompts, block_sizes, temperatures, seeds)]
-        done = [out[-1] in stop_token_ids or len(out) >= max_new_tokens for out in outputs]
         if max(len(p) for p in prompts) + max_new_tokens + self.width > self.capacity:
             raise ValueError(f"{max_new_tokens} new tokens after these prompts do not fit {self.capacity} slots")
+        outputs = [[token] for token in self.start(prompts, block_sizes, temperatures, seeds)]
+        done = [out[-1] in stop_token_ids or len(out) >= max_new_tokens for out in outputs]
         held, finished = self.length.clone(), torch.tensor(done, device=self.device)
         while not all(done):
             tokens, counts = self.cycle()
