@@ -7,6 +7,8 @@ import argparse
 import importlib
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 from blockpilot.cli import build_parser
@@ -78,3 +80,29 @@ def test_the_modules_scripts_and_make_targets_it_names_exist():
         assert (ROOT / script).is_file(), script
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
     assert set(re.findall(r"\bmake ([\w-]+)", text)) <= targets
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, "the README stays a page: details go to docs/"
+    for document in DOCUMENTS:
+        for target in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]+)?\)", document.read_text()):
+            assert (document.parent / target).is_file(), f"{document.name} links to {target}, which does not exist"
+
+
+def test_the_cli_reference_is_current():
+    checked = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "make_cli.py"), "--check"], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_no_code_cites_the_readme_for_its_reasons():
+    citing = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("blockpilot", "pipelines", "benchmarks")
+        for path in (ROOT / folder).rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "README" in line
+    ]
+    assert not citing, f"reasons live beside the code or in docs/log.md, not in a README paragraph: {citing}"

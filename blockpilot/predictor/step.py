@@ -561,7 +561,7 @@ def regret_dataset(
     Since Q(i, b) = c(b) + min Q at the cursor the cycle lands on, the regrets of any walk's cycles add up to that
     walk's cost over the per-step oracle's: the mean regret is what a policy loses, cycle for cycle. A relative
     regret, Q / min Q - 1, divides by the cost left to the end, so the last cycles of a sequence outweighed the rest
-    (README, "The regret a step model learns")."""
+    (docs/log.md, "The regret a step model learns")."""
     if tokens:
         require_sequences(rows)
     features, regrets = [], []
@@ -607,7 +607,7 @@ def regret_loss(scores: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
     The expected regret alone is what a policy pays, but it has plateaus where the softmax is sure, and its fits
     landed on one of two policies by seed. The regression alone is stable, but where the candidates' regrets differ
     by less than its error (a flat price) it chose worse than one fixed b. Together: the regression ties the scores
-    to the regrets' scale, the expected regret orders the close ones (README, "The regret a step model learns")."""
+    to the regrets' scale, the expected regret orders the close ones (docs/log.md, "The regret a step model learns")."""
     squared = ((scores + regret) ** 2).mean()
     return squared + (torch.softmax(scores, dim=-1) * regret).sum(dim=-1).mean()
 
