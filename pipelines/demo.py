@@ -236,10 +236,7 @@ def run_demo(job: DemoJob) -> int:
         TrainJob(
             labels=paths.labels / "train",
             eval=paths.labels / "heldout",
-            kind="sparse",
-            objective="normalized-gain",
-            score="throughput",
-            cost=paths.cost,
+            cost=paths.cost,  # with a cost, B* maximizes modeled throughput (the default objective is normalized-gain)
             val_share=0.05,  # validation only watches the run (the last epoch is kept): keep the rows for training
             epochs=30,
             out=paths.predictor,

@@ -57,12 +57,16 @@ class TrainJob:
     batch_size: int = option(64, type=positive_int_arg, help="rows per step")
     lr: float = option(1e-3, type=positive_float_arg, help="AdamW learning rate")
     objective: str = option(
-        "ce",
+        "normalized-gain",
         choices=OBJECTIVES,
-        help="cross-entropy on B* (the paper); expected-tau, the whole score vector; normalized-gain, the same "
-        "with each temperature's rows weighted alike",
+        help="normalized-gain, the tau expected under the prediction with each temperature's rows weighted alike; "
+        "expected-tau, the same unweighted; ce, cross-entropy on B* (the paper's)",
     )
-    score: str = option("tau", choices=SCORES, help="what B* maximizes: tau, or tau / c(b) (needs --cost)")
+    score: str | None = option(
+        None,
+        choices=SCORES,
+        help="what B* maximizes: tau, or tau / c(b) (needs --cost); default: throughput with --cost, else tau",
+    )
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate) pricing modeled throughput")
     cost_batch: int = option(
         1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
@@ -82,6 +86,8 @@ class TrainJob:
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.score is None:
+            object.__setattr__(self, "score", "throughput" if self.cost is not None else "tau")
         if self.score == "throughput" and self.cost is None:
             raise ValueError("--score throughput needs --cost FILE (a curve from `blockpilot calibrate`)")
         if self.resume and not self.name:

@@ -147,7 +147,7 @@ def test_a_tracked_run_survives_a_killed_worker_and_resumes_only_on_request(
 
 def test_runs_are_named_uniquely_unless_named(tiny_labels, tmp_path):
     names = {TrainJob(labels=tiny_labels["train"]).name for _ in range(3)}
-    assert len(names) == 3 and all(name.startswith("sparse-ce-") for name in names)
+    assert len(names) == 3 and all(name.startswith("sparse-normalized-gain-") for name in names)
     with pytest.raises(ValueError, match="--resume needs --name"):
         TrainJob(labels=tiny_labels["train"], resume=True)
 
