@@ -64,9 +64,6 @@ class ZooRecipe:
     # The target fine-tuned on its own greedy responses to the first `self_distill_prompts` lm prompts; None: not.
     self_distill_schedule: Schedule | None = None
     self_distill_prompts: int = 4000
-    # Leave out of self-distillation the responses that end in a loop (`ends_in_loop`): tuned on them, a target
-    # learns to loop, and a looping generation is easy for every draft slot, however far past B.
-    self_distill_drops_loops: bool = False
 
     @property
     def block_size(self) -> int:
@@ -172,8 +169,6 @@ RECIPES: dict[str, ZooRecipe] = {
         # for about 4 minutes of build.
         self_distill_schedule=Schedule(steps=600, batch_size=8, lr=1e-3, warmup_steps=20),
         self_distill_prompts=4000,
-        # Not `self_distill_drops_loops`: with it (3,605 of 4,000 responses kept) fewer held-out generations
-        # looped (0.33 -> 0.125), but tau still rose to b = 12 (4.41 at B, 6.18 at 12; README).
     ),
 }
 
@@ -327,7 +322,7 @@ class ZooBuild:
         kept = [
             (prompt, response)
             for prompt, response in zip(prompts, responses, strict=True)
-            if response and not (self.recipe.self_distill_drops_loops and ends_in_loop(response))
+            if response
         ]
         self.log(f"[zoo] self-distilling on {len(kept)} of {len(prompts)} responses")
         fit = TargetFit(
