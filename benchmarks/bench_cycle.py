@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from blockpilot.cost import random_prompts, seconds_per_cycle
+from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
 from blockpilot.decoding.static import StaticDecoder, StaticTarget
 from blockpilot.models.drafter import DFlashConfig
 from blockpilot.options import block_size_list

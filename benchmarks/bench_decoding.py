@@ -24,9 +24,9 @@ import torch
 from blockpilot.cost import load_cost
 from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig
-from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.decoding.speed import measure_speed
 from blockpilot.models import load_models
+from blockpilot.policies.resolve import resolve_policy
 
 PROMPTS = [
     "Count from one to twenty.",

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from blockpilot.data.sources import zoo_prompts
-from blockpilot.decoding import FixedBlockSize, GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.policies import Autoregressive
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.static import StaticDecoder
 from blockpilot.models.loading import load_models
 from blockpilot.options import block_size_list
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 
 
 def say(text: str) -> None:

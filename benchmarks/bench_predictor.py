@@ -18,14 +18,10 @@ from pathlib import Path
 
 import torch
 
-from blockpilot.decoding.policies import PrefillState
 from blockpilot.files import WEIGHTS_NAME
-from blockpilot.predictor import (
-    BlockSizePredictor,
-    LearnedPolicy,
-    PredictorConfig,
-    resolve_predictor_dir,
-)
+from blockpilot.policies.base import PrefillState
+from blockpilot.policies.learned import LearnedPolicy
+from blockpilot.predictor import BlockSizePredictor, PredictorConfig, resolve_predictor_dir
 
 
 def time_prediction(predictor: BlockSizePredictor, repeats: int, seed: int = 0) -> float:

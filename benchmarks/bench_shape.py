@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from blockpilot.cost import calibrate, random_prompts, seconds_per_cycle
 from blockpilot.decoding import GenerationConfig
-from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.decoding.calibration import calibrate, random_prompts, seconds_per_cycle
 from blockpilot.decoding.speed import measure_speed
 from blockpilot.models.drafter import DFlashConfig
 from blockpilot.options import block_size_list
+from blockpilot.policies.resolve import resolve_policy
 from blockpilot.zoo.random_models import random_models_like
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json"

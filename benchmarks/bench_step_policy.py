@@ -22,12 +22,13 @@ import torch
 
 from blockpilot.blocks import candidates_around
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.policies import CycleState, FixedBlockSize, PrefillState
-from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.models import load_models
 from blockpilot.models.loading import synchronize
-from blockpilot.predictor.policy import LearnedPolicy
-from blockpilot.predictor.step import StepModel, StepModelConfig, StepPolicy
+from blockpilot.policies.base import CycleState, PrefillState
+from blockpilot.policies.learned import LearnedPolicy
+from blockpilot.policies.resolve import resolve_policy
+from blockpilot.policies.step import StepPolicy
+from blockpilot.predictor.step_model import StepModel, StepModelConfig
 from blockpilot.predictor.store import load_predictor
 
 
@@ -49,18 +50,17 @@ def main() -> None:
     logging.disable_progress_bar()
     models = load_models(args.target, args.drafter, device=args.device)
     train = models.train_block_size
-    model = StepModel.load(args.model) if args.model else StepModel(StepModelConfig(candidates_around(train), train_block_size=train))
+    vocab = args.vocab or models.target.get_output_embeddings().weight.shape[0]
+    untrained = StepModelConfig(candidates_around(train), vocab_size=vocab, train_block_size=train)
+    model = StepModel.load(args.model) if args.model else StepModel(untrained)
     # A model trained beside a per-request predictor reads its b0 from the cycle (first_block_size) and its
     # probabilities from the request's prefill, computed once per request (not timed here: once, not per cycle).
     prior = None
-    if model.config.uses_prior_probabilities:
+    if model.config.prior:
         if args.predictor is None:
-            parser.error("this --model reads a per-request predictor's probabilities: give it with --predictor")
+            parser.error("this --model reads a per-request predictor's choice and probabilities: give it --predictor")
         prior = LearnedPolicy(load_predictor(args.predictor))
-    elif model.config.uses_prior:
-        prior = FixedBlockSize(train)
     policy = StepPolicy(model, prior)
-    vocab = args.vocab or models.target.get_output_embeddings().weight.shape[0]
     generator = torch.Generator(device="cpu").manual_seed(0)
     prefill = PrefillState(torch.randn(vocab, generator=generator).to(models.device), torch.tensor([0]), 0.0, train)
 

@@ -23,7 +23,8 @@ import argparse
 
 from blockpilot.cost import CycleCost, load_cost
 from blockpilot.data.labels import read_labels
-from blockpilot.predictor.step import StepModel, StepRow, evaluate_step_model, load_step_model, step_rows
+from blockpilot.predictor.step_data import StepRow, evaluate_step_model, step_rows
+from blockpilot.predictor.step_model import StepModel, load_step_model
 
 
 def mixed_price(cost: CycleCost, share: float, widest: int) -> CycleCost:
@@ -61,7 +62,7 @@ def main() -> None:
     shares = [float(s) for s in args.widest_shares.split(",") if s.strip()]
     cost = load_cost(args.cost, args.batch)
     model = load_step_model(args.step_model) if args.step_model else None
-    if model is not None and model.config.uses_prior:
+    if model is not None and model.config.prior:
         parser.error(f"{args.step_model} reads a per-request prior; give a step model without one")
     rows = step_rows(read_labels(args.labels))
     for temperature in sorted({row.temperature for row in rows}):

@@ -84,8 +84,8 @@ def _policy_spec(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpilot.decoding import GenerationConfig, generate
-    from blockpilot.decoding.resolve import resolve_policy
     from blockpilot.models.loading import load_models
+    from blockpilot.policies.resolve import resolve_policy
 
     _quiet_transformers()
     spec = _policy_spec(args)
@@ -113,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from blockpilot.cost import calibrate
+    from blockpilot.decoding.calibration import calibrate
     from blockpilot.models.loading import load_models
 
     _quiet_transformers()
@@ -142,7 +142,7 @@ def cmd_calibrate_trim(args: argparse.Namespace) -> int:
     from blockpilot.cost import load_cost
     from blockpilot.data.sources import prompt_texts
     from blockpilot.models.loading import load_models
-    from blockpilot.trim import calibrate_trim
+    from blockpilot.sweep import calibrate_trim
 
     _quiet_transformers()
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)

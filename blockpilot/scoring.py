@@ -1,23 +1,10 @@
-"""Scoring block-size choices on label rows: fixed b, per-row choices, the oracles; the report table.
-
-Metrics of a set of label rows under per-row choices (each row's tau vector is read at the chosen b):
-
-* `accuracy`: the chosen b is the row's B* (under the scoring objective);
-* `tau_pred`, `tau_B` (the drafter's training B, when swept), `tau_best_fixed` (the single b with the best
-  mean tau on the evaluated rows themselves: the strongest fixed baseline), `tau_oracle` (each row's best);
-* `throughput_*`: the same choices priced with the cycle cost, committed tokens / total cost over the rows
-  (tokens per second with a calibrated cost; tokens per cycle without one); `throughput_step_oracle` is the
-  per-step oracle of the acceptance tables (b may change every cycle), where the labels carry tables;
-* `gap_captured` = (pred - B) / (oracle - B), in tau, and `throughput_gap_captured` likewise;
-* the same per source (`source/<name>/...`) and per temperature (`T<t>/...`).
-"""
+"""Label rows as arrays for the per-request predictor (its inputs, each candidate's tau and cycles, B* under a
+score), and the metrics of per-row choices on them, named as `blockpilot.walks` defines them."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +13,7 @@ from blockpilot.blocks import best_block_size
 from blockpilot.cost import CycleCost
 from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorInputs, input_arrays
 from blockpilot.table import AcceptanceTable, tables_from_row
+from blockpilot.walks import POLICY_COLUMNS, FixedWalks, policy_table, step_oracle, temperature_groups, walk_metrics
 
 SCORES: tuple[str, ...] = ("tau", "throughput")
 
@@ -126,109 +114,58 @@ def label_arrays(
     )
 
 
-def step_oracle_costs(arrays: LabelArrays) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per row (all its tables): the fewest cycles any per-step walk needs, and the lowest cost under
-    `arrays.cost`; None where the labels carry no tables."""
-    if arrays.tables is None:
-        return None
-    unit = CycleCost.uniform()
-    cycles = np.asarray([sum(t.cost_to_go(unit)[0][1] for t in tables) for tables in arrays.tables])
-    if arrays.cost.is_uniform:
-        return cycles, cycles
-    costs = np.asarray([sum(t.cost_to_go(arrays.cost)[0][1] for t in tables) for tables in arrays.tables])
-    return cycles, costs
-
-
-def _scores(
-    choice: np.ndarray, arrays: LabelArrays, rows: np.ndarray, oracle: tuple[np.ndarray, np.ndarray] | None
-) -> dict:
-    tau, cycles, price = arrays.tau[rows], arrays.cycles[rows], arrays.cycle_cost
-    picked = (np.arange(len(rows)), choice[rows])
-    tokens = tau * cycles  # (n, C) committed tokens of each candidate's walks
-    spent = cycles * price[None, :]
-
-    def throughput(index: np.ndarray) -> float:
-        chosen = (np.arange(len(rows)), index)
-        return float(tokens[chosen].sum() / spent[chosen].sum()) if spent[chosen].sum() > 0 else math.nan
-
-    candidates = arrays.candidates
-    mean_by_b = tau.mean(axis=0)
-    fixed_throughput = [throughput(np.full(len(rows), k)) for k in range(len(candidates))]
-    train = candidates.index(arrays.train_block_size) if arrays.train_block_size in candidates else None
-    per_row_best = np.argmax(tokens / np.maximum(spent, 1e-12) - 1e-9 * np.arange(len(candidates))[None, :], axis=1)
-    metrics = {
-        "rows": float(len(rows)),
-        "accuracy": float((choice[rows] == arrays.best_index[rows]).mean()),
-        "tau_pred": float(tau[picked].mean()),
-        "tau_B": float(mean_by_b[train]) if train is not None else math.nan,
-        "tau_best_fixed": float(mean_by_b.max()),
-        "best_fixed_b": float(candidates[int(mean_by_b.argmax())]),
-        "tau_oracle": float(tau.max(axis=1).mean()),
-        "throughput_pred": throughput(choice[rows]),
-        "throughput_B": fixed_throughput[train] if train is not None else math.nan,
-        "throughput_best_fixed": max(fixed_throughput),
-        "throughput_best_fixed_b": float(candidates[int(np.argmax(fixed_throughput))]),
-        "throughput_oracle": throughput(per_row_best),
-    }
-    if oracle is not None:
-        # Replayed walks all commit the same tokens (the sequences'), whatever b they use.
-        metrics["tau_step_oracle"] = float(tokens[:, 0].sum() / oracle[0][rows].sum())
-        metrics["throughput_step_oracle"] = float(tokens[:, 0].sum() / oracle[1][rows].sum())
-    metrics["gap_captured"] = _gap(metrics["tau_pred"], metrics["tau_B"], metrics["tau_oracle"])
-    metrics["throughput_gap_captured"] = _gap(
-        metrics["throughput_pred"], metrics["throughput_B"], metrics["throughput_oracle"]
-    )
-    return metrics
-
-
-def _gap(pred: float, base: float, best: float) -> float:
-    """The share of the oracle's gain over the base that `pred` captures."""
-    return float((pred - base) / (best - base)) if best - base > 1e-9 else math.nan
+def fixed_walks(arrays: LabelArrays) -> FixedWalks:
+    """Each candidate's walks over each row, from the rows' tau and cycles (tables or not)."""
+    return FixedWalks(arrays.tau * arrays.cycles, arrays.cycles, arrays.cycles * arrays.cycle_cost[None, :])
 
 
 def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str, float]:
-    """Metrics (see the module docstring) of choosing `candidates[choice_index[i]]` for row i."""
-    oracle = step_oracle_costs(arrays)
-    everything = np.arange(len(arrays))
-    metrics = _scores(choice_index, arrays, everything, oracle)
-    groups = {f"source/{s}": [i for i, x in enumerate(arrays.sources) if x == s] for s in sorted(set(arrays.sources))}
-    groups |= {
-        f"T{t:g}": [i for i, x in enumerate(arrays.temperature) if x == t]
-        for t in sorted(set(arrays.temperature.tolist()))
-    }
-    for name, rows in groups.items():
-        for key, value in _scores(choice_index, arrays, np.asarray(rows), oracle).items():
-            metrics[f"{name}/{key}"] = value
+    """The metrics (`blockpilot.walks`) of choosing `candidates[choice_index[i]]` for row i as `pred`, beside fixed B,
+    the best fixed b and the oracles; with `accuracy` (the choice is the row's B*), `gap_captured` = (pred - B) /
+    (oracle - B) in tau and `throughput_gap_captured` likewise, and `rows`. Over all rows, per temperature and per
+    source."""
+    choice = np.asarray(choice_index, dtype=np.int64)
+    walks = fixed_walks(arrays)
+    oracles = None
+    if arrays.tables is not None:
+        oracles = np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
+    groups = temperature_groups(arrays.temperature.tolist())
+    sources = np.asarray(arrays.sources, dtype=object)
+    groups |= {f"source/{s}/": np.flatnonzero(sources == s) for s in sorted(set(arrays.sources))}
+    metrics = walk_metrics(
+        walks,
+        groups,
+        arrays.candidates,
+        arrays.train_block_size,
+        policies={"pred": lambda rows: walks.rows(rows).chosen(choice[rows])},
+        step_oracles=oracles,
+    )
+    best = arrays.best_index
+    for prefix, rows in groups.items():
+        if len(rows) == 0:
+            continue
+        metrics[f"{prefix}rows"] = float(len(rows))
+        metrics[f"{prefix}accuracy"] = float((choice[rows] == best[rows]).mean())
+        for measure, gap in (("tau", "gap_captured"), ("throughput", "throughput_gap_captured")):
+            pred, base, oracle = (metrics.get(f"{prefix}{measure}_{k}", math.nan) for k in ("pred", "B", "oracle"))
+            metrics[f"{prefix}{gap}"] = float((pred - base) / (oracle - base)) if oracle - base > 1e-9 else math.nan
     return metrics
 
 
 def headroom(arrays: LabelArrays) -> dict[str, float]:
-    """What the labels leave to gain: the metrics of always choosing B (the drafter's training block size), so
-    that fixed B, the best fixed b, the static oracle and the per-step oracle are all in it, per temperature."""
-    candidates = arrays.candidates
-    index = candidates.index(arrays.train_block_size) if arrays.train_block_size in candidates else 0
-    return evaluate_choices(np.full(len(arrays), index), arrays)
+    """What the labels leave to gain: fixed B, the best fixed b, the static oracle and the per-step oracle."""
+    walks = fixed_walks(arrays)
+    oracles = None
+    if arrays.tables is not None:
+        oracles = np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
+    groups = temperature_groups(arrays.temperature.tolist())
+    return walk_metrics(walks, groups, arrays.candidates, arrays.train_block_size, step_oracles=oracles)
 
 
 def format_metrics(title: str, metrics: dict[str, float], prediction: bool = True) -> str:
     """The report: per group (all, each temperature), tau and modeled throughput of fixed B, the best fixed b,
     the choices under test (`prediction`), the static oracle and the per-step oracle."""
-    columns = [("fixed B", "B"), ("best b", "best_fixed"), ("oracle", "oracle"), ("step", "step_oracle")]
     if prediction:
-        columns.insert(2, ("chosen", "pred"))
         title += f": accuracy {metrics['accuracy']:.3f}, gap captured {metrics['gap_captured']:.2f} (tau), "
         title += f"{metrics['throughput_gap_captured']:.2f} (throughput)"
-    return format_table(title, metrics, columns)
-
-
-def format_table(title: str, metrics: dict[str, float], columns: Sequence[tuple[str, str]]) -> str:
-    """`metrics` as a table: a line per group (all, each temperature) and measure (tau, throughput), a column
-    per (header, metric key) of `columns`; missing values print as nan."""
-    lines = [title, f"  {'group':<6} {'':>10} " + " ".join(f"{header:>8}" for header, _ in columns)]
-    groups = [""] + sorted({k.split("/", 1)[0] + "/" for k in metrics if k.startswith("T")})
-    for group in groups:
-        for measure in ("tau", "throughput"):
-            values = [metrics.get(f"{group}{measure}_{key}", math.nan) for _, key in columns]
-            name = group.rstrip("/") or "all"
-            lines.append(f"  {name:<6} {measure:>10} " + " ".join(f"{value:>8.3f}" for value in values))
-    return "\n".join(lines)
+    return policy_table(title, metrics, POLICY_COLUMNS)

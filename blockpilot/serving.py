@@ -24,13 +24,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockpilot.checks import check_fits_context
-from blockpilot.cost import CycleCost, serving_calibration
+from blockpilot.cost import CycleCost
+from blockpilot.decoding.calibration import serving_calibration
 from blockpilot.decoding.engine import SpeculativeEngine
-from blockpilot.decoding.policies import BlockSizePolicy, FixedBlockSize
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
-from blockpilot.decoding.resolve import PolicySpec, resolve_policy
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.options import option, positive_float_arg, positive_int_arg
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.resolve import PolicySpec, resolve_policy
 
 REQUEST_POLICIES = ("adaptive", "fixed")  # what a request may ask for; responses report the resolved policy name
 MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / T leave the range sampling is meaningful in

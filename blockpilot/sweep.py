@@ -19,18 +19,21 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from blockpilot.blocks import best_block_size
 from blockpilot.checks import distinct_block_sizes, mean_or_nan, positive_int
+from blockpilot.cost import CycleCost
 from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
 from blockpilot.decoding.engine import generate_many
-from blockpilot.decoding.policies import FixedBlockSize, PrefillState
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.models.loading import SpeculativeModels
+from blockpilot.policies.base import PrefillState
+from blockpilot.policies.fixed import FixedBlockSize
+from blockpilot.policies.trim import TrimCalibration
 from blockpilot.table import AcceptanceTable, acceptance_table
 
 SweepMode = Literal["replay", "live"]
@@ -216,3 +219,22 @@ def _live(models, prompts, seeds, config, runs, max_batch) -> list[PromptSweep]:
 def sweep_prompt(models: SpeculativeModels, prompt_ids: Sequence[int], config: SweepConfig, seed: int = 0) -> PromptSweep:
     """One prompt's sweep; see `sweep_prompts`."""
     return sweep_prompts(models, [list(prompt_ids)], [seed], config, max_batch=1)[0]
+
+
+def calibrate_trim(
+    models: Any,
+    prompts: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    cost: CycleCost | None = None,
+    temperature: float = 0.0,
+    max_new_tokens: int = 128,
+    max_batch: int = 8,
+) -> TrimCalibration:
+    """Draft-then-trim's calibration (`blockpilot.policies.trim`): survival per confidence bin from the acceptance
+    tables of `prompts` swept at `block_size`."""
+    config = SweepConfig(
+        (block_size,), temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids())
+    )
+    sweeps = sweep_prompts(models, prompts, list(range(len(prompts))), config, max_batch=max_batch)
+    return TrimCalibration.from_tables([table for sweep in sweeps for table in sweep.tables], cost)

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from blockpilot.checks import distinct_block_sizes, mean_or_nan
-from blockpilot.decoding.acceptance import draft_confidence
 from blockpilot.models.drafter import DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
+from blockpilot.policies.base import draft_confidence
 
 # Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.
 LOGITS_BUDGET = 1 << 26

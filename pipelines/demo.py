@@ -59,11 +59,6 @@ class DemoPaths:
         return self.run / "cost.json"
 
     @property
-    def trim_cost(self) -> Path:
-        """The cost of draft-then-trim's cycles: drafting the largest candidate, verifying each b."""
-        return self.run / "cost-trim.json"
-
-    @property
     def labels(self) -> Path:
         return self.run / "labels"
 
@@ -178,13 +173,12 @@ def run_demo(job: DemoJob) -> int:
 
     if job.home is not None:
         os.environ[HOME_ENV] = str(job.home)
-    from blockpilot.blocks import candidates_around
-    from blockpilot.cost import calibrate
     from blockpilot.decoding import GenerationConfig, generate
-    from blockpilot.decoding.resolve import resolve_policy
+    from blockpilot.decoding.calibration import calibrate
     from blockpilot.decoding.speed import measure_speed
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
+    from blockpilot.policies.resolve import resolve_policy
     from blockpilot.tracking import tracking_uri
     from blockpilot.zoo.build import build_zoo
     from pipelines.label import LabelJob, run_label_job
@@ -208,10 +202,7 @@ def run_demo(job: DemoJob) -> int:
     clock.start("cost", "the cost of a draft/verify cycle at each block size, on this machine")
     if not paths.cost.is_file():
         calibrate(models, range(1, 2 * recipe.block_size + 1)).save(paths.cost)
-    drafted = max(candidates_around(recipe.block_size))  # the labels' largest candidate: what trim drafts
-    if not paths.trim_cost.is_file():
-        calibrate(models, range(1, drafted + 1), drafted=drafted).save(paths.trim_cost)
-    print(f"cost curves: {paths.cost}, {paths.trim_cost} (cycles that draft {drafted}, for draft-then-trim)")
+    print(f"cost curve: {paths.cost}")
 
     clock.start("labels", "labels: the acceptance table of every prompt on Ray Data")
     # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
@@ -251,7 +242,6 @@ def run_demo(job: DemoJob) -> int:
             eval=paths.labels / "heldout",
             cost=paths.cost,
             prior=predictor,
-            trim_cost=paths.trim_cost,
             epochs=20,
             out=paths.step_model,
         )
@@ -281,8 +271,6 @@ def run_demo(job: DemoJob) -> int:
         "request": (f"learned:{predictor}", "learned (per request)"),
         "step": (adaptive, "learned+step (per step)"),
     }
-    if step.trim_calibration is not None:  # drafts the largest candidate, verifies what its confidences are worth
-        specs["trim"] = (f"trim:{step.trim_calibration}", f"draft-then-trim (drafts {drafted})")
     specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))

@@ -30,7 +30,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 from ray import serve
 
-from blockpilot.decoding.resolve import adaptive_spec
 from blockpilot.options import (
     add_options,
     from_args,
@@ -41,6 +40,7 @@ from blockpilot.options import (
     positive_float_arg,
     positive_int_arg,
 )
+from blockpilot.policies.resolve import adaptive_spec
 from blockpilot.serving import BatchedDecoder, DecodeRequest, Overloaded, RequestError, ServeLimits, new_id
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"

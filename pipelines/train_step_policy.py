@@ -5,13 +5,11 @@
     blockpilot train-step --labels labels/train --eval labels/heldout [--cost cost.json]   # locally
 
 prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the
-driver (`blockpilot.predictor.step`); rows without tables stop the job here. fit: a `TorchTrainer` worker
+driver (`blockpilot.predictor.step_data`); rows without tables stop the job here. fit: a `TorchTrainer` worker
 reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each epoch (and to the MLflow
 run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
-fixed B, the best fixed b, the static oracle, the model, draft-then-trim (calibrated on the training tables at
-the same price, when the labels keep the drafts' confidences; `trim.json` in the model's folder) and the
-per-step oracle; the folder and the metrics go
+fixed B, the best fixed b, the static oracle, the model and the per-step oracle; the folder and the metrics go
 to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
 (its `champion` alias moves when a version beats the champion's held-out modeled throughput). Generate and serve
 take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
@@ -23,14 +21,13 @@ import argparse
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
-    block_size_list,
     from_args,
     non_negative_int_arg,
     option,
@@ -43,31 +40,16 @@ from blockpilot.options import (
 class StepTrainJob:
     labels: Path = option(type=Path, help="label Parquet file or folder (replay labels: they carry the tables)")
     eval: Path | None = option(None, type=Path, help="held-out labels for the report (default: --labels)")
-    cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate); default: every cycle costs 1")
-    trim_cost: Path | None = option(
+    cost: Path | None = option(
         None,
         type=Path,
-        help="cost of draft-then-trim's cycles (blockpilot calibrate --drafted D, D the largest candidate); "
-        "default: --cost, a price that leaves out the drafts trimmed away",
-    )
-    cost_batch: int = option(
-        1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
-    )
-    loads: tuple[int, ...] = option(
-        (),
-        type=block_size_list,
-        help="a load-aware model instead: trained at each of these batch sizes (e.g. 1,8,32, priced at the cost "
-        "file's nearest), reading the rows in a cycle's batch as a feature; evaluated at each",
+        help="cost curve (blockpilot calibrate); default: every cycle costs 1. A curve measured at several batch "
+        "sizes trains a load-aware model: one head per batch size, reported at each",
     )
     prior: str | None = option(
         None, help="per-request predictor (folder or models:/ URI): its choice drafts the first cycle and is a feature"
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
-    tokens: bool = option(
-        True,
-        flag="--no-tokens",
-        help="do not read the block's first token and the one before it (read when the labels carry the sequences)",
-    )
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
     batch_size: int = option(256, type=positive_int_arg, help="training cycles per step")
     lr: float = option(3e-3, type=positive_float_arg, help="AdamW learning rate")
@@ -79,10 +61,6 @@ class StepTrainJob:
     track: bool = option(True, flag="--no-track", help="do not log to MLflow")
 
     def __post_init__(self) -> None:
-        if self.loads and self.cost_batch != 1:
-            raise ValueError(f"--loads {list(self.loads)} trains at every load; drop --cost-batch {self.cost_batch}")
-        if self.loads and self.cost is None:
-            raise ValueError("--loads needs --cost: without a cost curve every load prices a cycle the same")
         if self.name is None:
             object.__setattr__(self, "name", f"step-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
 
@@ -92,7 +70,6 @@ class StepOutcome:
     model_dir: Path
     metrics: dict[str, float]
     run_id: str | None
-    trim_calibration: Path | None = None  # draft-then-trim on the same labels and price, when they allow it
 
 
 def _worker(config: dict[str, Any]) -> None:
@@ -102,7 +79,7 @@ def _worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
-    from blockpilot.predictor.step import StepModel, StepModelConfig, fit_step_model
+    from blockpilot.predictor.step_model import StepModel, StepModelConfig, fit_step_model
     from pipelines.train_checkpoints import report_epoch, restore_fit
 
     torch.manual_seed(config["seed"])
@@ -138,69 +115,35 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
 
     from blockpilot.cost import load_cost
     from blockpilot.data.labels import read_labels
-    from blockpilot.predictor.step import (
-        LOAD_FEATURE,
-        PRIOR_FEATURE,
-        STEP_FEATURES,
-        TOKEN_FEATURES,
-        StepModel,
-        StepModelConfig,
-        evaluate_step_model,
-        format_step_metrics,
-        know_sequences,
-        prior_probability_features,
-        regret_dataset,
-        step_rows,
-    )
+    from blockpilot.predictor.step_data import evaluate_step_model, format_step_metrics, regret_dataset, step_rows
+    from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.predictor.store import load_predictor
     from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
-    from blockpilot.trim import TrimCalibration
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
     from pipelines.train_checkpoints import refuse_existing_run
 
     storage = job.storage or blockpilot_home() / "ray_results" / "step"
     refuse_existing_run(storage, job.name, resumable=False)
-    cost = load_cost(job.cost, None if job.loads else job.cost_batch)
-    trim_cost = load_cost(job.trim_cost, None if job.loads else job.cost_batch) if job.trim_cost else None
+    cost = load_cost(job.cost)
+    loads = tuple(cost.seconds) if len(cost.seconds) > 1 else ()
     prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
     train_rows = step_rows(train_table, prior)
     eval_table = read_labels(job.eval) if job.eval else None
     eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
-    tokens = job.tokens and know_sequences([*train_rows, *eval_rows])
-    if job.tokens and not tokens:
-        print("[step] the labels carry no generated sequences (labeled before `table_tokens`): no token features")
-    features, regret = regret_dataset(train_rows, cost, job.loads, tokens)
-    confident = all(t.confidences is not None for row in [*train_rows, *eval_rows] for t in row.tables)
-    # Draft-then-trim's survival, calibrated once on the training tables; each load prices it apart.
-    survival = TrimCalibration.from_tables([t for row in train_rows for t in row.tables]) if confident else None
-    if not confident:
-        print("[step] the labels keep no draft confidences (labeled before them): draft-then-trim is not evaluated")
-
-    def trim_at(load: int | None) -> TrimCalibration | None:
-        """Draft-then-trim deciding at the price it is evaluated at."""
-        if survival is None:
-            return None
-        price = trim_cost or cost
-        return replace(survival, cost=price if load is None else price.at_batch(load))
     first = train_table.slice(0, 1).to_pylist()[0]
-    candidates = train_rows[0].tables[0].candidates
     config = StepModelConfig(
-        candidates=candidates,
+        candidates=train_rows[0].tables[0].candidates,
+        vocab_size=int(first["vocab_size"]),
         hidden_size=job.hidden_size,
         train_block_size=first["train_block_size"],
         target_id=first["target_id"] or "",
         drafter_id=first["drafter_id"] or "",
-        features=(
-            *STEP_FEATURES,
-            *(() if prior is None else (PRIOR_FEATURE, *prior_probability_features(candidates))),
-            *(TOKEN_FEATURES if tokens else ()),
-            *((LOAD_FEATURE,) if job.loads else ()),
-        ),
-        loads=job.loads,
-        vocab_size=int(first["vocab_size"] or 0) if tokens else 0,
+        prior=prior is not None,
+        loads=loads,
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
+    features, regret = regret_dataset(train_rows, StepModel(config), cost)
     print(
         f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} training cycles (every candidate's walk), "
         f"candidates {list(config.candidates)}, cost {cost.describe()}",
@@ -236,12 +179,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
             model = StepModel.load(Path(directory) / "step")
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         # A load-aware model is reported at each of its loads (`load<n>/...`), and at the largest without a prefix.
-        by_load = {
-            load: evaluate_step_model(model, eval_rows, cost, load=load, trim=trim_at(load)) for load in job.loads
-        }
-        trim = trim_at(max(job.loads) if job.loads else None)
-        trim_path = trim.save(out / "trim.json") if trim is not None else None
-        metrics = by_load[max(job.loads)] if job.loads else evaluate_step_model(model, eval_rows, cost, trim=trim)
+        by_load = {load: evaluate_step_model(model, eval_rows, cost, load=load) for load in loads}
+        metrics = by_load[max(loads)] if loads else evaluate_step_model(model, eval_rows, cost)
         metrics = metrics | {f"load{load}/{k}": v for load, at_load in by_load.items() for k, v in at_load.items()}
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
         for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):
@@ -250,7 +189,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         tracker.log_artifact(out, "step_model")
         version, champion = log_predictor_model(tracker, out, metrics["throughput_step"], STEP_MODEL_NAME)
     held_out = f"[step] held-out ({'--eval' if job.eval else 'training labels'})"
-    if not job.loads:
+    if not loads:
         print(format_step_metrics(held_out, metrics))
     for load, at_load in by_load.items():
         print(format_step_metrics(f"{held_out}, priced at batch {load}", at_load))
@@ -258,9 +197,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     crowned = " (the new champion)" if champion else ""
     spec = f"learned+step:{job.prior},{out}" if prior is not None else f"learned-step:{out}"
     print(f"[step] saved to {out}{registered}{crowned}; use it with --policy {spec}")
-    if trim_path is not None:
-        print(f"[step] draft-then-trim at b = {trim.block_size}, calibrated on these labels: --policy trim:{trim_path}")
-    return StepOutcome(out, metrics, tracker.run_id, trim_path)
+    return StepOutcome(out, metrics, tracker.run_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,18 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockpilot.cost import (
-    CycleCost,
-    _DraftThenVerify,
-    calibrate,
-    ladder,
-    load_cost,
-    nondecreasing_in_block_size,
-    random_prompts,
-    round_relative_medians,
-    seconds_per_cycle,
-)
-from blockpilot.decoding import GenerationConfig, SpeculativeEngine, generate
+from blockpilot.cost import CycleCost, load_cost, nondecreasing_in_block_size, round_relative_medians
+from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.decoding.calibration import _DraftThenVerify, calibrate, ladder, random_prompts, seconds_per_cycle
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
@@ -86,20 +77,10 @@ def test_a_curve_at_one_load_prices_every_b_as_the_full_curve_does_at_that_batch
         cost.at_batch(0)
 
 
-def test_a_cycle_can_be_timed_with_every_row_at_its_own_block_size(random_models, monkeypatch):
+def test_a_cycle_can_be_timed_with_every_row_at_its_own_block_size(random_models):
     prompts = random_prompts(random_models, 3, 8, torch.Generator().manual_seed(0))
     assert all(len(p) == 8 for p in prompts)
-    layouts = []  # whether each timed engine packs its rows' unequal blocks
-    built = SpeculativeEngine.__init__
-
-    def recording(engine, *args, **kwargs):
-        built(engine, *args, **kwargs)
-        layouts.append(engine.packed_draft)
-
-    monkeypatch.setattr(SpeculativeEngine, "__init__", recording)
     assert seconds_per_cycle(random_models, prompts, [2, 5, 9], cycles=2) > 0
-    assert seconds_per_cycle(random_models, prompts, [2, 5, 9], cycles=2, packed=False) > 0
-    assert layouts == [True, False]
     with pytest.raises(ValueError, match="one block size per prompt"):
         seconds_per_cycle(random_models, prompts, [2, 5], cycles=2)
 

@@ -8,8 +8,8 @@ import pytest
 
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
-from blockpilot.decoding.resolve import resolve_policy
 from blockpilot.decoding.speed import PolicySpeed, measure_speed
+from blockpilot.policies.resolve import resolve_policy
 from pipelines.demo import (
     DEFAULT_SIZE,
     SIZE_ENV,

@@ -7,16 +7,10 @@ import torch
 from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
 
 from blockpilot.data.sources import prompt_texts
-from blockpilot.decoding import (
-    EntropyHeuristic,
-    FixedBlockSize,
-    GenerationConfig,
-    GenerationRequest,
-    generate,
-    generate_many,
-)
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
 from blockpilot.decoding.engine import PREFILL_MAX_PADDING, prefill_groups
-from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.policies.fixed import EntropyHeuristic, FixedBlockSize
+from blockpilot.policies.resolve import resolve_policy
 
 PROMPTS = ["Count from one to ten.", "def add(a, b):", "The quick brown fox"]
 
@@ -306,13 +300,11 @@ def test_trained_drafter_sampling_stats(tiny_models, zoo_prompts, rule):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_unequal_blocks_drafted_and_verified_packed_decode_as_padded_ones(
+def test_unequal_blocks_drafted_and_verified_packed_decode_as_each_row_alone(
     tiny_models, zoo_prompts, temperature, monkeypatch
 ):
     """Rows of different block sizes in one batch: the drafter and the verify pack their tokens without padding
-    and give what the padded passes give, greedy or seeded."""
-    import blockpilot.decoding.engine as engine_module
-
+    and give each row what it gives alone (where nothing is packed), greedy or seeded."""
     stop = tuple(tiny_models.stop_token_ids())
     requests = [
         GenerationRequest(
@@ -337,18 +329,11 @@ def test_unequal_blocks_drafted_and_verified_packed_decode_as_padded_ones(
 
     monkeypatch.setattr(tiny_models.drafter, "draft_blocks", drafting)
     monkeypatch.setattr(tiny_models.target, "forward", verifying)
-
-    def run(packed: bool) -> list:
-        engine = engine_module.SpeculativeEngine(tiny_models, max_batch=len(requests), packed=packed)
-        ids = [engine.submit(request) for request in requests]
-        results = {update.row_id: update.result for update in engine.run() if update.result is not None}
-        return [results[i] for i in ids]
-
-    padded = run(False)
-    assert not packings
-    packed = run(True)
+    alone = [generate_many(tiny_models, [request])[0] for request in requests]
+    assert not packings, "a row alone has nothing to pack"
+    batched = generate_many(tiny_models, requests, max_batch=len(requests))
     assert packings and all(int(sizes.min()) < int(sizes.max()) for sizes in packings)
-    for mine, theirs, ids in zip(packed, padded, zoo_prompts, strict=True):
+    for mine, theirs, ids in zip(batched, alone, zoo_prompts, strict=True):
         assert (mine.token_ids, mine.acceptance_lengths, mine.block_sizes) == (
             theirs.token_ids,
             theirs.acceptance_lengths,

@@ -1,5 +1,5 @@
-"""The project's imports point down: no cycle between its modules; the library imports neither Ray nor the
-pipelines when it is imported."""
+"""The project's imports point down: every module imports only from its own layer or the layers below (`LAYERS`), no
+cycle between modules, and the library imports neither Ray nor the pipelines when it is imported."""
 
 from __future__ import annotations
 
@@ -78,6 +78,61 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node)):
             return cycle
     return None
+
+
+# Lowest first. A module belongs to the layer of the longest prefix that names it; it may import from its own layer
+# and the layers below, never above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # rules every module shares: value checks, candidates and B*, files, the home folder, option fields
+    ("blockpilot.checks", "blockpilot.blocks", "blockpilot.files", "blockpilot.home", "blockpilot.options"),
+    # data and models: label schema and sources, MLflow calls, the cost curve, the models, the policy contract
+    ("blockpilot.data", "blockpilot.tracking", "blockpilot.cost", "blockpilot.models", "blockpilot.policies"),
+    # acceptance tables and what is learned and measured on them
+    ("blockpilot.table", "blockpilot.walks", "blockpilot.scoring", "blockpilot.predictor"),
+    # the policy families and their resolver
+    tuple(f"blockpilot.policies.{family}" for family in ("fixed", "learned", "step", "trim", "resolve")),
+    # the engine and what drives it
+    ("blockpilot.decoding", "blockpilot.sweep"),
+    # jobs over the engine
+    ("blockpilot.labeling", "blockpilot.serving", "blockpilot.zoo"),
+    ("pipelines",),
+    ("blockpilot.cli", "blockpilot.__main__"),
+)
+ROOT_PACKAGE = "blockpilot"  # its __init__ holds the version only: below everything
+
+
+def layer_of(module: str) -> int:
+    if module == ROOT_PACKAGE:
+        return 0
+    matches = [
+        (len(prefix), index)
+        for index, layer in enumerate(LAYERS)
+        for prefix in layer
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    if not matches:
+        raise AssertionError(f"{module} is in no layer of tests/test_layout.py: place it")
+    return max(matches)[1]
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+
+
+def test_every_import_points_down_the_layers():
+    edges, _ = import_graph()
+    assert upward_imports(edges) == []
+
+
+def test_an_upward_import_is_found():
+    edges = {"blockpilot.table": {"blockpilot.decoding.engine"}, "blockpilot.decoding.engine": {"blockpilot.table"}}
+    assert upward_imports(edges) == ["blockpilot.table -> blockpilot.decoding.engine"]
+    assert layer_of("blockpilot.policies.base") < layer_of("blockpilot.policies.step") < layer_of("blockpilot.decoding")
 
 
 def test_no_import_cycle_between_project_modules():

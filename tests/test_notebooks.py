@@ -19,7 +19,7 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
 
     from blockpilot.cost import CycleCost
     from blockpilot.predictor import BlockSizePredictor, PredictorConfig
-    from blockpilot.predictor.step import PRIOR_FEATURE, STEP_FEATURES, StepModel, StepModelConfig
+    from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.table import tables_from_row
     from blockpilot.tracking import start_run
     from pipelines.demo import DemoPaths
@@ -38,7 +38,7 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
     vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
     torch.manual_seed(0)  # untrained weights: the notebooks must run whatever the models choose
     BlockSizePredictor(PredictorConfig("sparse", candidates, vocab, top_k=16, hidden_size=8)).save(paths.predictor)
-    StepModel(StepModelConfig(candidates, hidden_size=8, features=(*STEP_FEATURES, PRIOR_FEATURE))).save(paths.step_model)
+    StepModel(StepModelConfig(candidates, vocab, hidden_size=8, prior=True)).save(paths.step_model)
     uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BLOCKPILOT_HOME", str(home))

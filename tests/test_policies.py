@@ -7,13 +7,8 @@ import math
 import pytest
 import torch
 
-from blockpilot.decoding import (
-    BlockSizePolicy,
-    CycleState,
-    EntropyHeuristic,
-    FixedBlockSize,
-    PrefillState,
-)
+from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState
+from blockpilot.policies.fixed import EntropyHeuristic, FixedBlockSize
 
 
 def prefill_with_entropy(target_entropy_logits: torch.Tensor) -> PrefillState:
@@ -63,7 +58,7 @@ def test_bad_policy_settings(make, message):
 
 
 def test_the_resolver_builds_every_policy_by_name(random_models):
-    from blockpilot.decoding.resolve import PolicySpec, resolve_policy
+    from blockpilot.policies.resolve import PolicySpec, resolve_policy
 
     train = random_models.train_block_size
     assert resolve_policy("fixed", random_models) == FixedBlockSize(train)
@@ -80,7 +75,7 @@ def test_the_resolver_builds_every_policy_by_name(random_models):
 
 
 def test_specs_of_both_learned_models_and_the_servers_default():
-    from blockpilot.decoding.resolve import PolicySpec, adaptive_spec
+    from blockpilot.policies.resolve import PolicySpec, adaptive_spec
 
     both = PolicySpec.parse("learned+step:models:/blockpilot-predictor@champion, runs/step")
     assert (both.predictor, both.step_model) == ("models:/blockpilot-predictor@champion", "runs/step")

@@ -11,15 +11,9 @@ import torch
 from blockpilot.cost import CycleCost
 from blockpilot.data.labels import rows_to_table
 from blockpilot.decoding import GenerationConfig, generate
-from blockpilot.decoding.resolve import check_predictor_fits, resolve_policy
-from blockpilot.predictor import (
-    BlockSizePredictor,
-    LearnedPolicy,
-    PredictorConfig,
-    PredictorInputs,
-    input_arrays,
-    load_predictor,
-)
+from blockpilot.policies.learned import LearnedPolicy
+from blockpilot.policies.resolve import check_predictor_fits, resolve_policy
+from blockpilot.predictor import BlockSizePredictor, PredictorConfig, PredictorInputs, input_arrays, load_predictor
 from blockpilot.predictor.evaluation import evaluate_predictor
 from blockpilot.predictor.inputs import INPUT_COLUMNS
 from blockpilot.predictor.training import (
@@ -162,7 +156,9 @@ def test_throughput_prices_cycles_with_the_cost():
     arrays.score = "throughput"
     metrics = evaluate_choices(np.array([2, 2, 2, 2]), arrays)
     assert metrics["throughput_pred"] == pytest.approx(2.625 / 2.0)
-    assert metrics["throughput_best_fixed_b"] == 4 and metrics["best_fixed_b"] == 6
+    # One best fixed b, the one of the highest throughput: b = 4 (2.0 tokens a unit), not b = 6 (the best tau).
+    assert metrics["best_fixed_b"] == 4 and metrics["tau_best_fixed"] == pytest.approx(2.0)
+    assert "throughput_best_fixed_b" not in metrics
     # Per row argmax of tau / c(b) (rows: 2, 2, 1.25 / 3, 1.33, 1 / 2, 1.33, 2 / 1, 2, 1), ties to the smaller b.
     assert arrays.best_index.tolist() == [0, 0, 0, 1]
 

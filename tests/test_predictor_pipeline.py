@@ -182,15 +182,16 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
 
     from blockpilot.cost import CycleCost
     from blockpilot.decoding import GenerationConfig, generate
-    from blockpilot.decoding.resolve import resolve_policy
+    from blockpilot.policies.resolve import resolve_policy
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
 
-    # Load-aware: trained and reported at batch 1 and at batch 8, each priced with its own curve.
+    # A curve measured at batch 1 and at batch 8: a load-aware model, trained and reported at each, each priced
+    # with its own curve.
     curve = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}}, device="test")
     cost = curve.save(tmp_path / "cost.json")
     outcome = run_step_train_job(
         StepTrainJob(
-            labels=tiny_labels["train"], eval=tiny_labels["heldout"], cost=cost, loads=(8, 1), epochs=2,
+            labels=tiny_labels["train"], eval=tiny_labels["heldout"], cost=cost, epochs=2,
             storage=tmp_path / "ray", out=tmp_path / "step", name="step-tiny",
         )
     )
@@ -200,10 +201,7 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
         run_step_train_job(StepTrainJob(labels=tiny_labels["train"], storage=tmp_path / "ray", name="step-tiny"))
     for group in ("", "T0/", "T1/", "load1/", "load8/T0/"):
         assert outcome.metrics[f"{group}throughput_step"] <= outcome.metrics[f"{group}throughput_step_oracle"] + 1e-9
-        assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle", f"{group}tau_trim"} <= set(outcome.metrics)
-    # Draft-then-trim, calibrated on the training tables at the largest load's price, is what the run saved.
-    trim = resolve_policy(f"trim:{outcome.trim_calibration}", tiny_models)
-    assert trim.calibration.block_size == 6 and trim.calibration.cost == curve.at_batch(8)
+        assert {f"{group}tau_B", f"{group}tau_best_fixed", f"{group}tau_oracle"} <= set(outcome.metrics)
     # Without a prefix: at the largest load. Fixed walks cost what the curve at that load says.
     assert outcome.metrics["throughput_step"] == outcome.metrics["load8/throughput_step"]
     assert outcome.metrics["load1/tau_B"] == outcome.metrics["load8/tau_B"]
@@ -226,20 +224,20 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     # MLflow's own loader: the pyfunc picks, per row of step features, the block size the model picks.
     import numpy as np
     import pandas as pd
-
-    from blockpilot.predictor.step import LOAD_FEATURE, NO_TOKEN, STEP_FEATURES, TOKEN_FEATURES, StepModel
+    from blockpilot.predictor.step_features import NO_TOKEN, CycleView
+    from blockpilot.predictor.step_model import StepModel
 
     rng = np.random.default_rng(0)
-    loads = np.log(rng.choice([1, 2, 8, 30], size=(16, 1))).astype(np.float32)
     vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
-    tokens = rng.integers(NO_TOKEN, vocab, size=(16, 2)).astype(np.float32)
-    features = np.concatenate([rng.random((16, len(STEP_FEATURES)), dtype=np.float32) * 3, tokens, loads], axis=1)
     model = StepModel.load(outcome.model_dir)
-    # The labels carry their sequences, so the model reads the block's first tokens (the default).
-    assert model.config.features == (*STEP_FEATURES, *TOKEN_FEATURES, LOAD_FEATURE) and model.config.vocab_size == vocab
-    assert model.config.loads == (1, 8)
+    view = CycleView(
+        rng.random(16) * 3, rng.random((16, 4)), 0.0, rng.integers(1, 40, 16), rng.integers(NO_TOKEN, vocab, (16, 2)),
+        batch_rows=rng.choice([1, 2, 8, 30], size=16),
+    )
+    features = model.config.features.build(view)
+    assert model.config.vocab_size == vocab and model.config.loads == (1, 8) and not model.config.prior
     assert curve.describe() in model.config.extra["cost"]
     assert model.feature_mean.abs().sum() > 0  # standardized on its training cycles
     pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")
     expected = [model.config.candidates[k] for k in model.choose(features)]
-    assert list(pyfunc.predict(pd.DataFrame(features, columns=list(model.config.features)))) == expected
+    assert list(pyfunc.predict(pd.DataFrame(features, columns=list(model.config.features.names)))) == expected

@@ -15,8 +15,9 @@ import torch
 from support import OracleDrafter, greedy_reference
 
 import blockpilot.decoding.engine as engine
-from blockpilot.decoding import FixedBlockSize, GenerationConfig, GenerationRequest, generate, generate_many
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.models.loading import SpeculativeModels
+from blockpilot.policies.fixed import FixedBlockSize
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
 
 VOCAB = 16

@@ -12,7 +12,7 @@ from commands import free_port
 from test_serving import BAD_REQUESTS
 
 from blockpilot.decoding import GenerationConfig, generate
-from blockpilot.decoding.resolve import resolve_policy
+from blockpilot.policies.resolve import resolve_policy
 from blockpilot.serving import ServeLimits
 
 pytestmark = pytest.mark.slow

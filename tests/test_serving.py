@@ -8,9 +8,17 @@ import time
 
 import pytest
 
-from blockpilot.decoding import FixedBlockSize, GenerationConfig, generate
+from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.policies.fixed import FixedBlockSize
 from blockpilot.serving import BatchedDecoder, IncrementalText, Overloaded, RequestError, ServeLimits
-from pipelines.serve import ChatCompletionRequest, CompletionRequest, ModelLoader, ServeJob, decode_request, parse_request
+from pipelines.serve import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelLoader,
+    ServeJob,
+    decode_request,
+    parse_request,
+)
 
 HUGE = 10**400
 

@@ -1,8 +1,10 @@
-"""The per-step block-size model: lossless in the engine, the same choices live as on the acceptance table,
-training data from label rows, evaluation invariants, folder format, the resolver. Properties for any weights."""
+"""The per-step block-size model: lossless in the engine, the same choices live as on the acceptance table (one
+feature declaration for both), training data from label rows, evaluation invariants, folder format, the resolver,
+the per-request prior, loads and tokens. Properties for any weights."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -14,63 +16,78 @@ from support import check_stats_invariants, greedy_reference
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
-from blockpilot.decoding.policies import CycleState, PrefillState
-from blockpilot.decoding.resolve import resolve_policy
-from blockpilot.predictor.policy import LearnedPolicy
-from blockpilot.predictor.step import (
-    ANCHOR_FEATURES,
-    LOAD_FEATURE,
-    NO_TOKEN,
-    PRIOR_FEATURE,
-    STEP_FEATURES,
-    TOKEN_FEATURES,
-    PriorStepPolicy,
-    StepModel,
-    StepModelConfig,
-    StepPolicy,
+from blockpilot.policies.base import CycleState, PrefillState
+from blockpilot.policies.learned import LearnedPolicy
+from blockpilot.policies.resolve import resolve_policy
+from blockpilot.policies.step import PriorStepPolicy, StepPolicy
+from blockpilot.predictor.step_data import (
+    Anchors,
     StepRow,
-    anchor_features,
-    anchor_tokens,
     evaluate_step_model,
-    format_step_metrics,
-    fit_step_model,
     fixed_walk_cycles,
+    format_step_metrics,
     regret_dataset,
-    regret_loss,
-    step_features,
     step_rows,
-    prior_probability_features,
-    tail_tokens,
     walk_step_model,
 )
+from blockpilot.predictor.step_features import NO_TOKEN, TOKEN_FEATURES, CycleView, anchor_tokens, tail_tokens
+from blockpilot.predictor.step_model import StepModel, StepModelConfig, fit_step_model, regret_loss
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable, tables_from_row
-from blockpilot.trim import CONFIDENCE_BINS, TrimCalibration
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
+VOCAB = 64  # for models that run without a target
 
 
-def random_step_model(seed: int, candidates=CANDIDATES, train_block_size: int | None = 4) -> StepModel:
-    torch.manual_seed(seed)
-    model = StepModel(StepModelConfig(candidates, hidden_size=16, train_block_size=train_block_size))
+def step_config(candidates=CANDIDATES, vocab: int = VOCAB, **fields) -> StepModelConfig:
+    return StepModelConfig(
+        candidates, vocab_size=vocab, **{"hidden_size": 16, "train_block_size": 4, "token_dims": 4, **fields}
+    )
+
+
+def scaled(model: StepModel, factor: float = 8.0) -> StepModel:
+    """Weights spread so that the choices spread over the candidates."""
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.mul_(8.0)  # spread the choices over the candidates
+            parameter.mul_(factor)
     return model.eval()
 
 
-def growing_step_model() -> StepModel:
+def random_step_model(seed: int, candidates=CANDIDATES, vocab: int = VOCAB, **fields) -> StepModel:
+    torch.manual_seed(seed)
+    return scaled(StepModel(step_config(candidates, vocab, **fields)))
+
+
+def random_prior_step_model(seed: int, candidates=CANDIDATES, vocab: int = VOCAB) -> StepModel:
+    return random_step_model(seed, candidates, vocab, prior=True)
+
+
+def mlp_input(model: StepModel, name: str) -> int:
+    """Where feature `name` enters the MLP (standardized numeric columns first, then the token embeddings)."""
+    return model._numeric.index(model.config.features.names.index(name))
+
+
+def random_views(n: int, seed: int = 0, **known) -> CycleView:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, size=(n, 2))
+    return CycleView(rng.random(n), rng.random((n, 4)), 0.0, np.arange(1, n + 1), tokens, **known)
+
+
+def sweep_anchors(sweep) -> Anchors:
+    return Anchors(np.asarray(sweep.anchor_entropy), np.asarray(sweep.anchor_top_probs), 0.0)
+
+
+def growing_step_model(vocab: int) -> StepModel:
     """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's entropy and top
     probability and by the last cycle, so the choices change within one generation whatever the target's
-    weights."""
-    model = StepModel(StepModelConfig(CANDIDATES, hidden_size=3, train_block_size=4))
+    weights (the tokens are left out: a zero embedding)."""
+    model = StepModel(step_config(vocab=vocab, hidden_size=3))
     first, out = model.net[0], model.net[2]
     with torch.no_grad():
+        model.token_embedding.weight.zero_()
         first.weight.zero_()
-        first.weight[:, STEP_FEATURES.index("log_cursor")] = 1.0
-        first.weight[:, STEP_FEATURES.index("entropy")] = 0.05
-        first.weight[:, STEP_FEATURES.index("top1")] = 0.05
-        first.weight[:, STEP_FEATURES.index("log1p_last_accepted")] = 0.4
+        for name, weight in (("log_cursor", 1.0), ("entropy", 0.05), ("top1", 0.05), ("log1p_last_accepted", 0.4)):
+            first.weight[:, mlp_input(model, name)] = weight
         first.bias.copy_(-torch.log1p(torch.tensor([2.0, 6.0, 14.0])))
         k = torch.arange(len(CANDIDATES), dtype=torch.float32)
         out.weight.copy_(k[:, None].expand(-1, 3))  # logit_k = k * H - 0.3 k^2: argmax grows with H
@@ -78,11 +95,33 @@ def growing_step_model() -> StepModel:
     return model.eval()
 
 
+def check_live_equals_walk(tiny_models, model, policy, prior=None, max_new_tokens=40) -> list[int]:
+    """Decode with `policy` and walk `model` over the same sequence's table: the same block sizes and acceptance
+    lengths cycle by cycle, and the output is greedy. Returns the walk's block sizes."""
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=max_new_tokens))
+    (table,) = sweep.tables
+    assert table.tokens.tolist() == sweep.token_ids
+    b0, probabilities = (None, None) if prior is None else (prior.initial_block_size(sweep.prefill), prior.probabilities(sweep.prefill))
+    sizes, lengths = walk_step_model(model, table, sweep_anchors(sweep), b0, probabilities)
+    live = generate(tiny_models, prompt, policy=policy, config=GenerationConfig(max_new_tokens=max_new_tokens))
+    assert live.token_ids == sweep.token_ids == greedy_reference(tiny_models.target, prompt, max_new_tokens)
+    cursors = np.cumsum([1, *lengths[:-1]])
+    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]  # live runs record the cut
+    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    return sizes
+
+
+def vocab_of(tiny_models) -> int:
+    return tiny_models.target.get_output_embeddings().weight.shape[0]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_step_policy_is_lossless_and_changes_b(tiny_models, seed):
     prompt = tiny_models.encode_prompt("Count from 1 to 9.")
     config = GenerationConfig(max_new_tokens=32)
-    result = generate(tiny_models, prompt, policy=StepPolicy(random_step_model(seed)), config=config)
+    policy = StepPolicy(random_step_model(seed, vocab=vocab_of(tiny_models)))
+    result = generate(tiny_models, prompt, policy=policy, config=config)
     assert result.token_ids == greedy_reference(tiny_models.target, prompt, 32)
     check_stats_invariants(result, 32)
     assert set(result.block_sizes) <= set(CANDIDATES) and result.policy == "learned-step"
@@ -91,7 +130,12 @@ def test_a_step_policy_is_lossless_and_changes_b(tiny_models, seed):
 def test_step_policies_batched_beside_other_rows_keep_their_outputs(tiny_models):
     prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Spell cat.")]
     config = GenerationConfig(max_new_tokens=24)
-    policies = [StepPolicy(random_step_model(3)), resolve_policy("fixed:3", tiny_models), StepPolicy(random_step_model(4))]
+    vocab = vocab_of(tiny_models)
+    policies = [
+        StepPolicy(random_step_model(3, vocab=vocab)),
+        resolve_policy("fixed:3", tiny_models),
+        StepPolicy(random_step_model(4, vocab=vocab)),
+    ]
     batched = generate_many(tiny_models, [GenerationRequest(p, config, q) for p, q in zip(prompts, policies)])
     for prompt, policy, result in zip(prompts, policies, batched, strict=True):
         alone = generate(tiny_models, prompt, policy=policy, config=config)
@@ -100,41 +144,39 @@ def test_step_policies_batched_beside_other_rows_keep_their_outputs(tiny_models)
 
 
 def test_the_live_choices_are_the_table_walk_of_the_same_model(tiny_models):
-    """The features the engine computes before a cycle are the ones labels keep for that anchor, with the
-    last cycle the walk ran."""
-    model = growing_step_model()
-    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
-    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
-    (table,) = sweep.tables
-    anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
-    sizes, lengths = walk_step_model(model, table, anchors)
-    no_history = model.choose(step_features(anchors, 0, 0))
-    assert (model.choose(step_features(anchors, 6, 6)) != no_history).any(), "the model reads the last cycle"
-    live = generate(tiny_models, prompt, policy=StepPolicy(model), config=GenerationConfig(max_new_tokens=40))
-    assert live.token_ids == sweep.token_ids
-    cursors = np.cumsum([1, *lengths[:-1]])
-    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]  # live runs record the cut size
-    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    """The features the engine computes before a cycle are the ones labels keep for that anchor, with the last
+    cycle the walk ran: one declaration builds both."""
+    model = growing_step_model(vocab_of(tiny_models))
+    spec = model.config.features
+    assert (model.choose(spec.build(random_views(20, last_accepted=6, last_block_size=6))) != model.choose(
+        spec.build(random_views(20))
+    )).any(), "the model reads the last cycle"
+    sizes = check_live_equals_walk(tiny_models, model, StepPolicy(model))
     assert len(set(sizes)) > 1, "a model that never changes b would not test the per-step hook"
 
 
 def test_regret_is_zero_at_the_per_step_oracle_and_evaluation_orders_policies(tiny_labels):
     rows = step_rows(pq.read_table(tiny_labels["train"]))
+    candidates = rows[0].tables[0].candidates
+    model = random_step_model(6, candidates, vocab=512)
     cost = CycleCost.uniform()
-    features, regret = regret_dataset(rows, cost)
-    assert features.shape[1] == len(STEP_FEATURES) and features.shape[0] == regret.shape[0]
+    features, regret = regret_dataset(rows, model, cost)
+    assert features.shape == (regret.shape[0], len(model.config.features.names))
     cycles = sum(len(t.walk(b)) for r in rows for t in r.tables for b in t.candidates)
     assert features.shape[0] == cycles, "one example per cycle of every candidate's walk"
     assert (regret >= -1e-6).all() and np.allclose(regret.min(axis=1), 0.0)
 
     with pytest.raises(ValueError, match="candidates"):
         evaluate_step_model(random_step_model(6), rows, cost)
-    metrics = evaluate_step_model(random_step_model(6, rows[0].tables[0].candidates), rows, cost)
+    metrics = evaluate_step_model(model, rows, cost)
     for group in ("", "T0/", "T1/"):
         step_oracle = metrics[f"{group}tau_step_oracle"]
         assert metrics[f"{group}tau_oracle"] <= step_oracle + 1e-9
         assert metrics[f"{group}tau_best_fixed"] <= metrics[f"{group}tau_oracle"] + 1e-9
         assert 1.0 <= metrics[f"{group}tau_step"] <= step_oracle + 1e-9
+        assert metrics[f"{group}throughput_best_fixed"] >= metrics[f"{group}throughput_B"] - 1e-9
+        assert int(metrics[f"{group}best_fixed_b"]) in candidates
+    assert "step" in format_step_metrics("held-out", metrics)
 
 
 def test_a_model_that_follows_the_oracle_walks_it():
@@ -156,23 +198,30 @@ def test_training_cycles_carry_the_last_cycle_of_their_walk():
     assert cursors.tolist() == [1, 2, 3, 4, 5, 1, 3, 5, 1, 4]
     assert last_accepted.tolist() == [0, 1, 1, 1, 1, 0, 2, 2, 0, 3]
     assert last_sizes.tolist() == [0, 1, 1, 1, 1, 0, 2, 2, 0, 3]
-    features = step_features(np.zeros((3, len(STEP_FEATURES) - 2)), np.array([0, 2, 3]), np.array([0, 4, 3]), 5)
-    assert np.allclose(features[:, -3:], [[0.0, 0.0, np.log(5)], [np.log(3), 0.5, np.log(5)], [np.log(4), 1.0, np.log(5)]])
+    spec = step_config((1, 2, 3), prior=True).features
+    view = random_views(3, last_accepted=np.array([0, 2, 3]), last_block_size=np.array([0, 4, 3]))
+    features = spec.build(replace(view, prior_block_size=5, prior_probabilities=np.array([0.2, 0.3, 0.5])))
+    columns = [spec.names.index(name) for name in ("log1p_last_accepted", "last_accepted_share", "log_prior_b")]
+    expected = [[0.0, 0.0, np.log(5)], [np.log(3), 0.5, np.log(5)], [np.log(4), 1.0, np.log(5)]]
+    assert np.allclose(features[:, columns], expected)
+    assert np.allclose(features[:, spec.names.index("prior_p_b3")], 0.5)
+    with pytest.raises(ValueError, match="per-request predictor"):
+        spec.build(view)
 
 
 def test_a_choice_is_the_argmax_of_the_model_before_and_after_its_weights_change():
     model = random_step_model(3)
-    features = np.random.default_rng(0).normal(size=(64, len(STEP_FEATURES))).astype(np.float32)
-    model.standardize(features * 4 + 1)  # choose standardizes as forward does
+    features = model.config.features.build(random_views(64, 1))
+    model.standardize(features * 4 + 1)
 
     def argmax() -> list[int]:
         with torch.no_grad():
             return model(torch.as_tensor(features)).argmax(dim=-1).tolist()
 
-    assert model.choose(features).tolist() == argmax()
     before = model.choose(features).tolist()
+    assert before == argmax()
     with torch.no_grad():
-        model.net[2].bias.copy_(torch.arange(len(CANDIDATES), dtype=torch.float32) * 100)
+        model.net[2].bias.copy_(torch.arange(len(CANDIDATES), dtype=torch.float32) * 1000)
     assert model.choose(features).tolist() == argmax() == [len(CANDIDATES) - 1] * 64 != before
 
 
@@ -181,7 +230,7 @@ def test_the_regrets_of_a_walk_add_up_to_its_cost_over_the_per_step_oracle(tiny_
     walk's cost minus the per-step oracle's (in cycles of the smallest candidate): the mean regret is the loss."""
     rows = step_rows(pq.read_table(tiny_labels["train"]))
     cost = CycleCost({1: {1: 1.0, 8: 3.0}})  # a wider block costs more
-    _, regret = regret_dataset(rows, cost)
+    _, regret = regret_dataset(rows, random_step_model(0, rows[0].tables[0].candidates, 512), cost)
     start = 0
     for t in (t for row in rows for t in row.tables if t.n >= 2):
         oracle, unit = t.cost_to_go(cost)[0][1], cost(min(t.candidates))
@@ -196,8 +245,8 @@ def test_the_regrets_of_a_walk_add_up_to_its_cost_over_the_per_step_oracle(tiny_
 
 def test_training_lowers_the_regret_loss(tiny_labels):
     rows = step_rows(pq.read_table(tiny_labels["train"]))
-    features, regret = regret_dataset(rows, CycleCost.uniform())
-    model = random_step_model(7, rows[0].tables[0].candidates)
+    model = random_step_model(7, rows[0].tables[0].candidates, 512)
+    features, regret = regret_dataset(rows, model, CycleCost.uniform())
     x, r = torch.as_tensor(features), torch.as_tensor(regret)
     with torch.no_grad():
         before = float(regret_loss(model(x), r))
@@ -208,18 +257,22 @@ def test_training_lowers_the_regret_loss(tiny_labels):
     assert len(losses) == 5 and after < before
 
 
-def test_a_fit_standardizes_its_inputs_on_the_training_cycles():
+def test_a_fit_standardizes_its_numeric_inputs_on_the_training_cycles():
     rng = np.random.default_rng(4)
-    spread = np.arange(1, len(STEP_FEATURES) + 1)
-    features = (rng.normal(size=(500, len(STEP_FEATURES))) * spread + 7).astype(np.float32)
-    features[:, STEP_FEATURES.index("temperature")] = 1.0  # labels of one temperature: constant
+    model = random_step_model(2)
+    names = model.config.features.names
+    spread = np.arange(1, len(names) + 1)
+    features = (rng.normal(size=(500, len(names))) * spread + 7).astype(np.float32)
+    features[:, names.index("temperature")] = 1.0  # labels of one temperature: constant
     regret = rng.random((500, len(CANDIDATES)), dtype=np.float32)
-    model = fit_step_model(random_step_model(2), features, regret, epochs=1)
+    model = fit_step_model(model, features, regret, epochs=1)
     standardized = (torch.as_tensor(features) - model.feature_mean) / model.feature_scale
-    varying = [k for k, name in enumerate(STEP_FEATURES) if name != "temperature"]
+    varying = [k for k, name in enumerate(names) if name not in ("temperature", *TOKEN_FEATURES)]
     assert torch.allclose(standardized[:, varying].mean(dim=0), torch.zeros(len(varying)), atol=1e-4)
     assert torch.allclose(standardized[:, varying].std(dim=0, unbiased=False), torch.ones(len(varying)), atol=1e-4)
-    assert model.feature_scale[STEP_FEATURES.index("temperature")] == 1.0
+    assert model.feature_scale[names.index("temperature")] == 1.0
+    tokens = [names.index(name) for name in TOKEN_FEATURES]
+    assert model.feature_mean[tokens].tolist() == [0.0, 0.0] and model.feature_scale[tokens].tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="standardize needs"):
         model.standardize(features[:, :-1])
 
@@ -227,9 +280,8 @@ def test_a_fit_standardizes_its_inputs_on_the_training_cycles():
 def test_an_interrupted_fit_continues_exactly(tmp_path):
     """Stopped after 2 of 4 epochs and restored from what a checkpoint holds (the model's folder and the
     optimizer's state), the fit ends on the weights of the fit that ran straight through."""
-    rng = np.random.default_rng(3)
-    features = rng.random((300, len(STEP_FEATURES)), dtype=np.float32) * 3
-    regret = rng.random((300, len(CANDIDATES)), dtype=np.float32)
+    features = random_step_model(1).config.features.build(random_views(300, 3))
+    regret = np.random.default_rng(3).random((300, len(CANDIDATES)), dtype=np.float32)
     settings = dict(epochs=4, batch_size=64, seed=5)
     straight = fit_step_model(random_step_model(1), features, regret, **settings)
 
@@ -259,23 +311,23 @@ def test_an_interrupted_fit_continues_exactly(tmp_path):
 
 
 def test_folder_round_trip_and_refusals(tmp_path, tiny_models):
-    model = random_step_model(8)
-    model.standardize(np.random.default_rng(1).random((50, len(STEP_FEATURES)), dtype=np.float32) * 5)
+    vocab = vocab_of(tiny_models)
+    model = random_step_model(8, vocab=vocab)
+    features = model.config.features.build(random_views(50, 1))
+    model.standardize(features * 5)
     model.save(tmp_path / "step")
     loaded = StepModel.load(tmp_path / "step")
-    x = torch.randn(5, len(STEP_FEATURES))
-    assert torch.equal(model(x), loaded(x)) and loaded.config == model.config
-
-    # A folder from before the standardization (no such weights) loads as the raw-feature model it was.
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(tmp_path / "step" / "model.safetensors")
-    save_file({k: v for k, v in weights.items() if not k.startswith("feature_")}, tmp_path / "step" / "model.safetensors")
-    older = StepModel.load(tmp_path / "step")
-    assert torch.equal(older.feature_mean, torch.zeros(len(STEP_FEATURES)))
-    assert torch.equal(older(x), older.net(x))
+    assert loaded.config == model.config and loaded.choose(features).tolist() == model.choose(features).tolist()
+    assert json.loads((tmp_path / "step" / "config.json").read_text())["features"] == list(model.config.features.names)
     policy = resolve_policy(f"learned-step:{tmp_path / 'step'}", tiny_models)
     assert policy.name == "learned-step"
+
+    # A folder whose features are not the ones this version builds is refused, saying what to do.
+    config_file = tmp_path / "step" / "config.json"
+    saved = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**saved, "features": [n for n in saved["features"] if n not in TOKEN_FEATURES]}))
+    with pytest.raises(ValueError, match="train it again"):
+        StepModel.load(tmp_path / "step")
 
     with torch.no_grad():
         model.net[0].weight[0, 0] = float("nan")
@@ -283,26 +335,20 @@ def test_folder_round_trip_and_refusals(tmp_path, tiny_models):
         model.save(tmp_path / "broken")
     assert not (tmp_path / "broken").exists()
 
-    other = random_step_model(9, train_block_size=tiny_models.train_block_size + 1)
+    other = random_step_model(9, vocab=vocab, train_block_size=tiny_models.train_block_size + 1)
     other.save(tmp_path / "other")
     with pytest.raises(ValueError, match="trained for a drafter with B="):
         resolve_policy(f"learned-step:{tmp_path / 'other'}", tiny_models)
+    random_step_model(9, vocab=vocab + 1).save(tmp_path / "wider")
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        resolve_policy(f"learned-step:{tmp_path / 'wider'}", tiny_models)
     with pytest.raises(ValueError, match="needs a model"):
         resolve_policy("learned-step", tiny_models)
+    with pytest.raises(ValueError, match="vocab_size"):
+        StepModelConfig(CANDIDATES, vocab_size=0)
 
 
 # ----------------------------------------------------------------------------- with the per-request predictor
-
-
-def random_prior_step_model(seed: int, candidates=CANDIDATES, probabilities: bool = False) -> StepModel:
-    torch.manual_seed(seed)
-    features = (*STEP_FEATURES, PRIOR_FEATURE, *(prior_probability_features(candidates) if probabilities else ()))
-    config = StepModelConfig(candidates, hidden_size=16, train_block_size=4, features=features)
-    model = StepModel(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.mul_(8.0)
-    return model.eval()
 
 
 def random_predictor(candidates, vocab: int, seed: int):
@@ -313,11 +359,13 @@ def random_predictor(candidates, vocab: int, seed: int):
 
 
 def test_the_per_request_choice_drafts_first_then_the_step_model_with_it_as_a_feature(tiny_models):
-    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    vocab = vocab_of(tiny_models)
     prompt = tiny_models.encode_prompt("Count from 1 to 9.")
-    step_model = random_prior_step_model(10)
-    with pytest.raises(ValueError, match="per-request prior"):
+    step_model = random_prior_step_model(10, vocab=vocab)
+    with pytest.raises(ValueError, match="per-request predictor"):
         StepPolicy(step_model)
+    with pytest.raises(ValueError, match="per-request predictor"):
+        StepPolicy(step_model, resolve_policy("fixed:4", tiny_models))  # a prior without probabilities
     seen = []
 
     class Recording(PriorStepPolicy):
@@ -327,8 +375,7 @@ def test_the_per_request_choice_drafts_first_then_the_step_model_with_it_as_a_fe
 
     for seed in (0, 1):
         prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, seed))
-        policy = Recording(step_model, prior)
-        result = generate(tiny_models, prompt, policy=policy, config=GenerationConfig(max_new_tokens=32))
+        result = generate(tiny_models, prompt, policy=Recording(step_model, prior), config=GenerationConfig(max_new_tokens=32))
         assert result.token_ids == greedy_reference(tiny_models.target, prompt, 32)
         assert result.policy == "learned+step" and result.block_sizes[0] == result.block_size
         b0 = prior.initial_block_size(result.prefill)
@@ -345,19 +392,23 @@ def test_label_rows_carry_the_prior_and_evaluation_walks_it(tiny_labels):
     rows = step_rows(table, predictor)
     assert [r.prompt_id for r in rows] == [r.prompt_id for r in plain]
     cost = CycleCost.uniform()
-    for row, without in zip(rows, plain, strict=True):
+    with_prior, without = random_prior_step_model(11, candidates, 512), random_step_model(11, candidates, 512)
+    names = with_prior.config.features.names
+    shared = len(without.config.features.names)
+    assert names[:shared] == without.config.features.names, "the prior's columns come after the others"
+    for row, plain_row in zip(rows, plain, strict=True):
         assert row.prior_block_size in candidates
-        assert all(np.array_equal(x, y) for x, y in zip(row.anchors, without.anchors, strict=True))
-        with_prior, _ = regret_dataset([row], cost)
-        plain_width = len(STEP_FEATURES)
-        assert np.array_equal(with_prior[:, :plain_width], regret_dataset([without], cost)[0])
-        assert np.allclose(with_prior[:, plain_width], np.log(row.prior_block_size))
+        features, _ = regret_dataset([row], with_prior, cost)
+        assert np.array_equal(features[:, :shared], regret_dataset([plain_row], without, cost)[0])
+        assert np.allclose(features[:, names.index("log_prior_b")], np.log(row.prior_block_size))
         # Then the predictor's probability of every candidate, whose most likely one is b0.
-        assert np.allclose(with_prior[:, plain_width + 1 :], row.prior_probabilities)
+        assert np.allclose(features[:, shared + 1 :], row.prior_probabilities)
         assert row.prior_probabilities.sum() == pytest.approx(1.0, abs=1e-5)
         assert candidates[int(np.argmax(row.prior_probabilities))] == row.prior_block_size
-    metrics = evaluate_step_model(random_prior_step_model(11, candidates), rows, cost)
-    # The per-request walk is each row's fixed-b0 walk: between the worst and the best fixed b of every row.
+    with pytest.raises(ValueError, match="per-request predictor"):
+        regret_dataset(plain, with_prior, cost)
+    metrics = evaluate_step_model(with_prior, rows, cost)
+    # The per-request walk is each row's fixed-b0 walk.
     fixed = np.array([[len(w) for w in (sum((t.walk(b) for t in r.tables), []) for b in candidates)] for r in rows])
     chosen = [candidates.index(r.prior_block_size) for r in rows]
     tokens = sum(t.n - 1 for r in rows for t in r.tables)
@@ -370,46 +421,43 @@ def test_label_rows_carry_the_prior_and_evaluation_walks_it(tiny_labels):
 def test_a_model_reading_the_predictors_probabilities_decodes_as_it_walks_the_table(tiny_models):
     """The probabilities the engine's step policy reads (once per request, from the prefill) are the ones the
     table walk is given: the same block sizes cycle by cycle, and the output is still greedy decoding."""
-    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    vocab = vocab_of(tiny_models)
     predictor = random_predictor(CANDIDATES, vocab, 5)
-    model = random_prior_step_model(14, probabilities=True)
+    model = random_prior_step_model(14, vocab=vocab)
     with torch.no_grad():  # lean the choice toward the predictor's most likely candidate, whatever else it reads
-        k, start = len(CANDIDATES), len(STEP_FEATURES) + 1
-        model.net[0].weight[:k, start:] += 40 * torch.eye(k)
+        model.token_embedding.weight.zero_()
+        k = len(CANDIDATES)
+        start = mlp_input(model, f"prior_p_b{CANDIDATES[0]}")
+        model.net[0].weight[:k, start : start + k] += 40 * torch.eye(k)
         model.net[2].weight[:, :k] += 40 * torch.eye(k)
-    assert model.config.uses_prior_probabilities and not random_prior_step_model(14).config.uses_prior_probabilities
-    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
-    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
-    (table,) = sweep.tables
-    anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
     prior = LearnedPolicy(predictor)
     passes = []
     hook = predictor.register_forward_hook(lambda *_: passes.append(1))
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
     b0, probabilities = prior.initial_block_size(sweep.prefill), prior.probabilities(sweep.prefill)
     assert prior.probabilities(sweep.prefill) is probabilities and len(passes) == 1, "one predictor pass a request"
     hook.remove()
     assert probabilities.shape == (len(CANDIDATES),) and CANDIDATES[int(np.argmax(probabilities))] == b0
-    reversed_probabilities = step_features(anchors, 0, 0, b0, probabilities[::-1].copy())
-    assert (model.choose(step_features(anchors, 0, 0, b0, probabilities)) != model.choose(reversed_probabilities)).any()
-    sizes, lengths = walk_step_model(model, table, anchors, b0, probabilities)
-    live = generate(tiny_models, prompt, policy=PriorStepPolicy(model, prior), config=GenerationConfig(max_new_tokens=40))
-    assert live.token_ids == sweep.token_ids == greedy_reference(tiny_models.target, prompt, 40)
-    cursors = np.cumsum([1, *lengths[:-1]])
-    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
-    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
-    with pytest.raises(ValueError, match="has none"):
-        StepPolicy(model, resolve_policy("fixed:4", tiny_models))
-    with pytest.raises(ValueError, match="walk it with them"):
-        walk_step_model(model, table, anchors, b0)
+    spec = model.config.features
+    view = random_views(16, prior_block_size=b0)
+    reversed_view = replace(view, prior_probabilities=probabilities[::-1].copy())
+    assert (model.choose(spec.build(replace(view, prior_probabilities=probabilities))) != model.choose(
+        spec.build(reversed_view)
+    )).any()
+    check_live_equals_walk(tiny_models, model, PriorStepPolicy(model, prior), prior)
+    (table,) = sweep.tables
+    with pytest.raises(ValueError, match="walk it with the prior"):
+        walk_step_model(model, table, sweep_anchors(sweep), b0)
 
 
 def test_the_resolver_pairs_a_predictor_with_a_step_model(tmp_path, tiny_models):
-    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    vocab = vocab_of(tiny_models)
     random_predictor(CANDIDATES, vocab, 0).save(tmp_path / "predictor")
-    random_prior_step_model(12).save(tmp_path / "step")
+    random_prior_step_model(12, vocab=vocab).save(tmp_path / "step")
     policy = resolve_policy(f"learned+step:{tmp_path / 'predictor'},{tmp_path / 'step'}", tiny_models)
     assert isinstance(policy, PriorStepPolicy) and policy.name == "learned+step"
-    with pytest.raises(ValueError, match="per-request prior"):
+    with pytest.raises(ValueError, match="per-request predictor"):
         resolve_policy(f"learned-step:{tmp_path / 'step'}", tiny_models)
     random_predictor((2, 3, 4), vocab, 0).save(tmp_path / "narrow")
     with pytest.raises(ValueError, match="differ from the step model's"):
@@ -417,12 +465,11 @@ def test_the_resolver_pairs_a_predictor_with_a_step_model(tmp_path, tiny_models)
 
 
 def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():
-    from blockpilot.predictor.step import StepRow
-
-    empty = AcceptanceTable((1, 2, 3), np.ones((3, 0), dtype=np.int16), max_new_tokens=8)
-    table = AcceptanceTable((1, 2, 3), np.asarray([[1, 1, 1], [2, 1, 1], [3, 2, 1]], dtype=np.int16), max_new_tokens=8)
-    anchors = [anchor_features(np.zeros(t.n - 1), np.zeros((t.n - 1, 4)), 0.0, np.arange(1, t.n)) for t in (empty, table)]
-    row = StepRow("p", 0.0, [empty, table], anchors, prior_block_size=3)
+    empty = AcceptanceTable((1, 2, 3), np.ones((3, 0), dtype=np.int16), max_new_tokens=8, tokens=np.array([5]))
+    commits = np.asarray([[1, 1, 1], [2, 1, 1], [3, 2, 1]], dtype=np.int16)
+    table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8, tokens=np.array([5, 6, 7, 8]))
+    anchors = [Anchors(np.zeros(t.n - 1), np.zeros((t.n - 1, 4)), 0.0) for t in (empty, table)]
+    row = StepRow("p", 0.0, [empty, table], anchors, prior_block_size=3, prior_probabilities=np.full(3, 1 / 3))
     metrics = evaluate_step_model(random_prior_step_model(13, (1, 2, 3)), [row], CycleCost.uniform())
     assert metrics["tau_request"] == pytest.approx(3 / len(table.walk(3)))
     assert 1.0 <= metrics["tau_step"] <= metrics["tau_step_oracle"] + 1e-9
@@ -432,7 +479,7 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
     """The engine asks a policy shared by several rows once as they join (`initial_block_sizes`, one predictor
     pass) and once per cycle (`next_block_sizes`); its choices are the ones it makes for each row alone, rows
     that stop deciding (no anchor) included, and the outputs are greedy."""
-    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    vocab = vocab_of(tiny_models)
     prompts = [tiny_models.encode_prompt(p) for p in ("Count from 1 to 9.", "List four colors.", "Spell cat.")]
     config = GenerationConfig(max_new_tokens=24)
     calls, joined, passes = [], [], []
@@ -448,7 +495,7 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
 
     predictor = random_predictor(CANDIDATES, vocab, 2)
     hook = predictor.register_forward_hook(lambda *_: passes.append(1))
-    policy = Counting(random_prior_step_model(21, probabilities=True), LearnedPolicy(predictor))
+    policy = Counting(random_prior_step_model(21, vocab=vocab), LearnedPolicy(predictor))
     batched = generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts])
     hook.remove()
     assert joined == [len(prompts)] and len(passes) == 1, "the joining rows were not decided together"
@@ -458,7 +505,7 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
         assert result.token_ids == alone.token_ids == greedy_reference(tiny_models.target, prompt, 24)
         assert result.block_sizes == alone.block_sizes
 
-    prefill = PrefillState(torch.randn(vocab), torch.tensor([0]), 0.0, 4)
+    prefill = PrefillState(torch.randn(vocab), torch.tensor([0]), 0.0, 4, first_token=3)
     generator = torch.Generator().manual_seed(0)
     cycles = [
         CycleState(
@@ -470,6 +517,7 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
             0.0,
             anchor_logits=None if i == 2 else torch.randn(vocab, generator=generator) * 3,
             first_block_size=CANDIDATES[-1 - i % 2],
+            recent_tokens=(i, 2 * i + 1),
             prefill=prefill,
         )
         for i in range(6)
@@ -478,60 +526,21 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
     assert together == [policy.next_block_size(cycle) for cycle in cycles]
     assert together[2] == cycles[2].block_size and len(set(together)) > 1
     # Without a prior the model picks the first b from the prefill's distribution: one call for all, as alone.
-    alone = StepPolicy(random_step_model(1))
+    alone = StepPolicy(random_step_model(1, vocab=vocab))
     prefills = [
-        PrefillState(torch.randn(vocab, generator=generator) * scale, torch.tensor([0]), temperature, 4)
-        for scale in (0.1, 1.0, 3.0, 10.0, 30.0)
-        for temperature in (0.0, 1.0)
+        PrefillState(torch.randn(vocab, generator=generator) * scale, torch.tensor([0]), temperature, 4, first_token=i)
+        for i, (scale, temperature) in enumerate((s, t) for s in (0.1, 1.0, 3.0, 10.0, 30.0) for t in (0.0, 1.0))
     ]
     firsts = alone.initial_block_sizes(prefills)
     assert firsts == [alone.initial_block_size(prefill) for prefill in prefills] and len(set(firsts)) > 1
 
 
-def _two_half_row(name: str, first_b2: int, second_b2: int, anchors_each: int = 8):
-    """A row over candidates (1, 2) whose b = 2 commits `first_b2` tokens at every cursor of the first half of its
-    sequence and `second_b2` in the second half (b = 1 always commits 1)."""
-    from blockpilot.predictor.step import StepRow
-
-    n = 2 * anchors_each + 1
-    commits = np.ones((2, n - 1), dtype=np.int16)
-    commits[1, :anchors_each], commits[1, anchors_each:] = first_b2, second_b2
-    commits[1, -1] = 1  # the last cursor has one token left
-    table = AcceptanceTable((1, 2), commits, max_new_tokens=n)
-    anchors = anchor_features(np.zeros(n - 1), np.zeros((n - 1, 4)), 0.0, np.arange(1, n))
-    return StepRow(name, 0.0, [table], [anchors])
-
-
-def test_the_split_half_check_scores_a_first_half_choice_on_the_second_half():
-    cost = CycleCost({1: {1: 1.0, 2: 1.5}})  # b = 2 pays only where its draft is right
-    steady, fading, plain = _two_half_row("steady", 2, 2), _two_half_row("fading", 2, 1), _two_half_row("plain", 1, 1)
-
-    consistent = evaluate_step_model(None, [steady, plain], cost, train_block_size=2)
-    # Every prompt's best b is the same in both halves: the first half's choice is the hindsight choice, and beats
-    # any one b for both prompts.
-    assert consistent["throughput_half_chosen"] == pytest.approx(consistent["throughput_half_oracle"])
-    assert consistent["throughput_half_chosen"] > consistent["throughput_half_best_fixed"]
-
-    drifting = evaluate_step_model(None, [steady, fading], cost, train_block_size=2)
-    # "fading" looks like b = 2 on its first half and is b = 1 on its second: hindsight knows, the choice does not.
-    assert drifting["throughput_half_chosen"] < drifting["throughput_half_oracle"]
-    assert drifting["throughput_half_oracle"] >= drifting["throughput_half_best_fixed"]
-    # The second half of a sequence of 17 tokens (cursors 9..16) commits 8: "steady" in 4 cycles of b = 2 (from
-    # cursor 15 a block commits 2 of the 2 tokens left), "fading" in 8 of b = 1.
-    assert drifting["T0/tau_half_oracle"] == pytest.approx(16 / (4 + 8))
-    report = format_step_metrics("held-out", drifting)
-    assert "second halves" in report and "1st half" in report
-    with pytest.raises(ValueError, match="starts at a cursor within"):
-        steady.tables[0].walk(2, start=0)
-
-
 # ----------------------------------------------------------------------------- load-aware
 
 
-def load_aware_model(loads=(1, 8, 32), candidates=CANDIDATES) -> StepModel:
+def load_aware_model(loads=(1, 8, 32), candidates=CANDIDATES, vocab: int = VOCAB) -> StepModel:
     """Head j prefers candidate j whatever the other features: which head decided is visible in the choice."""
-    config = StepModelConfig(candidates, hidden_size=4, features=(*STEP_FEATURES, LOAD_FEATURE), loads=loads)
-    model = StepModel(config)
+    model = StepModel(step_config(candidates, vocab, hidden_size=4, loads=loads))
     with torch.no_grad():
         for index, head in enumerate(model.heads):
             head[2].bias.zero_()
@@ -539,39 +548,31 @@ def load_aware_model(loads=(1, 8, 32), candidates=CANDIDATES) -> StepModel:
     return model.eval()
 
 
-def test_a_load_aware_model_decides_each_row_with_the_head_of_its_nearest_load():
+def test_a_load_aware_model_decides_each_row_with_the_head_of_its_nearest_load(tmp_path):
     model = load_aware_model()
     rows = np.array([1, 2, 5, 8, 16, 20, 32, 100])
     # Nearest of 1, 8, 32 as the cost curve prices a batch: 5 -> 8, 16 -> 8, 20 -> 8 (a tie goes to the smaller).
     expected = [0, 0, 1, 1, 1, 1, 2, 2]
-    anchors = np.random.default_rng(0).random((len(rows), len(ANCHOR_FEATURES)), dtype=np.float32)
-    features = step_features(anchors, 2, 4, batch_rows=rows)
-    assert features.shape[1] == len(model.config.features) and np.allclose(features[:, -1], np.log(rows))
+    features = model.config.features.build(random_views(len(rows), batch_rows=rows))
+    assert model.config.features.names[-1] == "log_batch_rows" and np.allclose(features[:, -1], np.log(rows))
     assert model.choose(features).tolist() == expected
-    assert model(torch.as_tensor(features)).argmax(dim=-1).tolist() == expected
-
-
-def test_a_load_aware_config_names_its_loads_and_its_feature_and_round_trips(tmp_path):
-    with pytest.raises(ValueError, match="log_batch_rows"):
-        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, LOAD_FEATURE))  # a load feature without loads
-    with pytest.raises(ValueError, match="log_batch_rows"):
-        StepModelConfig(CANDIDATES, loads=(1, 8))  # loads without the feature
+    unordered = load_aware_model(loads=(8, 1))
+    assert unordered.config.loads == (1, 8)
+    loaded = StepModel.load(unordered.save(tmp_path / "aware"))
+    assert loaded.config == unordered.config and loaded.choose(features).tolist() == unordered.choose(features).tolist()
     with pytest.raises(ValueError, match="loads"):
-        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, LOAD_FEATURE), loads=(8, 8))
-    model = load_aware_model(loads=(8, 1))
-    assert model.config.loads == (1, 8) and model.config.uses_load and not model.config.uses_prior
-    loaded = StepModel.load(model.save(tmp_path / "aware"))
-    features = step_features(np.ones((4, len(ANCHOR_FEATURES)), dtype=np.float32), 1, 2, batch_rows=[1, 4, 8, 9])
-    assert loaded.config == model.config and loaded.choose(features).tolist() == model.choose(features).tolist()
+        step_config(loads=(8, 8))
 
 
 def test_load_aware_training_cycles_are_every_cycle_once_per_load_priced_at_that_load(tiny_labels):
     rows = step_rows(pq.read_table(tiny_labels["train"]))
+    candidates = rows[0].tables[0].candidates
     cost = CycleCost({1: {1: 0.010, 8: 0.011}, 8: {1: 0.020, 8: 0.045}})
-    features, regret = regret_dataset(rows, cost, (1, 8))
-    plain = [regret_dataset(rows, cost.at_batch(load)) for load in (1, 8)]
+    aware = load_aware_model((1, 8), candidates, 512)
+    features, regret = regret_dataset(rows, aware, cost)
+    plain = [regret_dataset(rows, random_step_model(0, candidates, 512), cost.at_batch(load)) for load in (1, 8)]
     cycles = len(plain[0][0])
-    assert features.shape == (2 * cycles, len(STEP_FEATURES) + 1)
+    assert features.shape == (2 * cycles, plain[0][0].shape[1] + 1)
     for index, (load, (x, r)) in enumerate(zip((1, 8), plain, strict=True)):
         part = slice(index * cycles, (index + 1) * cycles)
         assert np.array_equal(features[part, :-1], x) and np.array_equal(regret[part], r)
@@ -593,7 +594,7 @@ def test_a_load_aware_policy_reads_the_live_batch_and_stays_lossless(tiny_models
             seen.extend(("cycle", cycle.batch_rows) for cycle in cycles)
             return super().next_block_sizes(cycles)
 
-    policy = Recording(load_aware_model(loads=(1, 2)))
+    policy = Recording(load_aware_model(loads=(1, 2), vocab=vocab_of(tiny_models)))
     texts = ("Count from 1 to 9.", "List four colors.", "Spell cat.")
     lengths = (6, 20, 30)  # rows end at different cycles: the batch thins
     requests = [
@@ -615,33 +616,27 @@ def test_a_load_aware_policy_reads_the_live_batch_and_stays_lossless(tiny_models
 
 
 def token_step_model(vocab: int, seed: int = 0, loads: tuple[int, ...] = ()) -> StepModel:
-    """A step model reading the block's first token and the one before it; its embedding dominates, so the tokens
-    decide most choices."""
-    load = (LOAD_FEATURE,) if loads else ()
-    config = StepModelConfig(
-        CANDIDATES, hidden_size=16, train_block_size=4, features=(*STEP_FEATURES, *TOKEN_FEATURES, *load),
-        loads=loads, vocab_size=vocab, token_dims=4,
-    )
+    """A step model whose token embedding dominates, so the tokens decide most choices."""
     torch.manual_seed(seed)
-    model = StepModel(config)
+    model = scaled(StepModel(step_config(vocab=vocab, loads=loads)), 4.0)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.mul_(4.0)
         model.token_embedding.weight.mul_(4.0)
-    return model.eval()
+    return model
 
 
 def test_token_features_are_the_blocks_first_token_and_the_one_before():
     generated = np.array([7, 3, 9, 4, 4])
     assert anchor_tokens(generated, [1, 2, 5]).tolist() == [[7, NO_TOKEN], [3, 7], [4, 4]]
     # The engine's tails give the same pair: the first token alone at cursor 1, the last two after.
-    tails = [generated[: cursor][-2:].tolist() for cursor in (1, 2, 5)]
+    tails = [generated[:cursor][-2:].tolist() for cursor in (1, 2, 5)]
     assert tail_tokens(tails).tolist() == anchor_tokens(generated, [1, 2, 5]).tolist()
     with pytest.raises(ValueError, match="first token"):
         tail_tokens([[7], []])
-    features = step_features(np.zeros((2, len(ANCHOR_FEATURES))), 1, 2, batch_rows=8, tokens=[[5, 6], [7, NO_TOKEN]])
-    width = len(STEP_FEATURES)
-    assert features[:, width : width + 2].tolist() == [[5, 6], [7, NO_TOKEN]] and np.isclose(features[0, -1], np.log(8))
+    spec = step_config().features
+    features = spec.build(replace(random_views(2), tokens=np.array([[5, 6], [7, NO_TOKEN]])))
+    assert features[:, spec.token_columns].tolist() == [[5, 6], [7, NO_TOKEN]]
+    with pytest.raises(ValueError, match="first tokens"):
+        spec.build(replace(random_views(2), tokens=None))
 
 
 def test_labels_keep_every_samples_sequence_and_training_reads_it(tiny_labels):
@@ -651,17 +646,14 @@ def test_labels_keep_every_samples_sequence_and_training_reads_it(tiny_labels):
         assert sum(t.n for t in row.tables) == len(label["table_tokens"])
         for t in row.tables:
             assert len(t.tokens) == t.n and ((0 <= t.tokens) & (t.tokens < label["vocab_size"])).all()
-    features, regret = regret_dataset(rows, CycleCost.uniform(), tokens=True)
-    plain, same_regret = regret_dataset(rows, CycleCost.uniform())
-    width = len(STEP_FEATURES)
-    assert np.array_equal(features[:, :width], plain) and np.array_equal(regret, same_regret)
+    model = random_step_model(0, rows[0].tables[0].candidates, 512)
+    features, _ = regret_dataset(rows, model, CycleCost.uniform())
     sequences = [t for r in rows for t in r.tables if t.n > 1]
     expected = np.concatenate([anchor_tokens(t.tokens, fixed_walk_cycles(t)[0]) for t in sequences])
-    assert np.array_equal(features[:, width:], expected)
-
-    older = [StepRow(r.prompt_id, r.temperature, [replace(t, tokens=None) for t in r.tables], r.anchors) for r in rows]
-    with pytest.raises(ValueError, match="table_tokens"):
-        regret_dataset(older, CycleCost.uniform(), tokens=True)
+    assert np.array_equal(features[:, model.config.features.token_columns], expected)
+    unknown = [StepRow(r.prompt_id, r.temperature, [replace(t, tokens=None) for t in r.tables], r.anchors) for r in rows]
+    with pytest.raises(ValueError, match="sequence"):
+        regret_dataset(unknown, model, CycleCost.uniform())
     broken = {**table.slice(0, 1).to_pylist()[0]}
     broken["table_tokens"] = broken["table_tokens"][:-1]
     with pytest.raises(ValueError, match="table tokens"):
@@ -671,85 +663,31 @@ def test_labels_keep_every_samples_sequence_and_training_reads_it(tiny_labels):
 def test_a_token_model_embeds_ids_unscaled_and_reads_unknown_ids_as_no_token(tmp_path):
     vocab = 11
     model = token_step_model(vocab)
-    rng = np.random.default_rng(0)
-    anchors = rng.random((40, len(ANCHOR_FEATURES)), dtype=np.float32)
-    tokens = rng.integers(0, vocab, size=(40, 2))
-    features = step_features(anchors, 2, 3, tokens=tokens)
+    spec = model.config.features
+    view = random_views(40)
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(40, 2))
+    features = spec.build(replace(view, tokens=tokens))
     model.standardize(features * 3 + 1)
-    width = len(STEP_FEATURES)
-    assert model.feature_mean[width:].tolist() == [0.0, 0.0] and model.feature_scale[width:].tolist() == [1.0, 1.0]
-    with torch.no_grad():
-        assert model.choose(features).tolist() == model(torch.as_tensor(features)).argmax(dim=-1).tolist()
-    assert (model.choose(step_features(anchors, 2, 3, tokens=(tokens + 1) % vocab)) != model.choose(features)).any()
-    outside = step_features(anchors, 2, 3, tokens=np.full((40, 2), vocab + 5))
-    none = step_features(anchors, 2, 3, tokens=np.full((40, 2), NO_TOKEN))
+    assert (model.choose(spec.build(replace(view, tokens=(tokens + 1) % vocab))) != model.choose(features)).any()
+    outside = spec.build(replace(view, tokens=np.full((40, 2), vocab + 5)))
+    none = spec.build(replace(view, tokens=np.full((40, 2), NO_TOKEN)))
     assert model.choose(outside).tolist() == model.choose(none).tolist()
     loaded = StepModel.load(model.save(tmp_path / "tokens"))
     assert loaded.config == model.config and loaded.choose(features).tolist() == model.choose(features).tolist()
-    with pytest.raises(ValueError, match="vocab_size"):
-        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, *TOKEN_FEATURES))
-    with pytest.raises(ValueError, match="anchor_token"):
-        StepModelConfig(CANDIDATES, features=(*STEP_FEATURES, TOKEN_FEATURES[1], TOKEN_FEATURES[0]), vocab_size=vocab)
 
 
 @pytest.mark.parametrize("loads", [(), (1, 8)])
 def test_a_token_model_decodes_losslessly_as_it_walks_the_table(tiny_models, loads):
     """The tokens the engine hands the hook (g_0 at the first cycle, the last two after) are the ones a label's
     sequence gives each cursor: the live choices are the table walk's, and the output is greedy."""
-    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    vocab = vocab_of(tiny_models)
     model = token_step_model(vocab, seed=2, loads=loads)
+    sizes = check_live_equals_walk(tiny_models, model, StepPolicy(model))
+    assert len(set(sizes)) > 1, "a model that never changes b would not test the per-step hook"
     prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
     sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
     (table,) = sweep.tables
-    assert table.tokens.tolist() == sweep.token_ids
-    anchors = anchor_features(sweep.anchor_entropy, sweep.anchor_top_probs, 0.0, np.arange(1, table.n))
-    sizes, lengths = walk_step_model(model, table, anchors)
-    live = generate(tiny_models, prompt, policy=StepPolicy(model), config=GenerationConfig(max_new_tokens=40))
-    assert live.token_ids == sweep.token_ids == greedy_reference(tiny_models.target, prompt, 40)
-    cursors = np.cumsum([1, *lengths[:-1]])
-    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
-    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
-    assert len(set(sizes)) > 1, "a model that never changes b would not test the per-step hook"
     shifted = AcceptanceTable(table.candidates, table.commits, table.max_new_tokens, (table.tokens + 1) % vocab)
-    assert walk_step_model(model, shifted, anchors)[0] != sizes, "the model reads the tokens"
+    assert walk_step_model(model, shifted, sweep_anchors(sweep))[0] != sizes, "the model reads the tokens"
     with pytest.raises(ValueError, match="sequence"):
-        walk_step_model(model, replace(table, tokens=None), anchors)
-
-
-def test_labels_keep_the_largest_candidates_confidences_and_evaluation_walks_trim(tiny_labels):
-    table = pq.read_table(tiny_labels["heldout"])
-    rows = step_rows(table)
-    drafted = max(rows[0].tables[0].candidates)
-    for t in (t for row in rows for t in row.tables):
-        assert t.confidences.shape == (t.n - 1, drafted - 1)
-        sizes = np.array([t.block_size_at(i, drafted) for i in range(1, t.n)])
-        in_block = np.arange(1, drafted)[None, :] < sizes[:, None]
-        assert np.isnan(t.confidences[~in_block]).all()
-        assert ((t.confidences[in_block] > 0) & (t.confidences[in_block] <= 1)).all()
-    every = TrimCalibration(drafted, (1.0,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS)  # uniform cost: keep every draft
-    metrics = evaluate_step_model(None, rows, CycleCost.uniform(), train_block_size=drafted, trim=every)
-    assert metrics["tau_trim"] == metrics["tau_B"], "verifying every draft of b is fixed b"
-    none = TrimCalibration(drafted, (0.0,) * CONFIDENCE_BINS, (1,) * CONFIDENCE_BINS, CycleCost({1: {1: 1.0, 8: 2.0}}))
-    assert evaluate_step_model(None, rows, CycleCost.uniform(), trim=none)["tau_trim"] == 1.0
-    line = CycleCost({1: {1: 1.0, drafted: 2.0}})
-    # A trimmed cycle still pays for its drafts: 1.6 of c(D) = 2 whatever it verifies, here timed at twice the
-    # level of `line`, which evaluation takes out through c(D).
-    dear = CycleCost({1: {1: 3.2, drafted: 4.0}}, drafted=drafted)
-    plain = evaluate_step_model(None, rows, line, trim=replace(every, cost=line))
-    priced = evaluate_step_model(None, rows, line, trim=replace(every, cost=dear))
-    none_verified = evaluate_step_model(None, rows, line, trim=replace(none, cost=dear))
-    assert priced["tau_trim"] == plain["tau_trim"] and priced["throughput_trim"] <= plain["throughput_trim"] + 1e-9
-    assert none_verified["throughput_trim"] == pytest.approx(1.0 / 1.6)  # a token per cycle at 1.6 (rescaled 3.2)
-    with pytest.raises(ValueError, match="cannot price trim's"):
-        evaluate_step_model(None, rows, line, trim=replace(every, cost=CycleCost({1: {1: 1.0}}, drafted=drafted + 1)))
-    with pytest.raises(ValueError, match="confidences of b"):
-        evaluate_step_model(None, rows, CycleCost.uniform(), trim=replace(every, block_size=drafted + 1))
-    older = [
-        StepRow(r.prompt_id, r.temperature, [replace(t, confidences=None) for t in r.tables], r.anchors) for r in rows
-    ]
-    with pytest.raises(ValueError, match="relabel"):
-        evaluate_step_model(None, older, CycleCost.uniform(), trim=every)
-    broken = {**table.filter(pc.is_valid(table["table_commits"])).slice(0, 1).to_pylist()[0]}
-    broken["table_confidences"] = broken["table_confidences"][:-1]
-    with pytest.raises(ValueError, match="confidences"):
-        tables_from_row(broken)
+        walk_step_model(model, replace(table, tokens=None), sweep_anchors(sweep))

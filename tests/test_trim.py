@@ -6,21 +6,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support import check_stats_invariants, greedy_reference
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
-from blockpilot.decoding.resolve import PolicySpec, resolve_policy
-from blockpilot.table import AcceptanceTable
-from blockpilot.trim import (
+from blockpilot.policies.resolve import PolicySpec, resolve_policy
+from blockpilot.policies.trim import (
     CONFIDENCE_BINS,
     DraftThenTrim,
     TrimCalibration,
-    calibrate_trim,
     survival_hits,
     verify_count,
     walk_trim,
 )
-from support import check_stats_invariants, greedy_reference
+from blockpilot.sweep import calibrate_trim
+from blockpilot.table import AcceptanceTable
 
 STEEP = CycleCost({1: {1: 1.0, 2: 1.6, 8: 8.0}})  # each verified position costs more than it can return
 

@@ -7,8 +7,8 @@ from support import greedy_reference
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.policies import FixedBlockSize
 from blockpilot.decoding.width import AcceptanceRate, expected_commit, priced_width
+from blockpilot.policies.fixed import FixedBlockSize
 
 
 def test_expected_commit_runs_from_one_token_to_the_whole_block():

@@ -32,22 +32,11 @@ from blockpilot.decoding.acceptance import (
     accept_greedy,
     accept_match,
     accept_rejection,
-    draft_confidence,
     sample_next,
     sample_tokens,
     temperature_probs,
 )
 from blockpilot.decoding.cache import SlotStore, TargetSlotCache
-from blockpilot.decoding.policies import (
-    Autoregressive,
-    BlockSizePolicy,
-    CycleState,
-    FixedBlockSize,
-    PrefillState,
-    distribution_summary,
-    initial_block_sizes,
-    next_block_sizes,
-)
 from blockpilot.decoding.request import (
     GenerationConfig,
     GenerationRecord,
@@ -59,6 +48,14 @@ from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
 from blockpilot.models.attention import GROUPED_SDPA, RaggedTokens, masked_attention_kernels
 from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.policies.base import (
+    BlockSizePolicy,
+    CycleState,
+    PrefillState,
+    distribution_summary,
+    draft_confidence,
+)
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 
 RECORD_TOP_K = 8
 # Joining prompts share a prefill pass while its padding stays under half its real tokens. One padded pass
@@ -144,6 +141,14 @@ def truncate_at_stop(tokens: list[int], stop_token_ids: Sequence[int]) -> list[i
     return tokens
 
 
+def _asked(policy: BlockSizePolicy, hook: Any, states: list[Any]) -> list[Any]:
+    """A batched hook of `policy` over `states`, checked to answer for every row."""
+    sizes = list(hook(states))
+    if len(sizes) != len(states):
+        raise ValueError(f"policy {policy.name!r} returned {len(sizes)} block sizes for {len(states)} rows")
+    return sizes
+
+
 def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"policy {policy.name!r} returned block size {block_size!r}; expected an integer >= 1")
@@ -184,7 +189,7 @@ class SpeculativeEngine:
     `run` drains the engine as a generator of `RowUpdate`s; `cancel` ends a row before the next cycle.
 
     With a cycle `cost` curve, each cycle's verify width is priced (`width.py`): greedy rows whose blocks are
-    wider than the batch's best width are capped at it for that cycle. Rows of unequal blocks run `packed`: the
+    wider than the batch's best width are capped at it for that cycle. Rows of unequal blocks run packed: the
     drafter's and the target's token-by-token layers (and both heads) see one sequence of every row's own block
     (`RaggedTokens`), not every row padded to the widest; only attention unpacks them, row by row.
     """
@@ -195,15 +200,14 @@ class SpeculativeEngine:
         *,
         max_batch: int = 1,
         cost: CyclePrice | None = None,
-        packed: bool = True,
     ) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
         self.cost = cost
-        # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`).
+        # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`); a target
+        # loaded with another attention verifies every row padded to the widest block.
         attention = getattr(models.target.config, "_attn_implementation", None)
-        self.packed_draft = packed
-        self.packed_verify = packed and attention == GROUPED_SDPA
+        self.packed_verify = attention == GROUPED_SDPA
         self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
         self.device = models.device
         self.target, self.drafter = models.target, models.drafter
@@ -386,7 +390,7 @@ class SpeculativeEngine:
         """Every joining row's first b from its policy's prefill hook, once per policy the rows share."""
         for group in _by_policy(rows):
             policy = rows[group[0]].policy
-            sizes = initial_block_sizes(policy, [rows[i].prefill_state for i in group])
+            sizes = _asked(policy, policy.initial_block_sizes, [rows[i].prefill_state for i in group])
             for index, size in zip(group, sizes, strict=True):
                 rows[index].block_size = rows[index].chosen_block_size = _checked(size, policy)
 
@@ -395,7 +399,8 @@ class SpeculativeEngine:
         with a model decides for the whole batch in one call."""
         for group in _by_policy([row for row, _ in rows]):
             policy = rows[group[0]][0].policy
-            for index, size in zip(group, next_block_sizes(policy, [rows[i][1] for i in group]), strict=True):
+            sizes = _asked(policy, policy.next_block_sizes, [rows[i][1] for i in group])
+            for index, size in zip(group, sizes, strict=True):
                 rows[index][0].block_size = _checked(size, policy)
 
     def _priced_sizes(self, rows: list[_Row], sizes: list[int]) -> list[int]:
@@ -422,7 +427,7 @@ class SpeculativeEngine:
         # read in place, never copied. Each row's slots from its length on are rewritten before they are read.
         self.context.reserve(n, span + width)
         block_sizes = torch.tensor(sizes, device=self.device)
-        packed = self.packed_draft and min(sizes) < width
+        packed = min(sizes) < width
         hidden = self.drafter.draft_blocks(
             self.embed,
             self.context.read_all(slice(0, n), span + width),
@@ -454,10 +459,9 @@ class SpeculativeEngine:
         keeps, given the drafter's top probability in each drafted slot."""
         out = list(sizes)
         for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
-            keep = getattr(row.policy, "verify_count", None)
-            if keep is None or size < 2 or draft_logits is None:
+            if not row.policy.trims or size < 2 or draft_logits is None:
                 continue
-            count = keep(draft_confidence(draft_logits[index, : size - 1]))
+            count = row.policy.verify_count(draft_confidence(draft_logits[index, : size - 1]))
             if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= size - 1:
                 raise ValueError(f"policy {row.policy.name!r} kept {count!r} drafts; expected an integer in [0, {size - 1}]")
             out[index] = count + 1

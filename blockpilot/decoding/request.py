@@ -13,7 +13,7 @@ from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
 if TYPE_CHECKING:
     import torch
 
-    from blockpilot.decoding.policies import BlockSizePolicy, PrefillState
+    from blockpilot.policies.base import BlockSizePolicy, PrefillState
 
 StopReason = Literal["stop", "length", "cancelled"]
 

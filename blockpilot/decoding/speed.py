@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blockpilot.decoding.engine import generate_many
-from blockpilot.decoding.policies import BlockSizePolicy
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.width import CyclePrice
 from blockpilot.models.loading import SpeculativeModels
+from blockpilot.policies.base import BlockSizePolicy
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from blockpilot.decoding.policies import PrefillState
+from blockpilot.policies.base import PrefillState
 
 INPUT_COLUMNS = ("topk_ids", "topk_probs", "entropy", "temperature")
 DENSE_COLUMN = "probs_fp16"  # the whole prefill distribution, only the dense kind reads it

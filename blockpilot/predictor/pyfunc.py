@@ -14,13 +14,13 @@ from mlflow.pyfunc import PythonModel
 class BlockSizeModel(PythonModel):
     """pyfunc input: a DataFrame with the model's input columns; output: the chosen block size per row.
     Per-request: `blockpilot.predictor.INPUT_COLUMNS` (and `probs_fp16` for the dense kind). Per-step: the model's
-    `config.features`."""
+    `config.features.names`."""
 
     def load_context(self, context):
         folder = Path(context.artifacts["predictor"])
         self.step = json.loads((folder / "config.json").read_text()).get("kind") == "step"
         if self.step:
-            from blockpilot.predictor.step import StepModel
+            from blockpilot.predictor.step_model import StepModel
 
             self.model = StepModel.load(folder)
         else:
@@ -30,7 +30,7 @@ class BlockSizeModel(PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[int]:
         if self.step:
-            features = list(self.model.config.features)
+            features = list(self.model.config.features.names)
             chosen = self.model.choose(model_input[features].to_numpy(dtype="float32"))
             return [int(self.model.config.candidates[k]) for k in chosen]
         from blockpilot.predictor.inputs import PredictorInputs, input_arrays

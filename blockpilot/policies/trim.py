@@ -9,7 +9,7 @@ prefix of the drafts verifies losslessly, so the output is exactly that of the a
 
 This is vLLM's confidence-scheduled adaptive verification on a DFlash drafter, with the calibration taken
 from the acceptance table instead of a profiling run. `TrimCalibration` is a small JSON file
-(`blockpilot calibrate-trim`); its cost curve is the one given when it was made (uniform without one, which
+(`blockpilot calibrate-trim`, `blockpilot.sweep.calibrate_trim`); its cost curve is the one given when it was made (uniform without one, which
 never trims: more verified drafts never commit fewer tokens).
 """
 
@@ -26,12 +26,16 @@ import torch
 
 from blockpilot.checks import positive_int
 from blockpilot.cost import CycleCost
-from blockpilot.decoding.acceptance import confidence_bin
-from blockpilot.decoding.policies import CycleState, PrefillState
 from blockpilot.files import write_text_atomic
+from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState
 from blockpilot.table import AcceptanceTable
 
 CONFIDENCE_BINS = 10
+
+
+def confidence_bin(confidence: torch.Tensor, bins: int) -> torch.Tensor:
+    """The bin of each confidence among `bins` equal-width bins over [0, 1] (a confidence of 1 in the last)."""
+    return torch.clamp((confidence * bins).long(), 0, bins - 1)
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,11 @@ def verify_count(calibration: TrimCalibration, confidences: torch.Tensor) -> int
     return max(range(len(rate)), key=lambda k: (rate[k], k))
 
 
-class DraftThenTrim:
+class DraftThenTrim(BlockSizePolicy):
     """Draft `calibration.block_size` slots every cycle; verify the prefix `verify_count` picks."""
 
     name = "trim"
+    trims = True
 
     def __init__(self, calibration: TrimCalibration) -> None:
         self.calibration = calibration
@@ -161,23 +166,3 @@ class DraftThenTrim:
 
     def verify_count(self, confidences: torch.Tensor) -> int:
         return verify_count(self.calibration, confidences)
-
-
-def calibrate_trim(
-    models: Any,
-    prompts: Sequence[Sequence[int]],
-    block_size: int,
-    *,
-    cost: CycleCost | None = None,
-    temperature: float = 0.0,
-    max_new_tokens: int = 128,
-    max_batch: int = 8,
-) -> TrimCalibration:
-    """Survival per confidence bin from the acceptance tables of `prompts` at `block_size`."""
-    from blockpilot.sweep import SweepConfig, sweep_prompts
-
-    config = SweepConfig(
-        (block_size,), temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids())
-    )
-    sweeps = sweep_prompts(models, prompts, list(range(len(prompts))), config, max_batch=max_batch)
-    return TrimCalibration.from_tables([table for sweep in sweeps for table in sweep.tables], cost)

@@ -1,4 +1,4 @@
-"""The trained predictor as a per-request block-size policy."""
+"""The trained per-request predictor (BlockPilot) as a policy: b from the prefill distribution, kept for the request."""
 
 from __future__ import annotations
 
@@ -6,15 +6,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from blockpilot.decoding.policies import PerRequestPolicy, PrefillState
+from blockpilot.policies.base import BlockSizePolicy, PrefillState
 from blockpilot.predictor.inputs import PredictorInputs
 from blockpilot.predictor.model import BlockSizePredictor
-
 
 PRIOR_DECISION = "learned_decision"  # where `LearnedPolicy` keeps its (b0, probabilities) in `PrefillState.derived`
 
 
-class LearnedPolicy(PerRequestPolicy):
+class LearnedPolicy(BlockSizePolicy):
     """b = the predictor's choice from the prefill distribution; kept for every cycle."""
 
     name = "learned"

@@ -7,12 +7,12 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
     entropy           the training-free heuristic over B-2 .. B+2
     learned:PATH      the trained per-request predictor (a folder, or an MLflow URI such as
                       models:/blockpilot-predictor@champion)
-    learned-step:PATH the per-step model (`blockpilot.predictor.step`): b before every cycle (a folder, or
+    learned-step:PATH the per-step model (`blockpilot.policies.step`): b before every cycle (a folder, or
                       models:/blockpilot-step-policy@champion)
     learned+step:PREDICTOR,STEP
                       both: the per-request predictor drafts the first cycle, the step model picks b before
                       every later one (reading the predictor's choice when it was trained with it)
-    trim:CALIBRATION  draft-then-trim (`blockpilot.trim`): draft the calibration's block size, verify the
+    trim:CALIBRATION  draft-then-trim (`blockpilot.policies.trim`): draft the calibration's block size, verify the
                       prefix whose calibrated survival pays for its priced cost (`blockpilot calibrate-trim`)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
@@ -27,7 +27,8 @@ from typing import Any
 
 from blockpilot.blocks import candidates_around
 from blockpilot.checks import positive_int
-from blockpilot.decoding.policies import Autoregressive, BlockSizePolicy, EntropyHeuristic, FixedBlockSize
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.fixed import Autoregressive, EntropyHeuristic, FixedBlockSize
 
 POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive")
 # Kinds that take files: the spec fields their argument fills (comma-separated when several), and what is missing
@@ -53,7 +54,7 @@ class PolicySpec:
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
-            raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.decoding.resolve), got {self.kind!r}")
+            raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.policies.resolve), got {self.kind!r}")
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
         if self.kind in _ARGUMENTS:
@@ -117,11 +118,12 @@ def resolve_policy(
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
     if spec.kind == "trim":
-        from blockpilot.trim import DraftThenTrim, TrimCalibration
+        from blockpilot.policies.trim import DraftThenTrim, TrimCalibration
 
         return DraftThenTrim(TrimCalibration.load(spec.calibration))
-    from blockpilot.predictor.policy import LearnedPolicy
-    from blockpilot.predictor.step import PriorStepPolicy, StepPolicy, load_step_model
+    from blockpilot.policies.learned import LearnedPolicy
+    from blockpilot.policies.step import PriorStepPolicy, StepPolicy
+    from blockpilot.predictor.step_model import load_step_model
     from blockpilot.predictor.store import load_predictor
 
     if spec.kind in ("learned", "learned+step"):
@@ -145,8 +147,7 @@ def resolve_policy(
 def check_predictor_fits(config: Any, models: Any) -> None:
     """Fail early, naming the mismatch, when a predictor was made for another target or drafter."""
     vocab = models.target.get_output_embeddings().weight.shape[0]
-    reads_ids = getattr(config, "uses_tokens", True)  # a per-request predictor always does; a step model may
-    if reads_ids and config.vocab_size != vocab:
+    if config.vocab_size != vocab:
         raise ValueError(f"predictor vocabulary mismatch: predictor vocab_size={config.vocab_size}, target has {vocab}")
     train = models.train_block_size
     if config.train_block_size is not None and train is not None and config.train_block_size != train:

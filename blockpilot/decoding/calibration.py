@@ -1,0 +1,158 @@
+"""Measuring the cost curve c(b, batch) of the engine's cycle on a device (`blockpilot calibrate`, `--cost auto`);
+the curve itself, its fit and its file are `blockpilot.cost`."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from blockpilot.checks import distinct_block_sizes
+from blockpilot.cost import CycleCost, nondecreasing_in_block_size, round_relative_medians
+from blockpilot.decoding.engine import SpeculativeEngine
+from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.models.loading import synchronize
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.fixed import FixedBlockSize
+
+
+class _DraftThenVerify(BlockSizePolicy):
+    """Drafts `drafted` slots every cycle and verifies `verified` positions: a trimmed cycle, for timing."""
+
+    name = "draft-then-verify"
+    trims = True
+
+    def __init__(self, drafted: int, verified: int) -> None:
+        self.drafted, self.verified = drafted, verified
+
+    def initial_block_size(self, prefill: Any) -> int:
+        return self.drafted
+
+    def next_block_size(self, cycle: Any) -> int:
+        return self.drafted
+
+    def verify_count(self, confidences: Any) -> int:
+        return min(self.verified - 1, len(confidences))
+
+
+def seconds_per_cycle(
+    models: Any,
+    prompts: Sequence[Sequence[int]],
+    block_sizes: Sequence[int],
+    cycles: int,
+    drafted: int | None = None,
+) -> float:
+    """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
+    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle).
+
+    The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
+    may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
+    """
+    if len(prompts) != len(block_sizes) or not prompts:
+        raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
+    engine = SpeculativeEngine(models, max_batch=len(prompts))
+    for prompt, b in zip(prompts, block_sizes, strict=True):
+        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
+        policy = FixedBlockSize(b) if drafted is None else _DraftThenVerify(drafted, b)
+        engine.submit(GenerationRequest(list(prompt), config, policy))
+    engine.step()  # admission (prefill) and the first cycle: not timed
+    started = time.perf_counter()
+    ran = 0
+    while engine.busy and ran < cycles:
+        engine.step()
+        ran += 1
+    synchronize(models.device)
+    return (time.perf_counter() - started) / max(ran, 1)
+
+
+def random_prompts(models: Any, count: int, length: int, generator: Any) -> list[list[int]]:
+    """`count` prompts of `length` uniformly drawn token ids of the target's vocabulary."""
+    vocab = models.target.get_input_embeddings().weight.shape[0]
+    return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def calibrate(
+    models: Any,
+    block_sizes: Sequence[int],
+    batch_sizes: Sequence[int] = (1,),
+    *,
+    prompt_tokens: int = 64,
+    cycles: int = 12,
+    repeats: int = 5,
+    warmup: int = 2,
+    drafted: int | None = None,
+) -> CycleCost:
+    """Median wall time of one engine cycle at each (batch, b), on the models' device; with `drafted`, of a
+    cycle that drafts that many slots and verifies b (draft-then-trim's price, `CycleCost.drafted`).
+
+    Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
+    `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
+    Repeats go round the block sizes (b = 1, 2, ..., then again): one round times every b once. A machine
+    whose speed drifts (a shared CPU) runs whole rounds faster or slower, so each b's median is taken over
+    its times relative to its round (`round_relative_medians`): the drift moves the curve's level, not its
+    shape, which is what choosing b reads. The medians at each batch are then fitted non-decreasing in b
+    (`nondecreasing_in_block_size`); the raw ones are kept as `measured`.
+    """
+    block_sizes = distinct_block_sizes(block_sizes, "block sizes")
+    batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
+    if drafted is not None and max(block_sizes) > drafted:
+        raise ValueError(f"cycles that draft {drafted} verify at most {drafted} positions, not b = {max(block_sizes)}")
+    generator = torch.Generator().manual_seed(0)
+    measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
+    for batch in batch_sizes:
+        prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
+        rounds = []
+        for attempt in range(warmup + repeats):
+            timed = {b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, drafted) for b in block_sizes}
+            if attempt >= warmup:
+                rounds.append(timed)
+        measured[batch] = round_relative_medians(rounds)
+    return CycleCost(
+        {batch: nondecreasing_in_block_size(by_b) for batch, by_b in measured.items()},
+        device=_device_name(models.device),
+        dtype=str(models.target.dtype).removeprefix("torch."),
+        versions=_versions(),
+        target_id=models.target_id,
+        drafter_id=models.drafter_id,
+        measured=measured,
+        drafted=drafted,
+    )
+
+
+def ladder(top: int, step: int) -> tuple[int, ...]:
+    """1, step, step^2, ... below `top`, then `top`: the sizes a short calibration measures up to `top`."""
+    if top < 1 or step < 2:
+        raise ValueError(f"a ladder needs top >= 1 and step >= 2, got top={top}, step={step}")
+    rungs, size = [], 1
+    while size < top:
+        rungs.append(size)
+        size *= step
+    return (*rungs, top)
+
+
+def serving_calibration(
+    models: Any, max_block_size: int, max_batch: int, *, cycles: int = 4, repeats: int = 3
+) -> CycleCost:
+    """A short `calibrate` for an engine about to serve: b = 1, 2, 4, ... up to `max_block_size` (the cost is
+    linear in b between them) at batch sizes 1, 4, 16, ... up to `max_batch` (the nearest one prices a batch)."""
+    return calibrate(
+        models, ladder(max_block_size, 2), ladder(max_batch, 4), cycles=cycles, repeats=repeats, warmup=1
+    )
+
+
+def _device_name(device: Any) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import blockpilot
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "blockpilot": blockpilot.__version__}

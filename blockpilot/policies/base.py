@@ -1,0 +1,117 @@
+"""The contract of a block-size policy, and the state its hooks see.
+
+A policy chooses the block size b a row drafts: once after prefill (`initial_block_size`, from the target's
+next-token distribution at the last prompt position), and again after every cycle (`next_block_size`; a policy that
+decides once per request keeps b). Two optional parts:
+
+- the batched forms `initial_block_sizes` / `next_block_sizes`: the engine always calls these, once for every row of a
+  batch that shares the policy; by default they loop over the per-row hooks, and a policy with a model overrides
+  them to decide for every row in one call;
+- `verify_count` (with `trims = True`): after the draft, given the drafter's top probability in each drafted slot,
+  how many drafts to verify (draft-then-trim). By default every draft is verified.
+
+A policy's `name` is what every surface reports (the CLI's JSON, the endpoint's `blockpilot` object, MLflow, the
+benchmarks). Every policy is lossless: it changes how many tokens a cycle drafts and verifies, never the output's
+distribution. The families are the modules beside this one; `resolve.py` builds one from a spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+
+def distribution_summary(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy (nats) and the top-k ids and probabilities of softmax(logits) at T = 1, for (..., V) logits:
+    (...,), (..., k), (..., k), most likely first. The one summary of a target distribution that the prefill
+    predictor, the per-step policies and the labels all read."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(dim=-1)
+    top_probs, top_ids = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)
+    return entropy, top_ids, top_probs
+
+
+def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): what draft-then-trim
+    calibrates on (tables) and decides with (the engine)."""
+    return torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
+
+
+@dataclass(frozen=True)
+class PrefillState:
+    """What is known right after prefill, before the first draft."""
+
+    next_token_logits: torch.Tensor  # (V,) fp32 logits at the last prompt position
+    prompt_ids: torch.Tensor  # (P,)
+    temperature: float
+    train_block_size: int | None  # the drafter's training block size B, None without a drafter
+    batch_rows: int = 1  # rows in the batch the request joins (itself included)
+    first_token: int | None = None  # g_0, drawn from `next_token_logits`: the first block's first token
+    # What policies derive from the prefill once per request and read again at later cycles (a per-request
+    # predictor's output), by name; it lives as long as the request.
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @cached_property
+    def probs(self) -> torch.Tensor:
+        """The next-token distribution at temperature 1, (V,) fp32."""
+        return torch.softmax(self.next_token_logits.float(), dim=-1)
+
+    @cached_property
+    def entropy(self) -> float:
+        """Entropy of `probs` in nats."""
+        return float(distribution_summary(self.next_token_logits, 1)[0])
+
+    def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely ids and their probabilities, most likely first: (k,), (k,)."""
+        _, ids, probs = distribution_summary(self.next_token_logits, k)
+        return ids, probs
+
+
+@dataclass(frozen=True)
+class CycleState:
+    """What one draft/verify cycle did; the input of the per-cycle hook, which picks the next cycle's b."""
+
+    cycle: int  # 0-based
+    block_size: int  # the b this cycle was drafted with
+    acceptance_length: int  # tokens it committed
+    new_tokens: int  # generated so far, the prefill's token included
+    max_new_tokens: int
+    temperature: float
+    # (V,) the target's logits that produced the next block's first token (the bonus): the distribution "at
+    # the anchor" of the next cycle, already computed by this cycle's verify pass.
+    anchor_logits: torch.Tensor | None = None
+    first_block_size: int | None = None  # the b the request started with (its per-request choice)
+    batch_rows: int = 1  # rows expected in the next cycle's batch: the ones going on, and waiting ones that fit
+    recent_tokens: tuple[int, ...] = ()  # the last (up to) two generated tokens, the next block's first one last
+    prefill: PrefillState | None = field(default=None, repr=False)  # the request's, as its first choice saw it
+
+
+class BlockSizePolicy:
+    """The base of every policy: b chosen after prefill and kept (override `next_block_size` to change it per
+    cycle), the batched hooks looping over the rows, every draft verified."""
+
+    name = "policy"
+    trims = False  # whether `verify_count` may keep fewer drafts than were drafted
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must choose the first block size")
+
+    def next_block_size(self, cycle: CycleState) -> int:
+        return cycle.block_size
+
+    def initial_block_sizes(self, prefills: Sequence[PrefillState]) -> list[int]:
+        """The first b of every joining row that shares this policy."""
+        return [self.initial_block_size(prefill) for prefill in prefills]
+
+    def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
+        """The next b of every going row that shares this policy."""
+        return [self.next_block_size(cycle) for cycle in cycles]
+
+    def verify_count(self, confidences: torch.Tensor) -> int:
+        """How many of the b - 1 drafts (their confidences (b - 1,), in slot order) the verify checks."""
+        return len(confidences)

@@ -1,0 +1,109 @@
+"""The per-step model (`blockpilot.predictor.step_model`) as a policy: b before every cycle, for every row that shares
+the policy in one model call, from what the last verify pass already computed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from blockpilot.data.labels import ANCHOR_TOP_K
+from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, distribution_summary
+from blockpilot.predictor.step_features import CycleView, tail_tokens
+from blockpilot.predictor.step_model import StepModel
+
+
+class StepPolicy(BlockSizePolicy):
+    """b at every cycle from the step model; the first cycle from the prefill's distribution, or from the per-request
+    policy `prior` when one is given."""
+
+    name = "learned-step"
+
+    def __init__(self, model: StepModel, prior: BlockSizePolicy | None = None) -> None:
+        if model.config.prior and not callable(getattr(prior, "probabilities", None)):
+            raise ValueError(
+                "this step model was trained beside a per-request predictor and reads its choice and probabilities: "
+                "use it with that predictor (learned+step:PREDICTOR,STEP_MODEL)"
+            )
+        self.model = model
+        self.candidates = model.config.candidates
+        self.prior = prior
+
+    def _choose(
+        self,
+        logits: torch.Tensor,  # (N, V) the anchor distributions
+        recent_tokens: Sequence[Sequence[int]],  # N generation tails, each ending at the block's first token
+        prefills: Sequence[PrefillState],  # each row's, as its first choice saw it
+        **known: np.ndarray,  # temperature, cursor, last_accepted, last_block_size, prior_block_size, batch_rows
+    ) -> list[int]:
+        """The candidate the model picks for each of N rows, from one summary of their distributions, one
+        device-to-host read and one model call."""
+        entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
+        summary = torch.cat([entropy[:, None], top_probs], dim=1).cpu().numpy()
+        probabilities = None
+        if self.model.config.prior:
+            probabilities = np.stack([self.prior.probabilities(prefill) for prefill in prefills])
+        view = CycleView(
+            summary[:, 0],
+            summary[:, 1:],
+            tokens=tail_tokens(recent_tokens),
+            prior_probabilities=probabilities,
+            **known,
+        )
+        return [self.candidates[int(k)] for k in self.model.choose(self.model.config.features.build(view))]
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self.initial_block_sizes([prefill])[0]
+
+    def initial_block_sizes(self, prefills: Sequence[PrefillState]) -> list[int]:
+        """The first b of every joining request, in one call of the prior or of the model."""
+        if self.prior is not None:
+            return self.prior.initial_block_sizes(prefills)
+        return self._choose(
+            torch.stack([prefill.next_token_logits for prefill in prefills]),
+            [(prefill.first_token,) for prefill in prefills],
+            prefills,
+            temperature=np.asarray([prefill.temperature for prefill in prefills], dtype=np.float32),
+            cursor=np.ones(len(prefills)),
+            batch_rows=np.asarray([prefill.batch_rows for prefill in prefills]),
+        )
+
+    def next_block_size(self, cycle: CycleState) -> int:
+        return self.next_block_sizes([cycle])[0]
+
+    def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
+        """The next b of every row that shares this policy, in one model call."""
+        out = [cycle.block_size for cycle in cycles]
+        deciding = [i for i, cycle in enumerate(cycles) if cycle.anchor_logits is not None]
+        if not deciding:
+            return out
+        chosen = [cycles[i] for i in deciding]
+
+        def column(name: str) -> np.ndarray:
+            return np.asarray([getattr(cycle, name) for cycle in chosen])
+
+        sizes = self._choose(
+            torch.stack([cycle.anchor_logits for cycle in chosen]),
+            [cycle.recent_tokens for cycle in chosen],
+            [cycle.prefill for cycle in chosen],
+            temperature=column("temperature"),
+            cursor=column("new_tokens"),  # after a cycle the row holds `new_tokens` tokens: the next block's cursor
+            last_accepted=column("acceptance_length"),
+            last_block_size=column("block_size"),
+            prior_block_size=column("first_block_size") if self.model.config.prior else None,
+            batch_rows=column("batch_rows"),
+        )
+        for i, size in zip(deciding, sizes, strict=True):
+            out[i] = size
+        return out
+
+
+class PriorStepPolicy(StepPolicy):
+    """The per-request predictor drafts the first cycle (its b0, from the prefill); the step model picks b before
+    every later cycle, reading b0 and the predictor's probabilities when it was trained with them."""
+
+    name = "learned+step"
+
+    def __init__(self, model: StepModel, prior: BlockSizePolicy) -> None:
+        super().__init__(model, prior)

@@ -1,0 +1,250 @@
+"""The step model's data, from label rows with acceptance tables: training cycles with every candidate's regret,
+and the model's walks over held-out tables, scored with the metrics of `blockpilot.walks`.
+
+Labels: Q(i, b) of `AcceptanceTable.cost_to_go` under a cycle cost (committed tokens per unit cost is what is
+maximized); for a load-aware model, under the cost at each of its batch sizes, every cycle once per load. The last
+cycle depends on the path to cursor i, so the training cycles are those of every candidate's fixed-b walk over each
+table, each with the last cycle that walk ran; the model learns each candidate's regret there, Q(i, b) - min_b
+Q(i, b) (`regret_dataset`: along any walk the regrets add up to its excess cost). Evaluation walks each held-out
+table cycle by cycle with the model's choices (`walk_step_model`), as the engine runs it live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from blockpilot.cost import CycleCost, nearest_batch_size
+from blockpilot.predictor.step_features import CycleView, anchor_tokens
+from blockpilot.predictor.step_model import StepModel
+from blockpilot.table import AcceptanceTable, tables_from_row
+from blockpilot.walks import (
+    POLICY_COLUMNS,
+    fixed_walks_of_tables,
+    policy_table,
+    step_oracle,
+    temperature_groups,
+    walk_metrics,
+)
+
+STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens", "vocab_size"]
+STEP_COLUMNS += ["table_commits", "table_anchors", "table_tokens", "anchor_entropy", "anchor_top_probs"]
+
+
+@dataclass(frozen=True)
+class Anchors:
+    """The target's distribution at every cursor 1 .. n - 1 of one table (row i - 1 is cursor i): its entropy (n - 1,)
+    and top probabilities (n - 1, K); and the row's temperature."""
+
+    entropy: np.ndarray
+    top_probs: np.ndarray
+    temperature: float
+
+    def view(self, table: AcceptanceTable, cursors: np.ndarray, **known: Any) -> CycleView:
+        """The `CycleView` of the cycles at `cursors` (M,) of `table`; `known` holds what the walk knows besides
+        (the last cycle, the prior, the load)."""
+        cursors = np.asarray(cursors, dtype=np.int64)
+        if table.tokens is None:
+            raise ValueError("a step model reads the block's first tokens: the table must know its sequence")
+        return CycleView(
+            self.entropy[cursors - 1],
+            self.top_probs[cursors - 1],
+            self.temperature,
+            cursors,
+            anchor_tokens(table.tokens, cursors),
+            **known,
+        )
+
+
+@dataclass
+class StepRow:
+    """One label row's tables with the anchors of every cursor (samples in table order)."""
+
+    prompt_id: str
+    temperature: float
+    tables: list[AcceptanceTable]
+    anchors: list[Anchors]  # one per table
+    prior_block_size: int | None = None  # the per-request predictor's b0 for the row, when there is one
+    prior_probabilities: np.ndarray | None = None  # (K,) its probability of every candidate
+
+
+def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
+    """Label rows with acceptance tables as `StepRow`s; rows without them (errors, live sweeps) are skipped. With a
+    per-request predictor `prior` (a `BlockSizePredictor`), each row carries b0, its choice from the row's prefill
+    distribution, and its probabilities over the candidates."""
+    missing = [c for c in STEP_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"labels lack the columns a step model needs: {missing}")
+    table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
+    priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
+    out = []
+    for row, (b0, probabilities) in zip(table.select(STEP_COLUMNS).to_pylist(), priors, strict=True):
+        tables = tables_from_row(row)
+        if not tables:
+            continue
+        entropy = np.asarray(row["anchor_entropy"], dtype=np.float32)
+        top = np.asarray(row["anchor_top_probs"], dtype=np.float32).reshape(len(entropy), -1)
+        anchors, start = [], 0
+        for t in tables:
+            span = slice(start, start + t.n - 1)
+            anchors.append(Anchors(entropy[span], top[span], float(row["temperature"])))
+            start += t.n - 1
+        if start != len(entropy):
+            raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
+        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0, probabilities))
+    if not out:
+        raise ValueError("no label row carries an acceptance table with anchor features (label with --mode replay)")
+    return out
+
+
+def _prior_choices(predictor: Any, table: pa.Table) -> list[tuple[int, np.ndarray]]:
+    """The per-request predictor's b0 and probabilities over the candidates (K,) for every row of `table`, from
+    the rows' prefill columns."""
+    from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorInputs, input_arrays
+
+    candidates = {tuple(c) for c in table["candidates"].to_pylist()}
+    if candidates != {tuple(predictor.config.candidates)}:
+        raise ValueError(
+            f"the per-request predictor's candidates {list(predictor.config.candidates)} are not the labels' "
+            f"{[list(c) for c in sorted(candidates)]}"
+        )
+    dense = predictor.config.kind == "dense"
+    columns = table.select([*INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]).to_pydict()
+    inputs = PredictorInputs.from_arrays(input_arrays(columns, dense))
+    return list(zip(*predictor.decide(inputs), strict=True))
+
+
+def fixed_walk_cycles(table: AcceptanceTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every cycle of every candidate's fixed-b walk over `table`: (cursor, last acceptance length, last b)
+    per cycle, each (M,), M = the cycles of all walks; (0, 0) before a walk's first cycle."""
+    cursors, last_accepted, last_sizes = [], [], []
+    for b in table.candidates:
+        cursor, accepted, size = 1, 0, 0
+        for step in table.walk(b):
+            cursors.append(cursor)
+            last_accepted.append(accepted)
+            last_sizes.append(size)
+            cursor, accepted, size = cursor + step, step, b
+    return np.asarray(cursors, dtype=np.int64), np.asarray(last_accepted), np.asarray(last_sizes)
+
+
+def regret_dataset(
+    rows: list[StepRow], model: StepModel, cost: CycleCost
+) -> tuple[np.ndarray, np.ndarray]:
+    """(X (M, F), R (M, K)): the features `model` reads of every cycle of every candidate's fixed-b walk
+    (`fixed_walk_cycles`), and the regret of choosing each candidate there: Q(i, b) - min_b Q(i, b), what the choice
+    adds to the cost of the rest of the generation, in cycles of the smallest candidate at the price used. For a
+    load-aware model, every cycle once per load n, priced with c(b, n).
+
+    Since Q(i, b) = c(b) + min Q at the cursor the cycle lands on, the regrets of any walk's cycles add up to that
+    walk's cost over the per-step oracle's: the mean regret is what a policy loses, cycle for cycle. A relative
+    regret, Q / min Q - 1, divides by the cost left to the end, so the last cycles of a sequence outweighed the rest
+    (docs/log.md, "The regret a step model learns")."""
+    spec = model.config.features
+    features, regrets = [], []
+    for load in model.config.loads or (None,):
+        priced = cost if load is None else cost.at_batch(load)
+        for row in rows:
+            for t, anchors in zip(row.tables, row.anchors, strict=True):
+                if t.n < 2:
+                    continue
+                _, q = t.cost_to_go(priced)  # (K, n - 1)
+                unit = priced(min(t.candidates))
+                cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
+                view = anchors.view(
+                    t,
+                    cursors,
+                    last_accepted=last_accepted,
+                    last_block_size=last_sizes,
+                    prior_block_size=row.prior_block_size,
+                    prior_probabilities=row.prior_probabilities,
+                    batch_rows=load or 1,
+                )
+                features.append(spec.build(view))
+                regrets.append(((q - q.min(axis=0, keepdims=True)) / unit).T[cursors - 1])
+    return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
+
+
+def walk_step_model(
+    model: StepModel,
+    table: AcceptanceTable,
+    anchors: Anchors,
+    prior_block_size: int | None = None,
+    prior_probabilities: np.ndarray | None = None,
+    batch_rows: int = 1,
+) -> tuple[list[int], list[int]]:
+    """(block sizes, acceptance lengths) of the step model's walk over `table`, cycle by cycle, as the engine runs
+    it: b0 drafts the first cycle when there is one, the model picks every other b from what it reads."""
+    spec, candidates = model.config.features, table.candidates
+    if spec.prior and (prior_block_size is None or prior_probabilities is None):
+        raise ValueError("this step model reads a per-request prior: walk it with the prior's b0 and probabilities")
+
+    def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
+        if last_size is None and prior_block_size is not None:
+            return prior_block_size
+        view = anchors.view(
+            table,
+            [cursor],
+            last_accepted=last_accepted or 0,
+            last_block_size=last_size or 0,
+            prior_block_size=prior_block_size,
+            prior_probabilities=prior_probabilities,
+            batch_rows=batch_rows,
+        )
+        return candidates[int(model.choose(spec.build(view))[0])]
+
+    return table.walk_policy(choose)
+
+
+def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> tuple[float, float, float]:
+    """(tokens, cycles, cost) of the step model's walks over the row's tables."""
+    tokens = cycles = spent = 0.0
+    for table, anchors in zip(row.tables, row.anchors, strict=True):
+        sizes, _ = walk_step_model(model, table, anchors, row.prior_block_size, row.prior_probabilities, load)
+        tokens += table.n - 1
+        cycles += len(sizes)
+        spent += table.walk_cost(sizes, cost=cost)
+    return tokens, cycles, spent
+
+
+def evaluate_step_model(
+    model: StepModel | None,
+    rows: list[StepRow],
+    cost: CycleCost,
+    train_block_size: int | None = None,
+    load: int | None = None,
+) -> dict[str, float]:
+    """The metrics of `blockpilot.walks` on the rows' tables, over all rows and per temperature: fixed B, the best
+    fixed b, the static oracle, the per-request predictor (`request`, when the rows carry its b0), the step model
+    (`step`, when given; after b0 when it reads one) and the per-step oracle. Fixed B is the model's training block
+    size, else `train_block_size`. Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch
+    size of `cost` without one; a load-aware model reads that load."""
+    candidates = rows[0].tables[0].candidates
+    if model is not None and model.config.candidates != candidates:
+        raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
+    if load is None:
+        load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
+    else:
+        cost = cost.at_batch(load)
+    walks = fixed_walks_of_tables([row.tables for row in rows], cost)
+    policies = {}
+    if all(row.prior_block_size is not None for row in rows):  # the per-request predictor's b0, kept throughout
+        first = np.asarray([candidates.index(row.prior_block_size) for row in rows])
+        policies["request"] = lambda index: walks.rows(index).chosen(first[index])
+    if model is not None:
+        stepped = np.asarray([_step_walks(row, model, cost, load) for row in rows])
+        policies["step"] = lambda index: tuple(stepped[index].sum(axis=0))
+    oracles = np.asarray([step_oracle(row.tables, cost) for row in rows])
+    train = model.config.train_block_size if model is not None else train_block_size
+    groups = temperature_groups([row.temperature for row in rows])
+    return walk_metrics(walks, groups, candidates, train, policies, oracles)
+
+
+def format_step_metrics(title: str, metrics: dict[str, float]) -> str:
+    """The evaluation's table, a column for each policy that was evaluated."""
+    return policy_table(title, metrics, POLICY_COLUMNS)
+

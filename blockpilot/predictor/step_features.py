@@ -1,0 +1,133 @@
+"""What the per-step model reads before a cycle, declared once: the engine (live), training (every cycle of the
+label tables' walks) and table walks (evaluation) all build the model's input with `StepFeatures.build` from a
+`CycleView` of the cycles they decide.
+
+Features of the cycle at cursor i (its block's first token is g_{i-1}; nothing extra is computed for them):
+- the target's distribution that produced g_{i-1} (at the first cycle, the prefill's): its entropy and top
+  `ANCHOR_TOP_K` probabilities; the sampling temperature; log(1 + i);
+- the last cycle: log(1 + a) and a / b of its acceptance length a and block size b (both 0 before the first cycle);
+- the block's first token g_{i-1} and the one before it (`NO_TOKEN` at cursor 1), each read through a learned
+  embedding: where the generation is (a separator, the middle of a number, a copied span) says how far the drafter
+  will be right, and the anchor's distribution does not;
+- with a per-request prior: log(b0), b0 the per-request predictor's choice for the request (which also drafts the
+  first cycle), and its probability of every candidate;
+- for a load-aware model: log of the rows in the cycle's batch, which picks the model's head for that load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from blockpilot.data.labels import ANCHOR_TOP_K
+
+TOKEN_FEATURES = ("anchor_token", "previous_token")
+NO_TOKEN = -1  # the token before the first block's first one: there is none in the generation
+
+
+@dataclass(frozen=True)
+class CycleView:
+    """What is known of N cycles before each is drafted. Arrays have N rows; a scalar holds for every cycle."""
+
+    entropy: np.ndarray  # (N,) the target's distribution at the anchor: its entropy (nats)
+    top_probs: np.ndarray  # (N, >= ANCHOR_TOP_K) and its top probabilities, most likely first
+    temperature: np.ndarray | float
+    cursor: np.ndarray  # (N,) i: the tokens generated before the block
+    tokens: np.ndarray | None  # (N, 2) `anchor_tokens`: the block's first token and the one before it
+    last_accepted: np.ndarray | int = 0  # the last cycle's acceptance length; 0 before the first cycle
+    last_block_size: np.ndarray | int = 0  # the last cycle's b; 0 before the first cycle
+    prior_block_size: np.ndarray | int | None = None  # b0, the per-request predictor's choice
+    prior_probabilities: np.ndarray | None = None  # (K,) or (N, K) its probability of every candidate
+    batch_rows: np.ndarray | int = 1  # the rows in each cycle's batch
+
+
+def anchor_tokens(generated: Sequence[int] | np.ndarray, cursors: Sequence[int] | np.ndarray) -> np.ndarray:
+    """(N, 2) token features of the cycles at `cursors` (N,): the block's first token g_{i-1} and the one before it
+    g_{i-2} (`NO_TOKEN` at cursor 1), from the generated sequence g_0.. (at least up to g_{i-1})."""
+    generated, cursors = np.asarray(generated, dtype=np.int64), np.asarray(cursors, dtype=np.int64)
+    before = np.where(cursors >= 2, generated[np.maximum(cursors - 2, 0)], NO_TOKEN)
+    return np.stack([generated[cursors - 1], before], axis=1)
+
+
+def tail_tokens(tails: Sequence[Sequence[int]]) -> np.ndarray:
+    """(N, 2) `anchor_tokens` of N live rows from the tails of their generations (each ending at the block's first
+    token): a tail of one token is the generation's first (cursor 1), with no token before it."""
+    if not all(tails):
+        raise ValueError("every row's generation tail needs its block's first token")
+    pairs = [(tail[-1], NO_TOKEN if len(tail) == 1 else tail[-2]) for tail in tails]
+    return np.asarray(pairs, dtype=np.int64)
+
+
+def _needs(value: object, what: str) -> object:
+    if value is None:
+        raise ValueError(f"this step model reads {what}: give it with the cycles")
+    return value
+
+
+def _accepted_share(view: CycleView) -> np.ndarray:
+    accepted = np.asarray(view.last_accepted, dtype=np.float32)
+    size = np.asarray(view.last_block_size, dtype=np.float32)
+    return np.where(size > 0, accepted / np.maximum(size, 1.0), 0.0)
+
+
+Column = Callable[[CycleView], object]
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """The step model's input columns, in order, and how each is computed from a `CycleView`."""
+
+    candidates: tuple[int, ...]
+    prior: bool = False  # reads the per-request predictor's b0 and probabilities
+    load: bool = False  # reads the rows in the cycle's batch (a load-aware model)
+
+    @cached_property
+    def groups(self) -> tuple[tuple[tuple[str, ...], Column], ...]:
+        groups: list[tuple[tuple[str, ...], Column]] = [
+            (("entropy",), lambda v: v.entropy),
+            (tuple(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), lambda v: np.asarray(v.top_probs)[:, :ANCHOR_TOP_K]),
+            (("temperature",), lambda v: v.temperature),
+            (("log_cursor",), lambda v: np.log1p(np.asarray(v.cursor, dtype=np.float32))),
+            (("log1p_last_accepted",), lambda v: np.log1p(np.asarray(v.last_accepted, dtype=np.float32))),
+            (("last_accepted_share",), _accepted_share),
+            (TOKEN_FEATURES, lambda v: _needs(v.tokens, "the block's first tokens")),
+        ]
+        if self.prior:
+            prior = "the per-request predictor's choice"
+            groups.append((("log_prior_b",), lambda v: np.log(np.asarray(_needs(v.prior_block_size, prior), float))))
+            groups.append(
+                (tuple(f"prior_p_b{b}" for b in self.candidates), lambda v: _needs(v.prior_probabilities, prior))
+            )
+        if self.load:
+            groups.append((("log_batch_rows",), lambda v: np.log(np.asarray(v.batch_rows, dtype=np.float32))))
+        return tuple(groups)
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for names, _ in self.groups for name in names)
+
+    @cached_property
+    def token_columns(self) -> list[int]:
+        """The columns holding token ids: looked up in an embedding, never standardized."""
+        return [self.names.index(name) for name in TOKEN_FEATURES]
+
+    @cached_property
+    def load_column(self) -> int | None:
+        """The column of log(batch rows), which picks a load-aware model's head; None without one."""
+        return self.names.index("log_batch_rows") if self.load else None
+
+    def build(self, view: CycleView) -> np.ndarray:
+        """(N, len(names)) float32: every column of every cycle of `view`."""
+        n = len(np.asarray(view.entropy))
+        out = np.empty((n, len(self.names)), dtype=np.float32)
+        start = 0
+        for names, column in self.groups:
+            value = np.asarray(column(view), dtype=np.float32)
+            if len(names) == 1 and value.ndim == 1:
+                value = value[:, None]  # (N,) -> (N, 1); a scalar or a (K,) row broadcasts as it is
+            out[:, start : start + len(names)] = value
+            start += len(names)
+        return out

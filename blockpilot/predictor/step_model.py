@@ -1,0 +1,220 @@
+"""The per-step block-size model: before every cycle, a score for each candidate b from the cycle's features
+(`step_features`); the policy takes the best. It learns each candidate's regret, Q(i, b) - min_b Q(i, b): what
+choosing b at cursor i adds to the cost of the rest of the generation over the per-step oracle (`step_data`).
+
+One forward: the features standardized on the training cycles (token ids excepted), the token ids through an
+embedding, then an MLP with one hidden layer; a load-aware model (one whose cost curve was measured at several batch
+sizes) has one such MLP per load and sends each row to the head of its batch's nearest load. One MLP fed log(batch
+rows) as an input did not learn the loads apart (docs/log.md, "A step model for every load").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from blockpilot.checks import distinct_block_sizes, positive_int
+from blockpilot.cost import nearest_batch_size
+from blockpilot.files import load_weights_folder, save_weights_folder
+from blockpilot.predictor.step_features import StepFeatures
+
+
+@dataclass(frozen=True)
+class StepModelConfig:
+    candidates: tuple[int, ...]
+    vocab_size: int  # the target's vocabulary: token ids past it read as NO_TOKEN
+    hidden_size: int = 64
+    train_block_size: int | None = None
+    target_id: str = ""
+    drafter_id: str = ""
+    prior: bool = False  # reads the per-request predictor's b0 and probabilities (`learned+step`)
+    loads: tuple[int, ...] = ()  # a load-aware model: the batch sizes it was trained at, one head each
+    token_dims: int = 8  # the token embedding's width
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
+        object.__setattr__(self, "loads", distinct_block_sizes(self.loads, "loads") if self.loads else ())
+        positive_int(self.vocab_size, "vocab_size")
+        positive_int(self.hidden_size, "hidden_size")
+        positive_int(self.token_dims, "token_dims")
+
+    @property
+    def features(self) -> StepFeatures:
+        return StepFeatures(self.candidates, prior=self.prior, load=bool(self.loads))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "candidates": list(self.candidates),
+            "loads": list(self.loads),
+            "features": list(self.features.names),  # for readers; derived, checked on load
+            "kind": "step",
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StepModelConfig:
+        raw = {k: v for k, v in raw.items() if k != "kind"}
+        saved_features = raw.pop("features", None)
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"step model config: unknown fields {sorted(unknown)}")
+        config = cls(**{**raw, "candidates": tuple(raw["candidates"]), "loads": tuple(raw.get("loads", ()))})
+        if saved_features is not None and tuple(saved_features) != config.features.names:
+            raise ValueError(
+                f"the step model reads {saved_features}, this version builds {list(config.features.names)}: "
+                "train it again with `blockpilot train-step`"
+            )
+        return config
+
+
+class StepModel(nn.Module):
+    """(N, F) features -> (N, K) scores of the candidates (minus the regret it predicts for each)."""
+
+    def __init__(self, config: StepModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        spec = config.features
+        width = len(spec.names)
+        self.register_buffer("feature_mean", torch.zeros(width))
+        self.register_buffer("feature_scale", torch.ones(width))
+        self._tokens = spec.token_columns
+        self._load = spec.load_column
+        self._numeric = [i for i in range(width) if i not in self._tokens and i != self._load]
+        # One embedding row past the vocabulary for NO_TOKEN (and any id outside it).
+        self.token_embedding = nn.Embedding(config.vocab_size + 1, config.token_dims)
+        inputs = len(self._numeric) + len(self._tokens) * config.token_dims
+
+        def mlp() -> nn.Sequential:
+            return nn.Sequential(
+                nn.Linear(inputs, config.hidden_size), nn.ReLU(), nn.Linear(config.hidden_size, len(config.candidates))
+            )
+
+        if config.loads:
+            self.heads = nn.ModuleList(mlp() for _ in config.loads)
+        else:
+            self.net = mlp()
+
+    @torch.no_grad()
+    def standardize(self, features: np.ndarray) -> StepModel:
+        """Center and scale every numeric feature by its mean and standard deviation over `features` (N, F), the
+        training cycles (a feature constant over them keeps scale 1). The raw features span unlike ranges
+        (probabilities, log cursor, log b0); unscaled, a fit with a varying prior stalled on a worse policy."""
+        x = torch.as_tensor(np.asarray(features, dtype=np.float32))
+        if x.ndim != 2 or x.shape[1] != len(self.feature_mean) or x.shape[0] == 0:
+            raise ValueError(f"standardize needs (N >= 1, {len(self.feature_mean)}) features, got {tuple(x.shape)}")
+        spread = x.std(dim=0, unbiased=False)
+        self.feature_mean.copy_(x.mean(dim=0))
+        self.feature_scale.copy_(torch.where(spread > 1e-6, spread, torch.ones_like(spread)))
+        self.feature_mean[self._tokens] = 0.0
+        self.feature_scale[self._tokens] = 1.0
+        return self
+
+    def _heads_of_rows(self, features: torch.Tensor) -> torch.Tensor:
+        """(N,) the head (index into `config.loads`) of each row: its batch size's nearest load, the rule that
+        prices a cycle at that batch (`nearest_batch_size`)."""
+        loads = self.config.loads
+        rows = torch.exp(features[:, self._load].double()).round().long()
+        distinct, inverse = torch.unique(rows, return_inverse=True)
+        heads = [loads.index(nearest_batch_size(loads, int(n))) for n in distinct]
+        return torch.as_tensor(heads, device=features.device)[inverse]
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = ((features - self.feature_mean) / self.feature_scale)[:, self._numeric]
+        ids = features[:, self._tokens].round().long()
+        vocab = self.config.vocab_size
+        ids = torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
+        x = torch.cat([x, self.token_embedding(ids).flatten(1)], dim=1)
+        if not self.config.loads:
+            return self.net(x)
+        heads = self._heads_of_rows(features)
+        out = x.new_zeros(x.shape[0], len(self.config.candidates))
+        for index, head in enumerate(self.heads):
+            rows = (heads == index).nonzero().flatten()
+            if rows.numel():
+                out = out.index_copy(0, rows, head(x[rows]))
+        return out
+
+    @torch.no_grad()
+    def choose(self, features: np.ndarray) -> np.ndarray:
+        """(N,) the index of the best-scored candidate for each row of `features` (N, F)."""
+        return self(torch.tensor(np.asarray(features, dtype=np.float32))).argmax(dim=-1).numpy()  # a copy: inputs may be read-only
+
+    def save(self, directory: str | Path) -> Path:
+        return save_weights_folder(directory, self.config.to_dict(), self.state_dict())
+
+    @classmethod
+    def load(cls, directory: str | Path) -> StepModel:
+        config, state = load_weights_folder(directory, "step model")
+        if config.get("kind") != "step":
+            raise ValueError(f"{str(directory)!r} holds a {config.get('kind', 'per-request')!r} model, not a step model")
+        model = cls(StepModelConfig.from_dict(config))
+        model.load_state_dict(state)
+        return model.eval()
+
+
+def load_step_model(path_or_uri: str | Path) -> StepModel:
+    """A step model from a folder or an MLflow model URI (`models:/blockpilot-step-policy@champion`)."""
+    from blockpilot.predictor.store import resolve_predictor_dir
+
+    return StepModel.load(resolve_predictor_dir(path_or_uri))
+
+
+def regret_loss(scores: torch.Tensor, regret: torch.Tensor) -> torch.Tensor:
+    """The squared error of the model's scores (N, K) as minus the regret (N, K) of every candidate, plus the regret
+    expected under softmax(scores), both averaged over rows.
+
+    The expected regret alone is what a policy pays, but it has plateaus where the softmax is sure, and its fits
+    landed on one of two policies by seed. The regression alone is stable, but where the candidates' regrets differ
+    by less than its error (a flat price) it chose worse than one fixed b. Together: the regression ties the scores
+    to the regrets' scale, the expected regret orders the close ones (docs/log.md, "The regret a step model learns")."""
+    squared = ((scores + regret) ** 2).mean()
+    return squared + (torch.softmax(scores, dim=-1) * regret).sum(dim=-1).mean()
+
+
+def fit_step_model(
+    model: StepModel,
+    features: np.ndarray,
+    regret: np.ndarray,
+    *,
+    epochs: int = 20,
+    batch_size: int = 256,
+    lr: float = 3e-3,
+    seed: int = 0,
+    first_epoch: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    on_epoch: Any = None,
+) -> StepModel:
+    """Minimize `regret_loss` with AdamW (or `optimizer`); `on_epoch(epoch, loss)` after each epoch. A NaN
+    loss stops. A fit from epoch 0 first standardizes the model's inputs on `features`. An interrupted fit
+    continues exactly from `first_epoch` with the model (standardization included) and optimizer state it had
+    saved after the epoch before: the shuffles of the skipped epochs are drawn again, not used."""
+    if not 0 <= first_epoch <= epochs:
+        raise ValueError(f"first_epoch must be within [0, {epochs}], got {first_epoch}")
+    if first_epoch == 0:
+        model.standardize(features)
+    generator = torch.Generator().manual_seed(seed)
+    x, r = (torch.as_tensor(np.asarray(a, dtype=np.float32)) for a in (features, regret))
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for epoch in range(epochs):
+        order, total = torch.randperm(len(x), generator=generator), 0.0
+        if epoch < first_epoch:
+            continue
+        for start in range(0, len(x), batch_size):
+            index = order[start : start + batch_size]
+            loss = regret_loss(model(x[index]), r[index])
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step model loss is {loss.item()} at epoch {epoch}")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(index)
+        if on_epoch is not None:
+            on_epoch(epoch, total / len(x))
+    return model.eval()

@@ -1,0 +1,161 @@
+"""The metrics of block-size policies over label rows, defined once: the label summary, the predictor's and the step
+model's reports, MLflow, the demo and the notebooks all read these names.
+
+A policy's walks over a set of rows commit tokens in cycles, each cycle priced by the cost curve c(b):
+
+    tau_<policy>         committed tokens / cycles
+    throughput_<policy>  committed tokens / cost (tokens per second with a calibrated curve, per cycle without)
+
+Policies by name:
+
+    B            the drafter's training block size, every cycle
+    best_fixed   the one candidate with the highest throughput over the rows evaluated (`best_fixed_b` names it;
+                 under a uniform cost, the one with the highest tau)
+    oracle       the static oracle: each row's own best single b (hindsight, per row)
+    step_oracle  the per-step oracle: the cheapest walk choosing b at every cycle (rows with acceptance tables)
+    pred         the per-request predictor under test (`scoring`); `request` the same as a step model's prior
+    step         the per-step model under test
+
+Each metric is computed over all rows (no prefix) and over each group of rows a caller names: per temperature
+(`T<t>/`, `temperature_groups`), per source (`source/<name>/`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from blockpilot.cost import CycleCost
+from blockpilot.table import AcceptanceTable
+
+
+@dataclass
+class FixedWalks:
+    """What each candidate's fixed-b walks spend on each row: (N, K) committed tokens, cycles and cost."""
+
+    tokens: np.ndarray
+    cycles: np.ndarray
+    cost: np.ndarray
+
+    def rows(self, index: np.ndarray) -> FixedWalks:
+        return FixedWalks(self.tokens[index], self.cycles[index], self.cost[index])
+
+    def chosen(self, choice: np.ndarray) -> tuple[float, float, float]:
+        """(tokens, cycles, cost) over the rows when row i keeps candidate `choice[i]` for its whole generation."""
+        picked = (np.arange(len(choice)), np.asarray(choice, dtype=np.int64))
+        return float(self.tokens[picked].sum()), float(self.cycles[picked].sum()), float(self.cost[picked].sum())
+
+    def cheapest(self) -> np.ndarray:
+        """(N,) each row's candidate of the highest throughput (the static oracle), near-ties to the smaller b."""
+        rate = self.tokens / np.maximum(self.cost, 1e-12)
+        return np.argmax(rate - 1e-9 * np.arange(rate.shape[1])[None, :], axis=1)
+
+    def best_fixed(self) -> int:
+        """The one candidate of the highest throughput over all the rows, near-ties to the smaller b."""
+        rate = self.tokens.sum(axis=0) / np.maximum(self.cost.sum(axis=0), 1e-12)
+        return int(np.argmax(rate - 1e-9 * np.arange(len(rate))))
+
+
+def fixed_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: CycleCost) -> FixedWalks:
+    """`FixedWalks` of rows with acceptance tables (each row's tables summed), walked with every candidate."""
+    candidates = tables[0][0].candidates
+    shape = (len(tables), len(candidates))
+    tokens, cycles, spent = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    for i, row in enumerate(tables):
+        for table in row:
+            for k, b in enumerate(candidates):
+                steps = len(table.walk(b))
+                tokens[i, k] += table.n - 1
+                cycles[i, k] += steps
+                spent[i, k] += table.walk_cost([b] * steps, cost=cost)
+    return FixedWalks(tokens, cycles, spent)
+
+
+def step_oracle(tables: Sequence[AcceptanceTable], cost: CycleCost) -> tuple[float, float, float]:
+    """(tokens, cycles, cost) of the per-step oracle over `tables`: the walk of the lowest cost (its cycles counted
+    on that walk's price; with a uniform price, the fewest cycles)."""
+    tokens = float(sum(t.n - 1 for t in tables))
+    cycles = float(sum(t.cost_to_go(CycleCost.uniform())[0][1] for t in tables))
+    spent = cycles if cost.is_uniform else float(sum(t.cost_to_go(cost)[0][1] for t in tables))
+    return tokens, cycles, spent
+
+
+def put_policy(metrics: dict[str, float], prefix: str, name: str, tokens: float, cycles: float, cost: float) -> None:
+    """`tau_<name>` and `throughput_<name>` (under `prefix`) of walks that committed `tokens` in `cycles` at `cost`."""
+    metrics[f"{prefix}tau_{name}"] = tokens / cycles if cycles else math.nan
+    metrics[f"{prefix}throughput_{name}"] = tokens / cost if cost else math.nan
+
+
+def put_fixed_policies(
+    metrics: dict[str, float],
+    prefix: str,
+    walks: FixedWalks,
+    candidates: tuple[int, ...],
+    train_block_size: int | None,
+) -> None:
+    """Fixed B, the best fixed b (and `best_fixed_b`) and the static oracle of `walks`."""
+    everyone = len(walks.tokens)
+    if train_block_size in candidates:
+        put_policy(metrics, prefix, "B", *walks.chosen(np.full(everyone, candidates.index(train_block_size))))
+    best = walks.best_fixed()
+    put_policy(metrics, prefix, "best_fixed", *walks.chosen(np.full(everyone, best)))
+    metrics[f"{prefix}best_fixed_b"] = float(candidates[best])
+    put_policy(metrics, prefix, "oracle", *walks.chosen(walks.cheapest()))
+
+
+def temperature_groups(temperatures: Sequence[float]) -> dict[str, np.ndarray]:
+    """Row indices of every metric group: all rows (no prefix), then each temperature (`T<t>/`)."""
+    values = np.asarray(temperatures, dtype=np.float64)
+    groups = {"": np.arange(len(values))}
+    return groups | {f"T{t:g}/": np.flatnonzero(values == t) for t in sorted(set(values.tolist()))}
+
+
+def policy_table(title: str, metrics: dict[str, float], columns: Sequence[tuple[str, str]]) -> str:
+    """`metrics` as a table: a line per group (all, each temperature) and measure (tau, throughput), a column per
+    (header, policy name) of `columns` that has a value; missing values print as nan."""
+    columns = [(header, key) for header, key in columns if any(k.endswith(f"tau_{key}") for k in metrics)]
+    lines = [title, f"  {'group':<6} {'':>10} " + " ".join(f"{header:>8}" for header, _ in columns)]
+    groups = [""] + sorted({k.split("/", 1)[0] + "/" for k in metrics if k.startswith("T")})
+    for group in groups:
+        for measure in ("tau", "throughput"):
+            values = [metrics.get(f"{group}{measure}_{key}", math.nan) for _, key in columns]
+            name = group.rstrip("/") or "all"
+            lines.append(f"  {name:<6} {measure:>10} " + " ".join(f"{value:>8.3f}" for value in values))
+    return "\n".join(lines)
+
+
+POLICY_COLUMNS = (
+    ("fixed B", "B"),
+    ("best b", "best_fixed"),
+    ("chosen", "pred"),
+    ("request", "request"),
+    ("step", "step"),
+    ("static", "oracle"),
+    ("per-step", "step_oracle"),
+)
+
+
+def walk_metrics(
+    walks: FixedWalks,
+    groups: dict[str, np.ndarray],  # metric prefix -> row indices ("" for all rows)
+    candidates: tuple[int, ...],
+    train_block_size: int | None,
+    policies: dict[str, Callable[[np.ndarray], tuple[float, float, float]]] | None = None,
+    step_oracles: np.ndarray | None = None,  # (N, 3) each row's per-step oracle (tokens, cycles, cost)
+) -> dict[str, float]:
+    """Every metric of the module docstring for each group of rows: the fixed policies of `walks`, each policy under
+    test (`policies[name](rows)` gives its (tokens, cycles, cost) over those row indices) and the per-step oracle
+    when the rows' `step_oracles` are given."""
+    metrics: dict[str, float] = {}
+    for prefix, rows in groups.items():
+        if len(rows) == 0:
+            continue
+        put_fixed_policies(metrics, prefix, walks.rows(rows), candidates, train_block_size)
+        for name, spent in (policies or {}).items():
+            put_policy(metrics, prefix, name, *spent(rows))
+        if step_oracles is not None:
+            put_policy(metrics, prefix, "step_oracle", *step_oracles[rows].sum(axis=0))
+    return metrics
