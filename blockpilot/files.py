@@ -51,8 +51,15 @@ def atomic_folder(target: str | Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# The version of the model folders this code writes and reads (its config's `schema_version`). Raise it when a
+# folder's meaning changes; an older folder is refused with what to rerun, never guessed at.
+# 2: step models always read the block's first tokens, a prior's b0 with its probabilities, loads from the cost.
+MODEL_SCHEMA_VERSION = 2
+
+
 def save_weights_folder(directory: str | Path, config: dict, state: dict) -> Path:
-    """A model folder (`CONFIG_NAME` + `WEIGHTS_NAME`), written whole; refuses non-finite weights."""
+    """A model folder (`CONFIG_NAME` + `WEIGHTS_NAME`, its config stamped with `MODEL_SCHEMA_VERSION`), written
+    whole; refuses non-finite weights."""
     import json
 
     import torch
@@ -62,13 +69,15 @@ def save_weights_folder(directory: str | Path, config: dict, state: dict) -> Pat
     if not all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()):
         raise ValueError(f"refusing to save non-finite weights to {str(directory)!r}")
     with atomic_folder(directory) as staging:
-        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        stamped = {**config, "schema_version": MODEL_SCHEMA_VERSION}
+        (staging / CONFIG_NAME).write_text(json.dumps(stamped, indent=2) + "\n")
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
     return Path(directory)
 
 
 def load_weights_folder(directory: str | Path, what: str) -> tuple[dict, dict]:
-    """(config, state dict) of a folder written by `save_weights_folder`; `what` names it in errors."""
+    """(config without its schema version, state dict) of a folder written by `save_weights_folder`; `what` names
+    it in errors. A folder of another schema version is refused, saying what to rerun."""
     import json
 
     from safetensors.torch import load_file
@@ -76,4 +85,12 @@ def load_weights_folder(directory: str | Path, what: str) -> tuple[dict, dict]:
     directory = Path(directory)
     if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"{str(directory)!r} is not a {what} folder (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-    return json.loads((directory / CONFIG_NAME).read_text()), load_file(directory / WEIGHTS_NAME)
+    config = json.loads((directory / CONFIG_NAME).read_text())
+    version = config.pop("schema_version", None)
+    if version != MODEL_SCHEMA_VERSION:
+        rerun = "blockpilot train-step" if config.get("kind") == "step" else "blockpilot train"
+        raise ValueError(
+            f"{str(directory)!r} holds a {what} of schema version {version or 'before versions'}; this version of "
+            f"blockpilot reads {MODEL_SCHEMA_VERSION}: train it again (`{rerun}`)"
+        )
+    return config, load_file(directory / WEIGHTS_NAME)

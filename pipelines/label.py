@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from blockpilot.checks import differing_fields
-from blockpilot.data.labels import labeled_keys, read_label_files
+from blockpilot.cost import load_cost
+from blockpilot.data.labels import LABEL_SCHEMA_VERSION, labeled_keys, read_label_files, write_label_file
 from blockpilot.data.sources import PromptRecord, load_prompts
 from blockpilot.files import write_text_atomic
-from blockpilot.cost import load_cost
 from blockpilot.labeling import (
     SUMMARY_COLUMNS,
     LabelSettings,
@@ -56,7 +56,7 @@ from blockpilot.options import (
 # The folder's own files start with "_" or ".", which Parquet readers (pandas, pyarrow, Ray Data, Spark, DuckDB)
 # skip: the folder reads as one dataset as it is.
 FINGERPRINT_FILE = "_job.json"
-LEGACY_FINGERPRINT_FILE = "job.json"  # its name before, renamed on the next run over the folder
+OLD_FINGERPRINT_FILE = "job.json"  # where versions before the label schema's version kept it
 LOCK_FILE = ".lock"
 
 
@@ -138,10 +138,11 @@ def exclusive(out: Path) -> Iterator[None]:
 def check_fingerprint(job: LabelJob) -> None:
     """Refuse to mix rows of differently configured jobs in one folder; record the fingerprint otherwise."""
     path = job.out / FINGERPRINT_FILE
-    legacy = job.out / LEGACY_FINGERPRINT_FILE
-    if legacy.is_file() and not path.exists():
-        os.replace(legacy, path)
-        print(f"[label] renamed {legacy} to {path.name}: Parquet readers now read the folder as it is", flush=True)
+    if (job.out / OLD_FINGERPRINT_FILE).is_file():
+        raise ValueError(
+            f"{str(job.out)!r} holds labels of an older version of blockpilot ({OLD_FINGERPRINT_FILE}); this version "
+            f"reads label schema version {LABEL_SCHEMA_VERSION} only: label again into a new --out"
+        )
     wanted = json.loads(json.dumps(job.fingerprint()))  # as JSON would give it back (tuples -> lists)
     if path.is_file():
         found = json.loads(path.read_text())
@@ -181,7 +182,6 @@ def run_label_job(job: LabelJob) -> LabelSummary:
 
 def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]], records: list[PromptRecord]) -> int:
     """Sweep `tasks` on an actor pool; the driver writes each finished batch. Returns the rows written."""
-    import pyarrow.parquet as pq
     import ray
     from ray.data import ActorPoolStrategy
     from tqdm import tqdm
@@ -208,10 +208,7 @@ def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]], records: list[Prom
         for block in labeled.iter_batches(batch_size=None, batch_format="pyarrow"):
             if block.num_rows == 0:
                 continue
-            name = f"part-{uuid.uuid4().hex}.parquet"
-            staging = job.out / f".{name}.tmp"
-            pq.write_table(block, staging)
-            os.replace(staging, job.out / name)  # readers never see a half-written file
+            write_label_file(block, job.out / f"part-{uuid.uuid4().hex}.parquet")
             written += block.num_rows
             bar.update(block.num_rows)
     return written

@@ -84,14 +84,15 @@ def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path,
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id)}
     assert {"best_block_size_histogram.png", "tau_vs_block_size.png"} <= artifacts
 
-    # A job with other settings may not write into this folder. A folder labeled before the fingerprint was named
-    # `_job.json` has its old `job.json` renamed, and is refused all the same.
-    (out / "_job.json").rename(out / "job.json")
+    # A job with other settings may not write into this folder.
     other = make_job(tiny_zoo, out, limit=10, settings=LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=16, top_k=8))
     with pytest.raises(ValueError, match="differing: max_new_tokens"):
         run_label_job(other)
     assert read_labels(out).num_rows == 20
-    assert (out / "_job.json").is_file() and not (out / "job.json").exists()
+    # A folder of an older version (its fingerprint under the old name) is refused, naming what to do.
+    (out / "_job.json").rename(out / "job.json")
+    with pytest.raises(ValueError, match="older version.*label again into a new --out"):
+        run_label_job(make_job(tiny_zoo, out, limit=10))
 
 
 def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path):

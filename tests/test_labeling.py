@@ -248,6 +248,23 @@ def test_reading_labels_skips_broken_files_and_duplicates(labeler, tmp_path):
         read_labels(tmp_path / "nothing")
 
 
+def test_label_files_carry_their_schema_version_and_another_is_refused(labeler, tmp_path):
+    import pyarrow.parquet as pq
+
+    from blockpilot.data.labels import LABEL_SCHEMA_VERSION, write_label_file
+
+    rows = labeler.label(PromptRecord("r:1", "count", ("Count from 1 to 4.",)), 0.0)
+    (tmp_path / "new").mkdir()
+    written = write_label_file(rows_to_table(rows), tmp_path / "new" / "part.parquet")
+    metadata = pq.read_schema(written).metadata
+    assert metadata[b"blockpilot.label_schema_version"] == str(LABEL_SCHEMA_VERSION).encode()
+    assert read_labels(tmp_path / "new").num_rows == 1 and [p.name for p in (tmp_path / "new").iterdir()] == ["part.parquet"]
+    (tmp_path / "old").mkdir()
+    pq.write_table(rows_to_table(rows).replace_schema_metadata(None), tmp_path / "old" / "part.parquet")
+    with pytest.raises(ValueError, match="schema version before versions.*label again into a new folder"):
+        read_labels(tmp_path / "old")
+
+
 def test_samples_pool_runs_at_temperature(tiny_models, heldout):
     stop = tuple(tiny_models.stop_token_ids())
     base = dict(candidates=(2, 4, 6), temperature=1.0, max_new_tokens=24, stop_token_ids=stop)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from blockpilot.cost import CycleCost
+from blockpilot.files import MODEL_SCHEMA_VERSION
 from blockpilot.data.labels import rows_to_table
 from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.policies.learned import LearnedPolicy
@@ -74,6 +75,12 @@ def test_folder_round_trip_without_pickle(tmp_path, kind):
     assert torch.equal(loaded(inputs), model.eval()(inputs))
     assert loaded.predict(inputs) == model.predict(inputs)
     assert set(loaded.predict(inputs)) <= {2, 3, 4, 5, 6}
+    # The folder carries its schema version; one saved under another version is refused with what to rerun.
+    config = json.loads((folder / "config.json").read_text())
+    assert config["schema_version"] == MODEL_SCHEMA_VERSION
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "schema_version"}))
+    with pytest.raises(ValueError, match="schema version before versions.*train it again .`blockpilot train`"):
+        load_predictor(folder)
 
 
 @pytest.mark.parametrize(

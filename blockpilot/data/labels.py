@@ -47,6 +47,12 @@ KEY_COLUMNS = ("prompt_id", "temperature")
 # Top probabilities of the target's distribution at each anchor that a label row keeps (`anchor_top_probs`).
 ANCHOR_TOP_K = 4
 
+# The version of the label schema, kept in every label file's Parquet metadata. Raise it when a column is added or
+# changes meaning; a file of another version is refused with what to rerun, never read in part.
+# 1: every column above, the acceptance table with sequences and confidences included.
+LABEL_SCHEMA_VERSION = 1
+_VERSION_KEY = b"blockpilot.label_schema_version"
+
 LABEL_SCHEMA = pa.schema(
     [
         pa.field("prompt_id", pa.string(), nullable=False),
@@ -80,7 +86,8 @@ LABEL_SCHEMA = pa.schema(
         pa.field("max_new_tokens", pa.int32()),
         pa.field("error", pa.string()),
         pa.field("error_kind", pa.string()),
-    ]
+    ],
+    metadata={_VERSION_KEY: str(LABEL_SCHEMA_VERSION).encode()},
 )
 
 
@@ -98,6 +105,31 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
         None if v is None else [np.asarray(p, dtype=np.float16) for p in v] for v in columns["anchor_top_probs"]
     ]
     return pa.Table.from_pydict(columns, schema=LABEL_SCHEMA)
+
+
+def write_label_file(table: pa.Table, path: str | Path) -> Path:
+    """Write label rows as one Parquet file whole (staged beside it, then renamed: readers never see half a file),
+    with the schema's version in its metadata."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table.cast(LABEL_SCHEMA), staging)
+    os.replace(staging, path)
+    return path
+
+
+def check_label_version(schema: pa.Schema, file: Path) -> None:
+    """Refuse a label file written under another label schema version."""
+    found = (schema.metadata or {}).get(_VERSION_KEY)
+    if found != str(LABEL_SCHEMA_VERSION).encode():
+        version = found.decode() if found else "before versions"
+        raise ValueError(
+            f"{str(file)!r} holds labels of schema version {version}; this version of blockpilot reads "
+            f"{LABEL_SCHEMA_VERSION}: label again into a new folder (`blockpilot label ... --out NEW`)"
+        )
 
 
 def label_key(prompt_id: str, temperature: float) -> tuple[str, float]:
@@ -126,26 +158,31 @@ def read_label_files(
 
     A job killed mid-write can leave a truncated file: it is skipped (and, when `quarantine`, renamed with a
     leading "_" that every Parquet reader skips), so that its prompts count as unlabeled and are labeled again.
+    A file of another label schema version is refused (`check_label_version`).
     """
     import pyarrow.parquet as pq
 
     tables, broken = [], []
     for file in parquet_files(path):
         try:
-            # Files of an older schema lack newer columns: read what they have, the rest becomes null.
-            present = pq.read_schema(file).names
-            table = pq.read_table(file, columns=[c for c in columns if c in present] if columns else None)
+            schema = pq.read_schema(file)
         except (pa.ArrowInvalid, OSError) as error:
-            logger.warning("skipping unreadable label file %s: %s", file, error)
-            broken.append(file)
-            if quarantine:
-                file.rename(file.with_name(f"_corrupt-{file.name}"))
-            continue
-        tables.append(table)
+            schema, failure = None, error
+        if schema is not None:
+            check_label_version(schema, file)  # raises: a whole file of another version is not damage
+            try:
+                tables.append(pq.read_table(file, columns=list(columns) if columns else None))
+                continue
+            except (pa.ArrowInvalid, OSError) as error:
+                failure = error
+        logger.warning("skipping unreadable label file %s: %s", file, failure)
+        broken.append(file)
+        if quarantine:
+            file.rename(file.with_name(f"_corrupt-{file.name}"))
     if not tables:
         schema = LABEL_SCHEMA if columns is None else pa.schema([LABEL_SCHEMA.field(c) for c in columns])
         return schema.empty_table(), broken
-    return pa.concat_tables(tables, promote_options="default"), broken
+    return pa.concat_tables(tables), broken
 
 
 def labeled_keys(path: str | Path, quarantine: bool = True) -> set[tuple[str, float]]:
