@@ -34,6 +34,7 @@ import torch
 from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
 from blockpilot.decoding.static import StaticDecoder, StaticTarget
 from blockpilot.models.drafter import DFlashConfig
+from blockpilot.models.loading import cache_keyword
 from blockpilot.options import block_size_list
 from blockpilot.zoo.random_models import random_models_like
 
@@ -92,14 +93,14 @@ def hf_eager_step(models, steps: int) -> float:
 
     target, device = models.target, models.device
     prompt = torch.randint(0, vocabulary(models), (1, 64), device=device)
-    cache = DynamicCache()
-    out = target(input_ids=prompt, past_key_values=cache, use_cache=True)
+    cache = {cache_keyword(target): DynamicCache()}
+    out = target(input_ids=prompt, **cache, use_cache=True)
     token = out.logits[:, -1:].argmax(-1)
 
     def step():
         nonlocal token
         for _ in range(steps):
-            token = target(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = target(input_ids=token, **cache, use_cache=True).logits[:, -1:].argmax(-1)
 
     step()  # warm-up
     return timed(step, 3, device) / steps
@@ -110,11 +111,11 @@ def hf_compiled_step(models, steps: int) -> tuple[float, float]:
     from transformers import StaticCache
 
     target, device = models.target, models.device
-    cache = StaticCache(config=target.config, max_cache_len=64 + 8 * steps)
+    cache = {cache_keyword(target): StaticCache(config=target.config, max_cache_len=64 + 8 * steps)}
     forward = torch.compile(target.forward, mode="reduce-overhead", fullgraph=True)
     prompt = torch.randint(0, vocabulary(models), (1, 64), device=device)
     out = target(
-        input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device=device)
+        input_ids=prompt, **cache, use_cache=True, cache_position=torch.arange(64, device=device)
     )
     token = out.logits[:, -1:].argmax(-1)
     position = 64
@@ -124,7 +125,7 @@ def hf_compiled_step(models, steps: int) -> tuple[float, float]:
         for _ in range(count):
             cache_position = torch.tensor([position], device=device)
             logits = forward(
-                input_ids=token, past_key_values=cache, use_cache=True, cache_position=cache_position
+                input_ids=token, **cache, use_cache=True, cache_position=cache_position
             ).logits
             token = logits[:, -1:].argmax(-1)
             position += 1

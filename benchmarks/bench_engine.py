@@ -30,7 +30,7 @@ import torch
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.static import StaticDecoder
-from blockpilot.models.loading import load_models
+from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 
@@ -43,13 +43,13 @@ def say(text: str) -> None:
 def hf_plain(models, prompt: list[int], max_new_tokens: int, stop: Sequence[int]) -> list[int]:
     from transformers import DynamicCache
 
-    cache, tokens = DynamicCache(), []
-    logits = models.target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+    cache, tokens = {cache_keyword(models.target): DynamicCache()}, []
+    logits = models.target(input_ids=torch.tensor([prompt]), **cache, use_cache=True).logits
     while True:
         tokens.append(int(logits[0, -1].argmax()))
         if tokens[-1] in stop or len(tokens) == max_new_tokens:
             return tokens
-        logits = models.target(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+        logits = models.target(input_ids=torch.tensor([[tokens[-1]]]), **cache, use_cache=True).logits
 
 
 class HFCompiled:
@@ -60,10 +60,11 @@ class HFCompiled:
 
         self.target = models.target
         self.cache = StaticCache(config=models.target.config, max_cache_len=capacity)
+        self.keyword = cache_keyword(models.target)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        out = self.target(input_ids=token, past_key_values=self.cache, cache_position=position, use_cache=True)
+        out = self.target(input_ids=token, **{self.keyword: self.cache}, cache_position=position, use_cache=True)
         return out.logits[:, -1].argmax(dim=-1, keepdim=True)
 
     @torch.inference_mode()
@@ -71,7 +72,7 @@ class HFCompiled:
         self.cache.reset()
         positions = torch.arange(len(prompt))
         logits = self.target(
-            input_ids=torch.tensor([prompt]), past_key_values=self.cache, cache_position=positions, use_cache=True
+            input_ids=torch.tensor([prompt]), **{self.keyword: self.cache}, cache_position=positions, use_cache=True
         ).logits
         token = logits[:, -1].argmax(dim=-1, keepdim=True)
         tokens = [int(token)]

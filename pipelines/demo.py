@@ -129,12 +129,18 @@ class Example:
     reference: str | None = None
     similarity: float | None = None
 
+    @property
+    def right(self) -> bool:
+        """Whether the target's greedy answer is its reference, exactly."""
+        return self.similarity == 1.0
+
 
 def pick_example(
     models: Any, heldout: list[PromptRecord], references: dict[str, str], tries: int = 32, max_new_tokens: int = 64
 ) -> Example:
-    """The held-out prompt, among the checkable families, whose greedy answer comes closest to its reference
-    (difflib's ratio); the first held-out prompt when there are no references."""
+    """The first held-out prompt, among the checkable families, that the target answers exactly right; else the one
+    whose greedy answer comes closest to its reference (difflib's ratio; `Example.right` says which); the first
+    held-out prompt when there are no references."""
     from blockpilot.decoding import GenerationConfig, generate
 
     checkable = [r for r in heldout if r.source in _CHECKABLE_SOURCES and r.turns[0] in references][:tries]
@@ -147,6 +153,8 @@ def pick_example(
         answer = models.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
         reference = references[record.turns[0]]
         scored.append(Example(record, reference, difflib.SequenceMatcher(None, answer, reference.strip()).ratio()))
+        if scored[-1].right:
+            return scored[-1]
     return max(scored, key=lambda example: example.similarity)
 
 
@@ -259,8 +267,14 @@ def run_demo(job: DemoJob) -> int:
     )
     print(f"prompt ({example.record.source}): {example.record.turns[0]!r}")
     print(f"answer:    {models.tokenizer.decode(result.token_ids, skip_special_tokens=True)!r}")
-    if example.reference is not None:
-        print(f"reference: {example.reference!r} (similarity {example.similarity:.2f}, the closest of its families)")
+    if example.right:
+        print(f"reference: {example.reference!r} (answered exactly right)")
+    elif example.reference is not None:
+        print(
+            f"reference: {example.reference!r}: no held-out prompt of the checkable families was answered exactly "
+            f"right by this zoo's target (this is the closest, similarity {example.similarity:.2f}); the trace below "
+            "shows the speculative decoding of a wrong answer, which is still the target's own greedy one"
+        )
     print(result.format_stats())
 
     clock.start("policies", "every policy on the held-out prompts: tables and live")
@@ -305,10 +319,7 @@ def run_demo(job: DemoJob) -> int:
         print(f"answer: {body['choices'][0]['message']['content']!r}")
         print(f"usage: {body['usage']}\nblockpilot: {body['blockpilot']}")
     finally:
-        server.shutdown()
-        from ray import serve
-
-        serve.shutdown()
+        server.shutdown()  # Serve and the embedded Ray end with this process
     print(f"\n{clock.summary()}")
     print("\nnext: the MLflow UI, the runs of every stage side by side:")
     print(f"  mlflow ui --backend-store-uri {tracking_uri()} --host 127.0.0.1 --port 5000")

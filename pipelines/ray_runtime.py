@@ -41,8 +41,13 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
         logging_level="WARNING",
         runtime_env={
             "worker_process_setup_hook": "pipelines.ray_runtime.quiet_embedded_workers",
-            # Train re-logs a worker's `print` at INFO and also passes it through: every epoch line came twice.
-            "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},
+            "env_vars": {
+                # Train re-logs a worker's `print` at INFO and also passes it through: every epoch line came twice.
+                "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                # Train's watcher of node preemption (draining nodes) has nothing to watch on one machine, and its
+                # actor's start logged a core_worker error line in every run.
+                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+            },
         },
     )
     return True

@@ -498,12 +498,13 @@ class LocalServer:
         serve.delete(self.app_name)
 
     def close(self) -> None:
-        """Delete the app; when `serve_locally` started the embedded Ray, stop Serve and that Ray too."""
+        """Delete the app; when `serve_locally` started the embedded Ray, stop that Ray too, and Serve with it.
+        (`serve.shutdown()` first would kill its controller under its own graceful-shutdown task, which the raylet
+        then reports as a failed task.)"""
         import ray
 
         self.shutdown()
         if self.started_ray and ray.is_initialized():
-            serve.shutdown()
             ray.shutdown()
 
 

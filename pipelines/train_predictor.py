@@ -247,11 +247,13 @@ def _worker(config: dict[str, Any]) -> None:
 
             logged = {k: v for k, v in metrics.items() if k != "epoch"}
             log_epoch_metrics(config["run_id"], logged, epoch, config["tracking_uri"])
-        print(
-            f"[predictor] epoch {epoch + 1}/{train_config.epochs} loss {loss:.4f} "
-            f"val tau {metrics['val/tau_pred']:.3f} throughput {metrics['val/throughput_pred']:.3f}",
-            flush=True,
-        )
+        every = max(1, train_config.epochs // 5)  # about five progress lines a run, the last epoch always
+        if (epoch + 1) % every == 0 or epoch + 1 == train_config.epochs:
+            print(
+                f"[predictor] epoch {epoch + 1}/{train_config.epochs} loss {loss:.4f} "
+                f"val tau {metrics['val/tau_pred']:.3f} throughput {metrics['val/throughput_pred']:.3f}",
+                flush=True,
+            )
         report_epoch(metrics, epoch, optimizer, save=lambda folder: unwrapped.save(folder / "predictor"))
 
     fit_epochs(model, optimizer, range(start_epoch, train_config.epochs), batches, train_config, on_epoch)

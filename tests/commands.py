@@ -27,13 +27,30 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+# Lines a user cannot act on, which the project's commands once printed and must not print again.
+UNACTIONABLE = (
+    "`past_key_values` is deprecated",  # transformers' old keyword, from every process
+    "NumPy array is not writable",  # a read-only array handed to torch
+    "'PreemptionWatcher'",  # Ray Train's preemption watcher on a single machine
+    "graceful_shutdown failed",  # Serve's controller killed under its own shutdown task
+)
+
+
+def check_quiet(output: str, command: str) -> None:
+    """Fail on a line of `UNACTIONABLE` in a command's output."""
+    found = [line for line in output.splitlines() if any(noise in line for noise in UNACTIONABLE)]
+    assert not found, f"`{command}` printed lines a user cannot act on:\n" + "\n".join(found[:5])
+
+
 def run(command: str, env: dict[str, str], timeout: float = 300) -> str:
-    """Run `command` (a shell line, as in the README) and return its standard output; fail naming what it printed."""
+    """Run `command` (a shell line, as in the README) and return its standard output; fail naming what it printed,
+    and on a line a user cannot act on (`UNACTIONABLE`)."""
     completed = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, (
         f"`{command}` exited with {completed.returncode}\n--- stdout\n{completed.stdout[-4000:]}\n"
         f"--- stderr\n{completed.stderr[-4000:]}"
     )
+    check_quiet(completed.stdout + completed.stderr, command)
     return completed.stdout
 
 

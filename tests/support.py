@@ -22,15 +22,15 @@ def greedy_reference(
     Deliberately independent of `blockpilot.decoding` (no padding, no shared helpers), so it can judge it.
     """
     device = next(target.parameters()).device
-    cache = DynamicCache()
-    out = target(torch.tensor([list(prompt_ids)], device=device), past_key_values=cache, use_cache=True)
+    cache = {"cache": DynamicCache()}  # transformers' own keyword (the project's installed version)
+    out = target(torch.tensor([list(prompt_ids)], device=device), **cache, use_cache=True)
     tokens: list[int] = []
     while True:
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
         if token in stop_token_ids or len(tokens) == max_new_tokens:
             return tokens
-        out = target(torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+        out = target(torch.tensor([[token]], device=device), **cache, use_cache=True)
 
 
 class OracleDrafter(nn.Module):

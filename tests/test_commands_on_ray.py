@@ -10,7 +10,7 @@ import subprocess
 
 import psutil
 import pytest
-from commands import BIN, PROMPT, ROOT, check_endpoint, free_port, run, user_env, wait_healthy
+from commands import check_quiet, BIN, PROMPT, ROOT, check_endpoint, free_port, run, user_env, wait_healthy
 from support import greedy_reference
 
 from blockpilot.data.labels import read_labels
@@ -75,5 +75,6 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path):
     output = log.read_text()
     assert server.returncode == 0, output[-4000:]
     assert "stopping the endpoint" in output
+    check_quiet(output, "blockpilot serve")
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"left running after Ctrl-C: {[p.info for p in alive]}"

@@ -34,7 +34,7 @@ def test_measure_speed_counts_every_generated_token(random_models):
         measure_speed(random_models, [], policy, config)
 
 
-def test_the_example_is_the_checkable_prompt_answered_closest_to_its_reference(random_models):
+def test_the_example_is_a_checkable_prompt_answered_right_else_the_closest_and_says_which(random_models):
     from blockpilot.decoding import generate
 
     records = [
@@ -47,8 +47,12 @@ def test_the_example_is_the_checkable_prompt_answered_closest_to_its_reference(r
     exact = random_models.tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
     references = {"Count from 1 to 5.": "\x00 nothing alike \x00", "Sort these numbers: 3 1 2": exact, "def f():": exact}
     example = pick_example(random_models, records, references, max_new_tokens=8)
-    assert example.record is records[1] and example.similarity == pytest.approx(1.0)
+    assert example.record is records[1] and example.similarity == pytest.approx(1.0) and example.right
     assert example.reference == exact
+    # No prompt answered exactly right: the closest, marked as not right.
+    near = {**references, "Sort these numbers: 3 1 2": exact + " and more"}
+    closest = pick_example(random_models, records, near, max_new_tokens=8)
+    assert closest.record is records[1] and 0 < closest.similarity < 1 and not closest.right
     # Without references (a zoo copied without its corpus) the first held-out prompt is shown, unjudged.
     fallback = pick_example(random_models, records, {})
     assert fallback.record is records[0] and fallback.reference is None and fallback.similarity is None

@@ -3,11 +3,15 @@ leaves them under $BLOCKPILOT_HOME (labels, cost curve, predictor, step model, M
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "notebooks"))
+from execute import cells_missing_figures, execute  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -50,17 +54,23 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
 def test_the_notebook_runs_top_to_bottom(notebook, demo_home, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
     home, uri = demo_home
     monkeypatch.setenv("BLOCKPILOT_HOME", str(home))
     monkeypatch.setenv("BLOCKPILOT_DEMO_SIZE", "tiny")
     monkeypatch.setenv("BLOCKPILOT_NOTEBOOK_PROMPTS", "2")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend puts each figure in its cell
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    nb = nbformat.read(notebook, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(notebook.parents[1])}}).execute()
+    nb = execute(notebook)
     errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
     assert sum(1 for cell in nb.cells if cell.cell_type == "code" and cell.outputs) >= 2
+    assert cells_missing_figures(nb) == [], "a cell that draws shows no figure"
+
+
+def test_the_committed_notebooks_show_their_figures():
+    """What a code-hosting page renders: every drawing cell of every committed notebook holds its image."""
+    import nbformat
+
+    for notebook in NOTEBOOKS:
+        missing = cells_missing_figures(nbformat.read(notebook, as_version=4))
+        assert missing == [], f"{notebook.name}: cells {missing} draw but were committed without their figure"

@@ -47,7 +47,7 @@ from blockpilot.decoding.request import (
 from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
 from blockpilot.models.attention import GROUPED_SDPA, RaggedTokens, masked_attention_kernels
 from blockpilot.models.features import tapped
-from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.models.loading import SpeculativeModels, cache_keyword, synchronize
 from blockpilot.policies.base import (
     BlockSizePolicy,
     CycleState,
@@ -211,6 +211,7 @@ class SpeculativeEngine:
         self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
         self.device = models.device
         self.target, self.drafter = models.target, models.drafter
+        self.cache_keyword = cache_keyword(self.target)
         num_layers = int(self.target.config.get_text_config().num_hidden_layers)
         self.target_cache = TargetSlotCache(num_layers)
         self.context = SlotStore(self.drafter.config.num_hidden_layers) if self.drafter is not None else None
@@ -309,7 +310,7 @@ class SpeculativeEngine:
             out = self.target(
                 input_ids=prompts,
                 position_ids=positions,
-                past_key_values=self.target_cache,
+                **{self.cache_keyword: self.target_cache},
                 use_cache=True,
                 logits_to_keep=kept,
             )
@@ -493,7 +494,7 @@ class SpeculativeEngine:
             }
         with tapped(self.target, self.layer_ids) as tap:
             out = self.target(
-                **inputs, attention_mask=visible[:, None], past_key_values=self.target_cache, use_cache=True
+                **inputs, attention_mask=visible[:, None], **{self.cache_keyword: self.target_cache}, use_cache=True
             )
         logits, features = out.logits, (tap.features() if tap is not None else None)
         if ragged is not None:

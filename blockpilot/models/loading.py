@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,13 @@ def load_target(
     directory = resolve_model_dir(path_or_id)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=register_grouped_sdpa())
     return model.to(device).eval()
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a transformers causal LM takes its key/value cache by: `cache` in the transformers this project
+    installs, `past_key_values` in older ones (the GPU machine's 5.17). The old name still works in the new version
+    but warns on every call."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def load_tokenizer(path_or_id: str | Path) -> Any:

@@ -156,12 +156,13 @@ def fit_epochs(
         total, count = 0.0, 0
         for batch in batches(epoch):
             logits = model(PredictorInputs.from_arrays(batch).to(device))
+            # torch.tensor copies: Ray Data hands out read-only arrays, which torch warns about.
             loss = predictor_loss(
                 logits,
-                torch.as_tensor(batch["score"]).float().to(device),
-                torch.as_tensor(batch["best_index"]).long().to(device),
+                torch.tensor(batch["score"], dtype=torch.float32, device=device),
+                torch.tensor(batch["best_index"], dtype=torch.long, device=device),
                 config.objective,
-                torch.as_tensor(batch["temperature"]).float().to(device),
+                torch.tensor(batch["temperature"], dtype=torch.float32, device=device),
             )
             if not torch.isfinite(loss):
                 raise FloatingPointError(
