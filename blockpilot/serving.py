@@ -38,11 +38,11 @@ MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / T leave the range samp
 
 
 class RequestError(ValueError):
-    """A request that cannot be served: `field` names the parameter, `status` is the HTTP status."""
+    """A request that cannot be served as asked: `field` names the parameter."""
 
-    def __init__(self, field: str, message: str, status: int = 400) -> None:
+    def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field, self.message, self.status = field, message, status
+        self.field, self.message = field, message
 
 
 class Overloaded(RuntimeError):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from blockpilot.checks import distinct_block_sizes, mean_or_nan
-from blockpilot.models.drafter import DeferredSlots
+from blockpilot.models.drafter import Blocks, DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import draft_confidence
 
@@ -201,14 +201,11 @@ def acceptance_table(
         for start in range(0, drafting.numel(), chunk):
             rows = drafting[start : start + chunk]
             width = int(sizes[rows].max())
-            blocks = drafter.draft_blocks(
+            blocks = drafter.draft_over_one_context(
                 embed,
                 context_kv,
-                first_tokens=sequence[cursors[rows] - 1],
-                anchors=prompt_length + cursors[rows] - 1,
-                block_sizes=sizes[rows],
-                width=width,
-                mask_token_id=models.mask_token_id,
+                Blocks(sequence[cursors[rows] - 1], prompt_length + cursors[rows] - 1, sizes[rows], width),
+                models.mask_token_id,
                 defer_last_layer=True,
             )
             accepted, confidence = _accepted_drafts(

@@ -6,8 +6,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template), `stream: true` as
 server-sent events in OpenAI's chunk format, GET /v1/models, GET /health. Responses carry `usage` and a
 `blockpilot` object (policy, block sizes and acceptance lengths per cycle, mean tau, queue, prefill and
-decode times). Requests are parsed by the typed models below; anything out of bounds is a 400 naming the
-field, a body over the size limit a 413, a full replica a 503 with Retry-After.
+decode times). Requests are parsed by the typed models of `pipelines/openai_protocol.py`; anything out of bounds is
+a 400 naming the field, a body over the size limit a 413, a full replica a 503 with Retry-After: the library raises
+plain errors and this module maps them to statuses.
 
 Each replica runs one `BatchedDecoder`: requests join its running batch. Ray's token authentication does
 not cover Serve's HTTP proxy: set `--api-key` (or BLOCKPILOT_API_KEY) to require `Authorization: Bearer KEY`
@@ -23,11 +24,10 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 from ray import serve
 
 from blockpilot.options import (
@@ -41,156 +41,11 @@ from blockpilot.options import (
     positive_int_arg,
 )
 from blockpilot.policies.resolve import adaptive_spec
-from blockpilot.serving import BatchedDecoder, DecodeRequest, Overloaded, RequestError, ServeLimits, new_id
+from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, ServeLimits, new_id
+from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
 AUTO_COST = "auto"  # --cost auto: the replica measures its cycle cost as it starts
-# OpenAI fields of features this server does not have: refused unless absent or at their neutral value.
-UNSUPPORTED_FIELDS = (
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "logit_bias",
-    "response_format",
-    "echo",
-    "suffix",
-    "best_of",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-# ----------------------------------------------------------------------------- typed requests
-
-
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: Union[str, list[TextPart]]
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class GenerationFields(BaseModel):
-    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does; fields of
-    features this server does not have are refused rather than silently dropped."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: Optional[str] = None
-    max_tokens: Optional[StrictInt] = None
-    max_completion_tokens: Optional[StrictInt] = None
-    temperature: Optional[float] = Field(default=None, allow_inf_nan=True)
-    top_p: Optional[float] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[StrictInt] = None
-    stream: StrictBool = False
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[StrictInt] = None
-    block_size: Optional[StrictInt] = None  # extension: force a fixed b
-    policy: str = "adaptive"  # extension: adaptive (the server's policy) or fixed (the training block size)
-    ignore_eos: StrictBool = False  # extension: always generate max_tokens (benchmarks)
-
-    @field_validator("temperature", mode="before")
-    @classmethod
-    def _a_number(cls, value: Any) -> Any:
-        if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float))):
-            raise ValueError("must be a number")
-        if isinstance(value, int) and abs(value) > 1000:
-            raise ValueError(f"must be between 0 and 2, got an integer of {len(str(abs(value)))} digits")
-        return value
-
-    def refuse_unsupported(self) -> None:
-        extra = self.model_extra or {}
-        neutral = {"response_format": ({"type": "text"},), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,)}
-        for name in UNSUPPORTED_FIELDS:
-            value = extra.get(name)
-            if value in (None, False, [], {}) or value in neutral.get(name, ()):
-                continue
-            raise RequestError(name, "not supported by this server")
-        if self.n is not None and self.n != 1:
-            raise RequestError("n", "only n = 1 is supported")
-        if self.top_p is not None and self.top_p != 1:
-            raise RequestError("top_p", "only top_p = 1 is supported (the acceptance rules sample the full distribution)")
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-
-class CompletionRequest(GenerationFields):
-    prompt: Union[str, list[str]]
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise RequestError("prompt", "exactly one prompt per request (a list of one string is accepted)")
-            return self.prompt[0]
-        return self.prompt
-
-
-class ChatCompletionRequest(GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-def _field_name(location: tuple[Any, ...]) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch names are dropped."""
-    name = ""
-    for part in location:
-        if isinstance(part, int):
-            name += f"[{part}]"
-        elif part in ("str", "list[str]", "list[TextPart]", "function-after[...]") or "[" in str(part):
-            continue
-        else:
-            name += ("." if name else "") + str(part)
-    return name or "body"
-
-
-def parse_request(body: Any, model: type[GenerationFields]) -> GenerationFields:
-    if not isinstance(body, dict):
-        raise RequestError("body", "the request body must be a JSON object")
-    try:
-        parsed = model.model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        raise RequestError(_field_name(first["loc"]), first["msg"]) from None
-    parsed.refuse_unsupported()
-    return parsed
-
-
-def decode_request(decoder: BatchedDecoder, parsed: GenerationFields) -> DecodeRequest:
-    """The library's typed request from a parsed HTTP one (the prompt tokenized, every bound checked)."""
-    if isinstance(parsed, ChatCompletionRequest):
-        prompt_ids = decoder.encode_chat([(m.role, m.text) for m in parsed.messages])
-    else:
-        prompt_ids = decoder.encode_completion(parsed.text)
-    temperature = 1.0 if parsed.temperature is None else parsed.temperature  # OpenAI's default
-    return decoder.check(
-        prompt_ids,
-        max_tokens=parsed.max_tokens if parsed.max_tokens is not None else parsed.max_completion_tokens,
-        temperature=temperature,
-        stop=parsed.stops,
-        seed=parsed.seed,
-        block_size=parsed.block_size,
-        policy=parsed.policy,
-        ignore_eos=parsed.ignore_eos,
-    )
-
-
 # ----------------------------------------------------------------------------- the app
 
 
@@ -245,9 +100,14 @@ def _error(status: int, message: str, param: Optional[str], kind: str, headers: 
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
+class BodyTooLarge(RequestError):
+    """A request body over the size limit: 413, not 400."""
+
+
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
-    return _error(error.status, f"{error.field}: {error.message}", error.field, "invalid_request_error")
+    status = 413 if isinstance(error, BodyTooLarge) else 400
+    return _error(status, f"{error.field}: {error.message}", error.field, "invalid_request_error")
 
 
 @api.exception_handler(Overloaded)
@@ -260,12 +120,12 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     """The body as JSON within `max_bytes` (413 beyond), or RequestError naming what is wrong."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestError("body", f"{declared} bytes; at most {max_bytes}", status=413)
+        raise BodyTooLarge("body", f"{declared} bytes; at most {max_bytes}")
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > max_bytes:
-            raise RequestError("body", f"more than {max_bytes} bytes", status=413)
+            raise BodyTooLarge("body", f"more than {max_bytes} bytes")
     try:
         return json.loads(raw or b"null")
     except RecursionError:

@@ -41,7 +41,7 @@ class OracleDrafter(nn.Module):
     logits there: at T = 0 every draft along the greedy path is accepted. `wrong_positions` lists
     absolute positions whose draft is replaced by a different token, to force rejections where wanted;
     `sharpness` scales the drafted logits (a drafter close to the target but not equal to it).
-    It speaks the drafter interface the engine uses (`encode_context`, `draft_blocks`, `block_size`,
+    It speaks the drafter interface the engine uses (`encode_context`, `draft_in_rows`, `block_size`,
     `target_layer_ids`, `config.num_hidden_layers`).
     """
 
@@ -73,13 +73,10 @@ class OracleDrafter(nn.Module):
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> list:
         return []
 
-    def draft_blocks(
-        self, embed, context_kv, first_tokens, anchors, block_sizes, width, mask_token_id, context_rows=None,
-        block_at=None, packed=False,
-    ):
-        positions = anchors[:, None] + torch.arange(width, device=anchors.device)
+    def draft_in_rows(self, embed, context_kv, blocks, mask_token_id, block_at, packed=False):
+        positions = blocks.anchors[:, None] + torch.arange(blocks.width, device=blocks.anchors.device)
         hidden = self.hidden[(positions - 1).clamp(0, self.hidden.shape[0] - 1)]
-        return RaggedTokens.of(block_sizes, width).pack(hidden) if packed else hidden
+        return RaggedTokens.of(blocks.sizes, blocks.width).pack(hidden) if packed else hidden
 
 
 def with_drafter(models: SpeculativeModels, drafter: nn.Module) -> SpeculativeModels:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from blockpilot.decoding.cache import SlotStore
 from blockpilot.models.attention import RaggedTokens
-from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
+from blockpilot.models.drafter import Blocks, DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target, random_models_like
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -270,9 +270,8 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     for anchor_list, size_list, width in cases:
         anchors, sizes = torch.tensor(anchor_list), torch.tensor(size_list)
         with torch.no_grad():
-            hidden = drafter.draft_blocks(
-                target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, mask_token_id=79
-            )
+            blocks = Blocks(ids[0, anchors], anchors, sizes, width)
+            hidden = drafter.draft_over_one_context(target.get_input_embeddings(), context_kv, blocks, mask_token_id=79)
             logits = target.get_output_embeddings()(hidden[:, 1:])
         assert hidden.shape == (len(anchor_list), width, shape.hidden_size)
         packed_logits.append(logits)
@@ -281,9 +280,8 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
             torch.testing.assert_close(logits[row, : size - 1], expected, rtol=1e-4, atol=1e-4)
         # Deferred, the last layer's per-token part runs for the chosen slots of the chosen blocks only.
         with torch.no_grad():
-            deferred = drafter.draft_blocks(
-                target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79,
-                defer_last_layer=True,
+            deferred = drafter.draft_over_one_context(
+                target.get_input_embeddings(), context_kv, blocks, 79, defer_last_layer=True
             )
             chosen = torch.tensor([len(anchor_list) - 1, 0])
             torch.testing.assert_close(deferred.hidden(chosen, 2, 5), hidden[chosen, 2:5], rtol=1e-5, atol=1e-5)
@@ -291,6 +289,7 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     # In place (decoding's form): a context row per block with scratch entries past the last anchor, holding
     # garbage beforehand; the blocks' keys and values go there instead of a concatenated copy. Same logits.
     anchors, sizes, width = (torch.tensor(cases[0][0]), torch.tensor(cases[0][1]), cases[0][2])
+    blocks = Blocks(ids[0, anchors], anchors, sizes, width)
     logits, block_at = packed_logits[0], 24
     noise = torch.Generator().manual_seed(6)
     scratch = [
@@ -302,24 +301,16 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     ]
     kept = [tuple(t[:, :, :block_at].clone() for t in pair) for pair in scratch]
     with torch.no_grad():
-        in_place = drafter.draft_blocks(
-            target.get_input_embeddings(), scratch, ids[0, anchors], anchors, sizes, width, 79, block_at=block_at
-        )
+        in_place = drafter.draft_in_rows(target.get_input_embeddings(), scratch, blocks, 79, block_at=block_at)
     torch.testing.assert_close(target.get_output_embeddings()(in_place[:, 1:]), logits, rtol=1e-5, atol=1e-5)
     for pair, before in zip(scratch, kept, strict=True):
         for tensor, old in zip(pair, before, strict=True):
             assert torch.equal(tensor[:, :, :block_at], old), "the context before block_at is left as it was"
     with pytest.raises(ValueError, match="needs one context row per block and 32 entries"):
-        drafter.draft_blocks(target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79, block_at=24)
+        drafter.draft_in_rows(target.get_input_embeddings(), context_kv, blocks, 79, block_at=24)
     # Packed (decoding's form for unequal blocks): only each block's own slots, one sequence; the same states.
     with torch.no_grad():
-        packed = drafter.draft_blocks(
-            target.get_input_embeddings(), scratch, ids[0, anchors], anchors, sizes, width, 79, block_at=block_at,
-            packed=True,
-        )
+        packed = drafter.draft_in_rows(target.get_input_embeddings(), scratch, blocks, 79, block_at=block_at, packed=True)
     assert packed.shape == (1, int(sizes.sum()), shape.hidden_size)
     torch.testing.assert_close(packed, RaggedTokens.of(sizes, width).pack(in_place), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="packed drafting needs block_at"):
-        drafter.draft_blocks(
-            target.get_input_embeddings(), context_kv, ids[0, anchors], anchors, sizes, width, 79, packed=True
-        )
+

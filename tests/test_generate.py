@@ -315,19 +315,19 @@ def test_unequal_blocks_drafted_and_verified_packed_decode_as_each_row_alone(
         for seed, (ids, b) in enumerate(zip(zoo_prompts, (2, 8, 3, 6, 1, 5), strict=True))
     ]
     packings = []  # per packed pass: its rows' token counts
-    draft_blocks, target_forward = tiny_models.drafter.draft_blocks, tiny_models.target.forward
+    draft_in_rows, target_forward = tiny_models.drafter.draft_in_rows, tiny_models.target.forward
 
-    def drafting(*args, **kwargs):
+    def drafting(embed, context_kv, blocks, *args, **kwargs):
         if kwargs.get("packed"):
-            packings.append(kwargs["block_sizes"])
-        return draft_blocks(*args, **kwargs)
+            packings.append(blocks.sizes)
+        return draft_in_rows(embed, context_kv, blocks, *args, **kwargs)
 
     def verifying(*args, **kwargs):
         if kwargs.get("ragged_tokens") is not None:
             packings.append(torch.bincount(kwargs["ragged_tokens"].rows))
         return target_forward(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_models.drafter, "draft_blocks", drafting)
+    monkeypatch.setattr(tiny_models.drafter, "draft_in_rows", drafting)
     monkeypatch.setattr(tiny_models.target, "forward", verifying)
     alone = [generate_many(tiny_models, [request])[0] for request in requests]
     assert not packings, "a row alone has nothing to pack"

@@ -46,6 +46,7 @@ from blockpilot.decoding.request import (
 )
 from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
 from blockpilot.models.attention import GROUPED_SDPA, RaggedTokens, masked_attention_kernels
+from blockpilot.models.drafter import Blocks
 from blockpilot.models.features import tapped
 from blockpilot.models.loading import SpeculativeModels, cache_keyword, synchronize
 from blockpilot.policies.base import (
@@ -429,14 +430,11 @@ class SpeculativeEngine:
         self.context.reserve(n, span + width)
         block_sizes = torch.tensor(sizes, device=self.device)
         packed = min(sizes) < width
-        hidden = self.drafter.draft_blocks(
+        hidden = self.drafter.draft_in_rows(
             self.embed,
             self.context.read_all(slice(0, n), span + width),
-            first_tokens=last_tokens,
-            anchors=lengths,
-            block_sizes=block_sizes,
-            width=width,
-            mask_token_id=self.models.mask_token_id,
+            Blocks(last_tokens, lengths, block_sizes, width),
+            self.models.mask_token_id,
             block_at=span,
             packed=packed,
         )

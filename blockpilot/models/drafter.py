@@ -286,7 +286,7 @@ class DrafterAttention(nn.Module):
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],  # (N or 1, kv_heads, C, head_dim) each
         attention_mask: torch.Tensor | None,  # bool (N or 1, 1, S, C + S), True = may attend; packed: see below
-        block_at: int | None = None,  # see `DFlashDrafter.draft_blocks`
+        block_at: int | None = None,  # see `DFlashDrafter._draft`
         blocks_per_row: int = 1,  # > 1: N / G rows of G blocks side by side, mask (N / G, 1, G * S, C + G * S)
         ragged: RaggedTokens | None = None,  # x is (1, T, hidden), the blocks' own slots packed; mask per block
     ) -> torch.Tensor:
@@ -406,6 +406,17 @@ class DeferredSlots:
         return self.norm(self.layer.finish(self.residual[blocks, start:stop], self.attended[blocks, start:stop]))
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """N blocks to draft: block n is `[first_tokens[n], MASK, ...]` at positions anchors[n] .. anchors[n] + W - 1,
+    its first `sizes[n]` slots real and the rest of the width W padding."""
+
+    first_tokens: torch.Tensor  # (N,) each block's first token (the last committed one)
+    anchors: torch.Tensor  # (N,) absolute position of each block's first token
+    sizes: torch.Tensor  # (N,) slots of each block
+    width: int  # W >= max(sizes)
+
+
 class DFlashDrafter(nn.Module):
     """DFlash block drafter. See the module docstring for the data flow."""
 
@@ -469,10 +480,10 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,  # (N or 1, S)
         context_kv: ContextKV,  # from encode_context, batch N or 1
         attention_mask: torch.Tensor | None = None,  # bool (N or 1, 1, S, C + S); None = see everything
-        block_at: int | None = None,  # see `draft_blocks`; then C = block_at
-        blocks_per_row: int = 1,  # see `draft_blocks`
+        block_at: int | None = None,  # see `_draft`; then C = block_at
+        blocks_per_row: int = 1,  # see `_draft`
         defer_last_layer: bool = False,
-        ragged: RaggedTokens | None = None,  # see `draft_blocks`: embeds and positions (1, T, ...) packed
+        ragged: RaggedTokens | None = None,  # see `_draft`: embeds and positions (1, T, ...) packed
     ) -> torch.Tensor | DeferredSlots:
         """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head. With
         `defer_last_layer`, a `DeferredSlots` that computes them slot by slot on demand."""
@@ -491,40 +502,65 @@ class DFlashDrafter(nn.Module):
             return DeferredSlots(x, attended, last, self.norm)
         return self.norm(last.finish(x, attended))
 
-    def draft_blocks(
+    def draft_in_rows(
         self,
         embed: nn.Module,  # the target's input embeddings
-        context_kv: ContextKV,  # per layer (M, kv_heads, C, head_dim): context position p at index p
-        first_tokens: torch.Tensor,  # (N,) each block's first token (the last committed one)
-        anchors: torch.Tensor,  # (N,) absolute position of each block's first token
-        block_sizes: torch.Tensor,  # (N,) slots of each block; slots past it are padding
-        width: int,  # the padded width W >= max(block_sizes)
+        context_kv: ContextKV,  # per layer (N, kv_heads, >= block_at + W, head_dim): one context row per block
+        blocks: Blocks,
         mask_token_id: int,
-        context_rows: torch.Tensor | None = None,  # (N,) the context row each block reads; None: row n (or the one)
-        block_at: int | None = None,  # scratch entries [block_at, block_at + W) of a per-block context; see below
+        block_at: int,  # every anchor <= block_at; entries [block_at, block_at + W) are scratch
+        packed: bool = False,
+    ) -> torch.Tensor:
+        """Decoding's drafting: block n over context row n, its keys and values written into the row's scratch
+        entries [block_at, block_at + W) (overwritten; decoding passes the slots past its longest row), the context
+        attended in place instead of a copy concatenated to every block in every layer. Hidden states (N, W, hidden);
+        `packed` (blocks of unequal sizes): the layers' token-by-token parts run on each block's own slots only, and
+        the result is (1, sum(sizes), hidden), block by block (`RaggedTokens.of(blocks.sizes, W)`)."""
+        return self._draft(embed, context_kv, blocks, mask_token_id, block_at=block_at, packed=packed)
+
+    def draft_over_one_context(
+        self,
+        embed: nn.Module,
+        context_kv: ContextKV,  # per layer (1, kv_heads, C, head_dim): one sequence's context features
+        blocks: Blocks,
+        mask_token_id: int,
         defer_last_layer: bool = False,  # a `DeferredSlots` instead: the last layer's per-token part on demand
-        packed: bool = False,  # with block_at: (1, sum(block_sizes), hidden), each block's own slots only
     ) -> torch.Tensor | DeferredSlots:
-        """The one drafting primitive: hidden states (N, W, hidden) of N blocks drafted in one call.
+        """The acceptance table's drafting: many blocks over one shared context (every anchor of a sequence),
+        attended `PACKED_SLOTS // W` at a time side by side in one row. Hidden states (N, W, hidden)."""
+        return self._draft(embed, context_kv, blocks, mask_token_id, defer_last_layer=defer_last_layer)
+
+    def draft_over_contexts(
+        self,
+        embed: nn.Module,
+        context_kv: ContextKV,  # per layer (M, kv_heads, C, head_dim): M sequences' context features
+        blocks: Blocks,
+        mask_token_id: int,
+        context_rows: torch.Tensor,  # (N,) the sequence each block reads
+    ) -> torch.Tensor:
+        """Training's drafting: blocks at random anchors of many sequences, block n over sequence
+        `context_rows[n]`. Hidden states (N, W, hidden)."""
+        return self._draft(embed, context_kv, blocks, mask_token_id, context_rows=context_rows)
+
+    def _draft(
+        self,
+        embed: nn.Module,
+        context_kv: ContextKV,  # per layer (M, kv_heads, C, head_dim): context position p at index p
+        blocks: Blocks,
+        mask_token_id: int,
+        context_rows: torch.Tensor | None = None,
+        block_at: int | None = None,
+        defer_last_layer: bool = False,
+        packed: bool = False,
+    ) -> torch.Tensor | DeferredSlots:
+        """The one drafting core under the three entry points above: hidden states of N blocks in one call.
 
         Block n is `[first_tokens[n], MASK, ...]` at positions anchors[n] .. anchors[n] + W - 1. It sees the
         context strictly before its anchor (index < anchor; later entries may be stale or belong to other
-        blocks) and, inside the block, its own `block_sizes[n]` slots in both directions, never the padding.
-        Decoding (one block per row), the acceptance table (every anchor of a sequence) and drafter training
-        (random anchors of many sequences) all draft through here; `target head(hidden[:, 1:])` gives the
-        logits of the W - 1 drafted tokens.
-
-        With `block_at`, context_kv holds one row per block and at least block_at + W entries, and every anchor is
-        <= block_at: each layer writes the blocks' keys and values into entries [block_at, block_at + W) (they are
-        overwritten; decoding passes the slots past its longest row) and attends over the context in place,
-        instead of concatenating a copy of the whole context to every block in every layer.
-
-        Blocks over one shared context row are attended `PACKED_SLOTS // W` at a time, side by side in one row.
-
-        `packed` (decoding's form, blocks of unequal sizes): the layers' token-by-token parts run on the blocks'
-        own slots only, packed into one sequence (`RaggedTokens.of(block_sizes)`), and so does the result:
-        (1, sum(block_sizes), hidden), block by block. A block pays for its own size, not for W.
+        blocks) and, inside the block, its own `sizes[n]` slots in both directions, never the padding.
+        `target head(hidden[:, 1:])` gives the logits of the W - 1 drafted tokens.
         """
+        first_tokens, anchors, block_sizes, width = blocks.first_tokens, blocks.anchors, blocks.sizes, blocks.width
         device = first_tokens.device
         n = first_tokens.shape[0]
         if packed and (block_at is None or defer_last_layer):

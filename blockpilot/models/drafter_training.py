@@ -3,7 +3,7 @@
 On the target's own responses, sample anchor positions in the response. An anchor opens a block
 `[token at anchor, MASK x (B-1)]` at positions anchor .. anchor + B - 1; the block sees the target's context
 features strictly before the anchor, attends bidirectionally inside itself and never sees another block
-(the drafting primitive, `DFlashDrafter.draft_blocks`, enforces all three). Cross-entropy at block positions
+(the drafting primitive, `DFlashDrafter._draft`, enforces all three). Cross-entropy at block positions
 k = 1 .. B - 1 (the tokens at anchor + k), weighted by exp(-(k - 1) / gamma). The target is frozen; its
 embeddings and head are shared.
 """
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockpilot.models.drafter import Blocks
 from blockpilot.models.features import FeatureTap
 
 IGNORE_INDEX = -100
@@ -94,16 +95,9 @@ def drafter_hidden(drafter: nn.Module, embed: nn.Module, batch: DrafterBatch, ma
     features = batch.features.to(device)
     context_kv = drafter.encode_context(features, torch.arange(features.shape[1], device=device)[None])
     n, size = batch.anchors.shape[0], batch.block_size
-    return drafter.draft_blocks(
-        embed,
-        context_kv,
-        first_tokens=batch.first_tokens.to(device),
-        anchors=batch.anchors.to(device),
-        block_sizes=torch.full((n,), size, device=device),
-        width=size,
-        mask_token_id=mask_token_id,
-        context_rows=batch.sequence_index.to(device),
-    )
+    sizes = torch.full((n,), size, device=device)
+    blocks = Blocks(batch.first_tokens.to(device), batch.anchors.to(device), sizes, size)
+    return drafter.draft_over_contexts(embed, context_kv, blocks, mask_token_id, batch.sequence_index.to(device))
 
 
 class DrafterObjective(nn.Module):

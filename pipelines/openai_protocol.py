@@ -1,0 +1,155 @@
+"""The OpenAI protocol of the endpoint: the typed requests of /v1/completions and /v1/chat/completions, what of
+OpenAI's fields this server refuses, and the conversion of a parsed request to the library's `DecodeRequest` (the
+prompt tokenized, the bounds that depend on the models and limits checked by `BatchedDecoder.check`). Errors are the
+library's plain `RequestError` naming the field; the HTTP layer (`pipelines/serve.py`) maps them to statuses."""
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+from blockpilot.serving import BatchedDecoder, DecodeRequest, RequestError
+
+# OpenAI fields of features this server does not have: refused unless absent or at their neutral value.
+UNSUPPORTED_FIELDS = (
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logit_bias",
+    "response_format",
+    "echo",
+    "suffix",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+# ----------------------------------------------------------------------------- typed requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class GenerationFields(BaseModel):
+    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does; fields of
+    features this server does not have are refused rather than silently dropped."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    temperature: Optional[float] = Field(default=None, allow_inf_nan=True)
+    top_p: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[StrictInt] = None
+    block_size: Optional[StrictInt] = None  # extension: force a fixed b
+    policy: str = "adaptive"  # extension: adaptive (the server's policy) or fixed (the training block size)
+    ignore_eos: StrictBool = False  # extension: always generate max_tokens (benchmarks)
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float))):
+            raise ValueError("must be a number")
+        if isinstance(value, int) and abs(value) > 1000:
+            raise ValueError(f"must be between 0 and 2, got an integer of {len(str(abs(value)))} digits")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        neutral = {"response_format": ({"type": "text"},), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,)}
+        for name in UNSUPPORTED_FIELDS:
+            value = extra.get(name)
+            if value in (None, False, [], {}) or value in neutral.get(name, ()):
+                continue
+            raise RequestError(name, "not supported by this server")
+        if self.n is not None and self.n != 1:
+            raise RequestError("n", "only n = 1 is supported")
+        if self.top_p is not None and self.top_p != 1:
+            raise RequestError("top_p", "only top_p = 1 is supported (the acceptance rules sample the full distribution)")
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(GenerationFields):
+    prompt: Union[str, list[str]]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise RequestError("prompt", "exactly one prompt per request (a list of one string is accepted)")
+            return self.prompt[0]
+        return self.prompt
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _field_name(location: tuple[Any, ...]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union branch names are dropped."""
+    name = ""
+    for part in location:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in ("str", "list[str]", "list[TextPart]", "function-after[...]") or "[" in str(part):
+            continue
+        else:
+            name += ("." if name else "") + str(part)
+    return name or "body"
+
+
+def parse_request(body: Any, model: type[GenerationFields]) -> GenerationFields:
+    if not isinstance(body, dict):
+        raise RequestError("body", "the request body must be a JSON object")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RequestError(_field_name(first["loc"]), first["msg"]) from None
+    parsed.refuse_unsupported()
+    return parsed
+
+
+def decode_request(decoder: BatchedDecoder, parsed: GenerationFields) -> DecodeRequest:
+    """The library's typed request from a parsed HTTP one (the prompt tokenized, every bound checked)."""
+    if isinstance(parsed, ChatCompletionRequest):
+        prompt_ids = decoder.encode_chat([(m.role, m.text) for m in parsed.messages])
+    else:
+        prompt_ids = decoder.encode_completion(parsed.text)
+    temperature = 1.0 if parsed.temperature is None else parsed.temperature  # OpenAI's default
+    return decoder.check(
+        prompt_ids,
+        max_tokens=parsed.max_tokens if parsed.max_tokens is not None else parsed.max_completion_tokens,
+        temperature=temperature,
+        stop=parsed.stops,
+        seed=parsed.seed,
+        block_size=parsed.block_size,
+        policy=parsed.policy,
+        ignore_eos=parsed.ignore_eos,
+    )
