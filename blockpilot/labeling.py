@@ -6,9 +6,10 @@ together: their reference generations share one batched engine, turn by turn.
 
 Failures: a prompt that cannot be labeled for a reason of its own (empty, longer than the target's context,
 unreadable in its source, a generation with no cycle) still yields its rows, with `error` and `error_kind`
-set, so that the job goes on, the summary counts it and a rerun does not retry it. A failure of the machine
-(CUDA out of memory, a device assert, a driver error) is raised instead: the actor is restarted and the
-prompts are retried, never recorded as done.
+set, so that the job goes on, the summary counts it and a rerun does not retry it. Out of memory on a batch
+retries its prompts one at a time; a prompt that is out of memory alone gets an `oom` error row. A failure of the
+device (a device assert, a driver error) is raised as `DeviceFailure`: the labeling actor exits, Ray restarts it
+and retries its batch, and nothing of it is recorded as done.
 """
 
 from __future__ import annotations
@@ -94,16 +95,35 @@ class PromptError(ValueError):
         self.kind = kind
 
 
-TRANSIENT_MARKERS = ("out of memory", "cuda error", "device-side assert", "cudnn", "nccl", "driver", "ecc error")
+TRANSIENT_MARKERS = ("cuda error", "device-side assert", "cudnn", "nccl", "driver", "ecc error")
 
 
-def is_transient(error: BaseException) -> bool:
-    """A failure of the machine rather than of the prompt: worth a restart and a retry, never an error row."""
+class DeviceFailure(RuntimeError):
+    """The device failed (not the prompt, not memory): the process must restart before it labels again."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
     import torch
 
     if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in TRANSIENT_MARKERS)
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def is_device_failure(error: BaseException) -> bool:
+    """A failure of the device rather than of the prompt or of memory: a restart and a retry, never an error row."""
+    if isinstance(error, DeviceFailure):
+        return True
+    return isinstance(error, RuntimeError) and not is_out_of_memory(error) and any(
+        m in str(error).lower() for m in TRANSIENT_MARKERS
+    )
+
+
+def _free_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -229,9 +249,11 @@ class Labeler:
             try:
                 sweeps = sweep_prompts(self.models, prompts, seeds, config, max_batch=self.max_batch)
             except Exception as error:
-                if is_transient(error):
-                    raise
-                # One prompt's failure must not fail its neighbours: sweep them one by one to find it.
+                if is_device_failure(error):
+                    raise DeviceFailure(str(error)) from error
+                if is_out_of_memory(error):
+                    _free_device_memory()
+                # One prompt's failure (or the batch's memory) must not fail its neighbours: one by one.
                 sweeps = [self._sweep_alone(prompt, seed, config) for prompt, seed in zip(prompts, seeds, strict=True)]
             for i, sweep in zip(group, sweeps, strict=True):
                 results[i] = self._row(items[i][0].base, items[i][1], sweep)
@@ -243,8 +265,11 @@ class Labeler:
         try:
             return sweep_prompts(self.models, [prompt], [seed], config, max_batch=1)[0]
         except Exception as error:
-            if is_transient(error):
-                raise
+            if is_device_failure(error):
+                raise DeviceFailure(str(error)) from error
+            if is_out_of_memory(error):
+                _free_device_memory()
+                return PromptError("oom", f"out of memory even alone: {error}")
             return error
 
     def _row(
@@ -252,6 +277,8 @@ class Labeler:
     ) -> tuple[dict[str, Any], str | None]:
         from blockpilot.table import table_columns
 
+        if isinstance(sweep, PromptError):
+            return {**base, "error": str(sweep), "error_kind": sweep.kind}, None
         if isinstance(sweep, Exception):
             return {**base, "error": f"{type(sweep).__name__}: {sweep}", "error_kind": "exception"}, None
         if not any(sweep.cycles):

@@ -45,6 +45,10 @@ class RequestError(ValueError):
         self.field, self.message = field, message
 
 
+class RowFailure(RuntimeError):
+    """The engine failed this request alone (its policy, its logits, its sampling); the other requests go on."""
+
+
 class Overloaded(RuntimeError):
     """No row can take the request in time: the client should retry after `retry_after_s`."""
 
@@ -161,14 +165,18 @@ class DecodeHandle:
     cancelled: bool = False
     timed_out: bool = False
     listener: Callable[[tuple[str, Any]], None] | None = None
+    on_cancel: Callable[[DecodeHandle], None] | None = None  # the decoder's: frees a queued request's slot at once
+    checked_at: float = 0.0  # when the server last asked whether this request's client is still there
     _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     def emit(self, kind: str, value: Any) -> None:
         (self.listener or self._queue.put)((kind, value))
 
     def cancel(self) -> None:
-        """Free the row at the next cycle (the client went away, or its time is up)."""
+        """Free the row at the next cycle, or the queue slot now (the client went away, or its time is up)."""
         self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     def events(self, timeout_s: float | None = None) -> Iterator[tuple[str, Any]]:
         """("delta", text) ... then ("done", stats) or ("error", exception), for a synchronous consumer."""
@@ -177,6 +185,31 @@ class DecodeHandle:
             yield kind, value
             if kind != "delta":
                 return
+
+
+class SerializedTokenizer:
+    """A tokenizer shared by the HTTP threads (encoding) and the engine thread (decoding), one call at a time.
+    A fast tokenizer is not safe across threads: `split_special_tokens` is a flag set on the shared Rust object
+    for the length of a call, so a concurrent call could read another request's setting (user text parsed as
+    control tokens), and concurrent calls can fail with "Already borrowed"."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer, self._lock = tokenizer, threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer.decode(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # read-only attributes: chat_template, eos_token_id, ...
+        return getattr(self._tokenizer, name)
 
 
 class BatchedDecoder:
@@ -196,6 +229,7 @@ class BatchedDecoder:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
         self.models, self.model_name = models, model_name
+        self.tokenizer = SerializedTokenizer(models.tokenizer)
         self.limits = limits or ServeLimits()
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
@@ -230,7 +264,7 @@ class BatchedDecoder:
 
     def _tokenize_user_text(self, text: str) -> list[int]:
         """User text as plain text: `<|im_end|>` typed by a user never becomes the special token."""
-        return self.models.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def encode_completion(self, prompt: str) -> list[int]:
         self._check_text(prompt, "prompt")
@@ -241,7 +275,7 @@ class BatchedDecoder:
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """(role, content) pairs through the chat template; contents are tokenized as user text, never as special
         tokens, so a message cannot forge a turn."""
-        tokenizer = self.models.tokenizer
+        tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("messages", f"model {self.model_name!r} has no chat template; use /v1/completions")
         for index, (_, content) in enumerate(messages):
@@ -366,7 +400,11 @@ class BatchedDecoder:
         """Queue a request; its events go to `listener` (called from the engine thread) or to `handle.events()`.
         `Overloaded` when the queue is full or the engine has failed."""
         handle = DecodeHandle(
-            request, IncrementalText(self.models.tokenizer, request.stop), self.policy_for(request), listener=listener
+            request,
+            IncrementalText(self.tokenizer, request.stop),
+            self.policy_for(request),
+            listener=listener,
+            on_cancel=self._unqueue,
         )
         with self._lock:
             if self.failure is not None:
@@ -388,6 +426,12 @@ class BatchedDecoder:
             else:
                 stats = value
         return "".join(parts), stats
+
+    def _unqueue(self, handle: DecodeHandle) -> None:
+        """A cancelled request that still waits leaves the queue now, not when it reaches the front."""
+        with self._lock:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
 
     def _retry_after(self) -> float:
         return max(1.0, min(self.limits.queue_timeout_s, 5.0))
@@ -421,10 +465,12 @@ class BatchedDecoder:
         """Move waiting requests into the engine while it has rows free; expire those that waited too long."""
         now = time.monotonic()
         while self._waiting and len(self._active) < self.limits.max_batch:
-            handle = self._waiting.popleft()
+            handle = self._waiting[0]
             if handle.cancelled:
+                self._waiting.popleft()
                 continue
             if now - handle.submitted_at > self.limits.queue_timeout_s:
+                self._waiting.popleft()
                 handle.emit("error", Overloaded("no decoding row became free in time", self._retry_after()))
                 continue
             config = GenerationConfig(
@@ -433,7 +479,13 @@ class BatchedDecoder:
                 stop_token_ids=() if handle.request.ignore_eos else self.stop_token_ids,
                 seed=handle.request.seed,
             )
-            handle.row_id = self._engine.submit(GenerationRequest(handle.request.prompt_ids, config, handle.policy))
+            try:
+                handle.row_id = self._engine.submit(GenerationRequest(handle.request.prompt_ids, config, handle.policy))
+            except Exception as error:  # this request's alone: it gets the error, nobody waits on it forever
+                self._waiting.popleft()
+                handle.emit("error", RowFailure(f"the engine refused the request: {error}"))
+                continue
+            self._waiting.popleft()
             handle.started_at = now
             self._active[handle.row_id] = handle
         for handle in [h for h in self._waiting if now - h.submitted_at > self.limits.queue_timeout_s]:
@@ -452,6 +504,10 @@ class BatchedDecoder:
     def _deliver(self, update: Any) -> None:
         handle = self._active.get(update.row_id)
         if handle is None:
+            return
+        if update.error is not None:
+            del self._active[update.row_id]
+            handle.emit("error", RowFailure(f"decoding this request failed: {update.error}"))
             return
         if update.new_tokens:
             delta = handle.text.push(update.new_tokens)

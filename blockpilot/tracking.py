@@ -14,6 +14,8 @@ held-out modeled throughput.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
@@ -231,12 +233,44 @@ def log_label_set(tracker: Tracker, source: str | Path, table: Any, context: str
 # ----------------------------------------------------------------------------- the predictor as an MLflow model
 
 
+CHAMPION_CONTEXT_TAG = "blockpilot.champion_context"
+
+
+def champion_context(
+    *, cost: Any, batch: int | None, evaluation: Any | None, target_id: str, drafter_id: str
+) -> dict[str, str] | None:
+    """What a held-out modeled throughput means, for comparing it with another: the cost curve and the batch it was
+    priced at (or tokens per cycle without a curve), the evaluation set (its (prompt, temperature) keys), the target
+    and the drafter. None without an evaluation set: a figure on the training labels crowns nothing."""
+    if evaluation is None:
+        return None
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    keys = sorted(zip(evaluation["prompt_id"].to_pylist(), evaluation["temperature"].to_pylist(), strict=True))
+    return {
+        "unit": "tokens per cycle" if cost.is_uniform else f"tokens per {cost.unit}",
+        "cost": digest(cost.to_dict()["seconds"]),
+        "batch": str(batch),
+        "evaluation": digest(keys),
+        "target_id": target_id,
+        "drafter_id": drafter_id,
+    }
+
+
 def log_predictor_model(
-    tracker: Tracker, predictor_dir: str | Path, heldout_throughput: float, registered_name: str = PREDICTOR_MODEL_NAME
+    tracker: Tracker,
+    predictor_dir: str | Path,
+    heldout_throughput: float,
+    registered_name: str = PREDICTOR_MODEL_NAME,
+    context: dict[str, str] | None = None,
 ) -> tuple[str | None, bool]:
     """Log a predictor folder (per-request or per-step: its config says which) as a pyfunc (models-from-code:
     nothing pickled), register a new version of `registered_name`, and move its `champion` alias to it when its
-    held-out modeled throughput beats the current champion's.
+    held-out modeled throughput beats the current champion's in the same `context` (`champion_context`: the same
+    cost curve and batch, evaluation set, target and drafter). A version without a context (no held-out set) or in
+    another context than the champion's is registered, never crowned; the first one with a context is.
 
     Returns (version, became champion); (None, False) when tracking is off. The folder rides as the model's
     artifact `predictor`; `download_model_folder` gives it back from `models:/NAME/VERSION` or `@champion`.
@@ -260,15 +294,26 @@ def log_predictor_model(
     version = str(version)
     client = mlflow.MlflowClient()
     client.set_model_version_tag(registered_name, version, CHAMPION_METRIC_TAG, repr(float(heldout_throughput)))
+    mine = json.dumps(context, sort_keys=True) if context is not None else None
+    if mine is not None:
+        client.set_model_version_tag(registered_name, version, CHAMPION_CONTEXT_TAG, mine)
+    if mine is None or not math.isfinite(heldout_throughput):
+        return version, False
     try:
         champion = client.get_model_version_by_alias(registered_name, CHAMPION_ALIAS)
-        best = float(champion.tags.get(CHAMPION_METRIC_TAG, "-inf"))
     except mlflow.exceptions.MlflowException:  # no champion yet
-        best = -math.inf
-    promote = math.isfinite(heldout_throughput) and heldout_throughput > best
-    if promote:
-        client.set_registered_model_alias(registered_name, CHAMPION_ALIAS, version)
-    return version, promote
+        champion = None
+    if champion is not None and champion.tags.get(CHAMPION_CONTEXT_TAG) != mine:
+        return version, False  # figures of another context do not compare
+    best = float(champion.tags.get(CHAMPION_METRIC_TAG, "-inf")) if champion is not None else -math.inf
+    # Compare and set: a concurrent run that crowned another version meanwhile is not overwritten by a worse one.
+    if heldout_throughput <= best:
+        return version, False
+    now = client.get_model_version_by_alias(registered_name, CHAMPION_ALIAS) if champion is not None else None
+    if now is not None and now.version != champion.version:
+        return version, False
+    client.set_registered_model_alias(registered_name, CHAMPION_ALIAS, version)
+    return version, True
 
 
 def download_model_folder(uri: str, artifact: str) -> Path:

@@ -6,13 +6,28 @@ included (the committed notebooks are a run of this; the test suite runs it on t
 
 from __future__ import annotations
 
-import re
+import ast
 import sys
 from pathlib import Path
 
 FOLDER = Path(__file__).resolve().parent
-# A cell that draws: matplotlib or pandas plotting, or an image displayed.
-DRAWS = re.compile(r"plt\.|\.plot\(|subplots\(|imshow\(|display\(Image")
+# Calls that draw a figure into a cell's outputs: matplotlib's and pandas' plotting, and the notebooks' `show`.
+DRAWING_CALLS = {"show", "plot", "bar", "imshow", "subplots", "figure", "hist", "heatmap"}
+
+
+def draws(source: str) -> bool:
+    """Whether a cell, run, draws: a drawing call outside any function it only defines."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # IPython magics: not ours
+        return False
+    defined = {id(node) for top in ast.walk(tree) if isinstance(top, ast.FunctionDef) for node in ast.walk(top)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and id(node) not in defined:
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in DRAWING_CALLS:
+                return True
+    return False
 
 
 def execute(notebook: Path, write: bool = False):
@@ -34,7 +49,7 @@ def cells_missing_figures(nb) -> list[int]:
         index
         for index, cell in enumerate(nb.cells)
         if cell.cell_type == "code"
-        and DRAWS.search(cell.source)
+        and draws(cell.source)
         and not any("image/png" in output.get("data", {}) for output in cell.outputs)
     ]
 

@@ -102,12 +102,25 @@ class SweepActor:
 
     def __call__(self, batch: Any) -> Any:
         from blockpilot.data.labels import rows_to_table
+        from blockpilot.labeling import DeviceFailure
 
         tasks = [
             (PromptRecord(t["id"], t["source"], tuple(t["turns"] or ()), t["error"]), t["temperature"])
             for t in batch.to_pylist()
         ]
-        return rows_to_table([row for rows in self.labeler.label_many(tasks) for row in rows])
+        try:
+            rows = self.labeler.label_many(tasks)
+        except DeviceFailure as failure:
+            restart_after(failure)
+        return rows_to_table([row for task_rows in rows for row in task_rows])
+
+
+def restart_after(failure: BaseException) -> None:
+    """A failed device poisons this process (a CUDA device assert cannot be cleared): exit, so that Ray Data
+    restarts the actor and retries its batch (actor pools restart and retry by default). Nothing of the batch
+    was written."""
+    print(f"[label] the device failed ({failure}); restarting this labeling actor", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def pending_tasks(records: list[PromptRecord], temperatures: tuple[float, ...], out: Path) -> list[dict[str, Any]]:

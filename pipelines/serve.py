@@ -18,6 +18,7 @@ on every route but /health.
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string, on the
 # methods that Serve's ingress wraps, or it reads `request` as a required query parameter (422).
 import asyncio
+import hmac
 import json
 import os
 import sys
@@ -41,7 +42,7 @@ from blockpilot.options import (
     positive_int_arg,
 )
 from blockpilot.policies.resolve import adaptive_spec
-from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, ServeLimits, new_id
+from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, RowFailure, ServeLimits, new_id
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
@@ -92,7 +93,9 @@ class ModelLoader:
         return decoder.start()
 
 
-api = FastAPI(title="BlockPilot adaptive decoder")
+# No /docs, /redoc or /openapi.json: the API is OpenAI's (documented there), and those routes would answer without
+# the key that every other route but /health asks for.
+api = FastAPI(title="BlockPilot adaptive decoder", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def _error(status: int, message: str, param: Optional[str], kind: str, headers: Optional[dict] = None) -> JSONResponse:
@@ -108,6 +111,12 @@ class BodyTooLarge(RequestError):
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
     status = 413 if isinstance(error, BodyTooLarge) else 400
     return _error(status, f"{error.field}: {error.message}", error.field, "invalid_request_error")
+
+
+@api.exception_handler(RowFailure)
+async def _row_failure(request: Request, error: RowFailure) -> JSONResponse:
+    # This request alone failed in the engine: a 500 for it, the replica and the other requests go on.
+    return _error(500, "decoding this request failed", None, "server_error")
 
 
 @api.exception_handler(Overloaded)
@@ -135,7 +144,8 @@ async def read_json(request: Request, max_bytes: int) -> Any:
 
 
 def check_api_key(request: Request, key: Optional[str]) -> Optional[JSONResponse]:
-    if key and request.headers.get("authorization") != f"Bearer {key}":
+    given = request.headers.get("authorization", "")
+    if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):  # in constant time
         return _error(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "authentication_error")
     return None
 
@@ -187,12 +197,24 @@ async def respond(decoder: BatchedDecoder, request: Request, chat: bool) -> Any:
     }
 
 
+DISCONNECT_CHECK_S = 0.25  # how often a request's client is asked whether it is still there
+
+
 async def next_event(events: asyncio.Queue, request: Request, handle: Any) -> Optional[tuple[str, Any]]:
-    """The next event of a request, or None once its client has disconnected (its row is then freed)."""
+    """The next event of a request, or None once its client has disconnected (its row is then freed). The client
+    is asked every `DISCONNECT_CHECK_S` even while events keep coming: a non-streaming request's deltas arrive every
+    cycle, and checking only when none came let a request whose client left run to its end."""
+    now = time.monotonic()
+    if now - handle.checked_at >= DISCONNECT_CHECK_S:
+        handle.checked_at = now
+        if await request.is_disconnected():
+            handle.cancel()
+            return None
     while True:
         try:
-            return await asyncio.wait_for(events.get(), timeout=0.5)
+            return await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
         except TimeoutError:
+            handle.checked_at = time.monotonic()
             if await request.is_disconnected():
                 handle.cancel()
                 return None
@@ -230,7 +252,9 @@ async def sse_events(
             if what == "delta":
                 yield chunk(value, None)
             elif what == "error":
-                message = {"error": {"message": str(value), "type": "server_error", "param": None, "code": None}}
+                # Overloaded says what to do; any other failure's text stays in the server's log.
+                text = str(value) if isinstance(value, Overloaded) else "decoding this request failed"
+                message = {"error": {"message": text, "type": "server_error", "param": None, "code": None}}
                 yield f"data: {json.dumps(message)}\n\n".encode()
                 break
             else:
@@ -263,8 +287,8 @@ class BlockPilotDecoder:
 
     @api.get("/health")
     async def health(self) -> Any:
-        if not self.decoder.healthy:
-            return _error(503, f"the decoder is not running: {self.decoder.failure!r}", None, "server_error")
+        if not self.decoder.healthy:  # the cause goes to the replica's log (check_health), not to any caller
+            return _error(503, "the decoder is not running", None, "server_error")
         return {"status": "ok", **self.decoder.load}
 
     @api.get("/v1/models")
@@ -386,6 +410,10 @@ def serve_locally(
 
     from pipelines.ray_runtime import ensure_ray
 
+    if host not in ("127.0.0.1", "localhost", "::1") and not getattr(loader, "api_key", None):
+        logging.getLogger("ray.serve").warning(
+            "serving on %s without an API key: anyone who reaches this host can use it (set --api-key)", host
+        )
     started_ray = ensure_ray()
     logs = {"log_level": log_level, "enable_access_log": log_level in ("DEBUG", "INFO")}
     logging.getLogger("ray.serve").setLevel(log_level)

@@ -320,7 +320,7 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
     """Score, save and log the trained predictor; register it (and maybe crown it champion)."""
     from blockpilot.predictor.evaluation import evaluate_predictor, predictor_figures
     from blockpilot.scoring import format_metrics, label_arrays
-    from blockpilot.tracking import log_figures, log_label_set, log_predictor_model
+    from blockpilot.tracking import champion_context, log_figures, log_label_set, log_predictor_model
 
     dense = job.kind == "dense"
     out = job.out or blockpilot_home() / "predictors" / job.name
@@ -340,7 +340,16 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
         log_figures(tracker, predictor_figures(predictor, eval_arrays or val_arrays))
     tracker.log_artifact(out, "predictor")
     heldout = (eval_metrics or val_metrics)["throughput_pred"]
-    version, champion = log_predictor_model(tracker, out, heldout)
+    scored_on = prepared.evaluation if prepared.evaluation is not None else prepared.val
+    first = scored_on.slice(0, 1).to_pylist()[0]
+    context = champion_context(
+        cost=prepared.cost,
+        batch=job.cost_batch,
+        evaluation=scored_on,
+        target_id=first.get("target_id") or "",
+        drafter_id=first.get("drafter_id") or "",
+    )
+    version, champion = log_predictor_model(tracker, out, heldout, context=context)
     print(format_metrics("[predictor] validation", val_metrics))
     if eval_metrics is not None:
         print(format_metrics("[predictor] evaluation (held-out labels)", eval_metrics))

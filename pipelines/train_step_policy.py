@@ -118,7 +118,14 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     from blockpilot.predictor.step_data import evaluate_step_model, format_step_metrics, regret_dataset, step_rows
     from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.predictor.store import load_predictor
-    from blockpilot.tracking import STEP_MODEL_NAME, log_label_set, log_predictor_model, start_run, tracking_uri
+    from blockpilot.tracking import (
+        STEP_MODEL_NAME,
+        champion_context,
+        log_label_set,
+        log_predictor_model,
+        start_run,
+        tracking_uri,
+    )
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
     from pipelines.train_checkpoints import refuse_existing_run
 
@@ -187,7 +194,15 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
             if table is not None:
                 log_label_set(tracker, source, table, name)
         tracker.log_artifact(out, "step_model")
-        version, champion = log_predictor_model(tracker, out, metrics["throughput_step"], STEP_MODEL_NAME)
+        # Crowned only on held-out labels (--eval), against a champion scored in the same context.
+        context = champion_context(
+            cost=cost,
+            batch=max(loads) if loads else None,
+            evaluation=eval_table,
+            target_id=config.target_id,
+            drafter_id=config.drafter_id,
+        )
+        version, champion = log_predictor_model(tracker, out, metrics["throughput_step"], STEP_MODEL_NAME, context)
     held_out = f"[step] held-out ({'--eval' if job.eval else 'training labels'})"
     if not loads:
         print(format_step_metrics(held_out, metrics))

@@ -283,3 +283,48 @@ def test_samples_pool_runs_at_temperature(tiny_models, heldout):
     )
     with pytest.raises(ValueError, match="samples"):
         SweepConfig((2, 3), samples=0)
+
+
+def test_out_of_memory_retries_one_prompt_at_a_time_and_marks_only_the_prompt_that_needs_more(labeler, monkeypatch):
+    """A batch out of memory is swept again prompt by prompt; a prompt out of memory alone gets an `oom` row;
+    its neighbours get their labels, the same as without the fault."""
+    import torch
+
+    import blockpilot.sweep as sweep_module
+
+    records = [PromptRecord(f"r:{i}", "count", (f"Count from {i} to {i + 4}.",)) for i in range(3)]
+    tasks = [(record, 0.0) for record in records]
+    clean = labeler.label_many(tasks)
+    huge = labeler._prompt_ids(records[1].turns[0], [{"role": "user", "content": records[1].turns[0]}])
+    sweep_prompts = sweep_module.sweep_prompts
+
+    def short_of_memory(models, prompts, *args, **kwargs):
+        if len(prompts) > 1 or list(prompts[0]) == list(huge):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return sweep_prompts(models, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "sweep_prompts", short_of_memory)
+    rows = labeler.label_many(tasks)
+    assert rows[1][0]["error_kind"] == "oom" and "out of memory" in rows[1][0]["error"]
+    for index in (0, 2):
+        assert rows[index][0]["error"] is None and rows[index][0]["tau"] == clean[index][0]["tau"]
+
+
+def test_a_device_failure_is_raised_for_the_actor_to_restart(labeler, monkeypatch):
+    import blockpilot.sweep as sweep_module
+    from blockpilot.labeling import DeviceFailure
+
+    def assert_failed(*args, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(sweep_module, "sweep_prompts", assert_failed)
+    with pytest.raises(DeviceFailure, match="device-side assert"):
+        labeler.label_many([(PromptRecord("r:1", "count", ("Count from 1 to 4.",)), 0.0)])
+
+    # The actor exits on it (Ray Data restarts the actor and retries the batch); it writes nothing.
+    import pipelines.label as label_module
+
+    exits = []
+    monkeypatch.setattr(label_module.os, "_exit", lambda code: exits.append(code))
+    label_module.restart_after(DeviceFailure("device-side assert triggered"))
+    assert exits == [1]

@@ -67,3 +67,14 @@ def test_cluster_launcher_config():
     assert any("RAY_AUTH_MODE=token" in option for option in config["docker"]["run_options"])
     assert all("RAY_AUTH_MODE=token" in cmd for cmd in config["head_start_ray_commands"] if "ray start" in cmd)
     assert "127.0.0.1" in " ".join(config["head_start_ray_commands"])
+
+
+def test_the_serve_config_lets_a_replica_queue_what_it_cannot_batch():
+    """Serve's router must route a replica more requests than it batches, or its own queue (and its 503 with
+    Retry-After) is never used: the default (`build_app`) is twice the batch plus the queue."""
+    from blockpilot.serving import ServeLimits
+
+    (application,) = load("cluster/serve.yaml")["applications"]
+    args = application["args"]
+    limits = ServeLimits(**args.get("limits", {}))
+    assert args.get("max_ongoing_requests", 2 * (limits.max_batch + limits.max_queue)) > limits.max_batch + limits.max_queue

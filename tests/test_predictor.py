@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from blockpilot.cost import CycleCost
-from blockpilot.files import MODEL_SCHEMA_VERSION
 from blockpilot.data.labels import rows_to_table
 from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.files import MODEL_SCHEMA_VERSION
 from blockpilot.policies.learned import LearnedPolicy
 from blockpilot.policies.resolve import check_predictor_fits, resolve_policy
 from blockpilot.predictor import BlockSizePredictor, PredictorConfig, PredictorInputs, input_arrays, load_predictor
@@ -292,6 +292,44 @@ def test_training_columns_from_a_numpy_batch():
 # ----------------------------------------------------------------------------- as an MLflow model
 
 
+def test_the_champion_is_crowned_only_against_figures_that_compare(tmp_path, monkeypatch):
+    import mlflow
+
+    from blockpilot.tracking import champion_context, log_predictor_model, start_run
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    folder = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8)).save(tmp_path / "p")
+    heldout = rows_to_table(label_rows(6))
+    other_set = rows_to_table(label_rows(8))
+    priced = CycleCost({1: {2: 1.0, 4: 2.0}})
+
+    def context(cost=priced, batch=1, evaluation=heldout, target="t"):
+        return champion_context(cost=cost, batch=batch, evaluation=evaluation, target_id=target, drafter_id="d")
+
+    assert context(evaluation=None) is None, "no held-out set: nothing to compare"
+    assert context() == context() and context()["unit"] == "tokens per s"
+    assert context(cost=CycleCost.uniform())["unit"] == "tokens per cycle"
+
+    def register(throughput, ctx):
+        with start_run("blockpilot-predictor", "test") as tracker:
+            return log_predictor_model(tracker, folder, heldout_throughput=throughput, context=ctx)
+
+    assert register(5.0, None) == ("1", False), "a figure on training labels crowns nothing"
+    assert register(2.0, context()) == ("2", True)
+    # Higher figures in another context do not compare with the champion's: registered, never crowned.
+    for incomparable in (
+        context(cost=CycleCost.uniform()),
+        context(batch=32),
+        context(evaluation=other_set),
+        context(target="another target"),
+    ):
+        assert register(100.0, incomparable)[1] is False
+    assert register(1.0, context()) == ("7", False)
+    assert register(3.0, context()) == ("8", True)
+    champion = mlflow.MlflowClient().get_model_version_by_alias("blockpilot-predictor", "champion")
+    assert str(champion.version) == "8"
+
+
 def test_registered_model_round_trip(tmp_path, monkeypatch):
     import mlflow
 
@@ -300,11 +338,12 @@ def test_registered_model_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     model = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8))
     folder = model.save(tmp_path / "run-7")  # MLflow names the artifact's folder after it, not "predictor"
+    context = {"unit": "tokens per s", "cost": "c1", "batch": "1", "evaluation": "e1", "target_id": "t", "drafter_id": "d"}
     versions = []
     for throughput in (2.0, 1.5, 2.5):
         with start_run("blockpilot-predictor", "test") as tracker:
-            versions.append(log_predictor_model(tracker, folder, heldout_throughput=throughput))
-    # The champion alias moves only to a version that beats it on held-out modeled throughput.
+            versions.append(log_predictor_model(tracker, folder, heldout_throughput=throughput, context=context))
+    # The champion alias moves only to a version that beats it on held-out modeled throughput in the same context.
     assert versions == [("1", True), ("2", False), ("3", True)]
     assert str(mlflow.MlflowClient().get_model_version_by_alias("blockpilot-predictor", "champion").version) == "3"
     inputs = random_inputs(3, 10, k=4)

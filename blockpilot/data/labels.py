@@ -25,7 +25,7 @@ Columns (lists follow `candidates`):
     target_id, drafter_id, sweep_mode, max_new_tokens
     error, error_kind                         null, or why this prompt has no label (the row is kept) and
                                               what kind of failure that is (empty, too_long, source, no_cycle,
-                                              exception)
+                                              oom, exception)
 
 Keeping the table lets a label objective (max tau, or tau(b) / c(b)) or a walk (per-step choices) change
 without relabeling.

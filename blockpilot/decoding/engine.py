@@ -68,11 +68,18 @@ POOLED_PRIOR_DRAFTS = 4.0
 
 @dataclass
 class RowUpdate:
-    """What one engine step did for one row: the tokens it committed, and the result once the row is done."""
+    """What one engine step did for one row: the tokens it committed, and the result once the row is done; `error`
+    when the row failed (its policy raised or answered a bad value, its logits were not finite, its sampling
+    raised): that row ends (stop reason "error") and the others go on."""
 
     row_id: int
     new_tokens: list[int]
     result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class NonFiniteLogits(FloatingPointError):
+    """The target's distribution for a row holds NaN or infinity."""
 
 
 @dataclass
@@ -97,7 +104,11 @@ class _Row:
     prefill_state: PrefillState | None = None
     stop_reason: StopReason | None = None
     cancelled: bool = False
+    failure: BaseException | None = None  # why the row ended with stop reason "error"
     record: dict[str, list[torch.Tensor]] | None = None
+
+    def fail(self, error: BaseException) -> None:
+        self.failure, self.stop_reason = error, "error"
 
     @property
     def config(self) -> GenerationConfig:
@@ -142,12 +153,12 @@ def truncate_at_stop(tokens: list[int], stop_token_ids: Sequence[int]) -> list[i
     return tokens
 
 
-def _asked(policy: BlockSizePolicy, hook: Any, states: list[Any]) -> list[Any]:
-    """A batched hook of `policy` over `states`, checked to answer for every row."""
-    sizes = list(hook(states))
-    if len(sizes) != len(states):
-        raise ValueError(f"policy {policy.name!r} returned {len(sizes)} block sizes for {len(states)} rows")
-    return sizes
+def _checked_sizes(policy: BlockSizePolicy, sizes: Any, rows: int) -> list[int]:
+    """A batched hook's answer for `rows` rows, each an integer block size >= 1."""
+    sizes = list(sizes)
+    if len(sizes) != rows:
+        raise ValueError(f"policy {policy.name!r} returned {len(sizes)} block sizes for {rows} rows")
+    return [_checked(size, policy) for size in sizes]
 
 
 def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
@@ -322,13 +333,14 @@ class SpeculativeEngine:
         synchronize(self.device)
         elapsed = time.perf_counter() - started
         # Each first token is drawn before the first b is chosen: it is that block's first token, which a policy reads.
-        firsts = [int(sample_next(logits[i], row.config.temperature, row.generator)) for i, row in enumerate(joining)]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        firsts = [self._first_token(row, logits[i], finite[i]) for i, row in enumerate(joining)]
         for index, row in enumerate(joining):
             temperature = row.config.temperature
             row.prefill_state = PrefillState(
                 logits[index], row.prompt, temperature, self.models.train_block_size, batch_rows, firsts[index]
             )
-        self._initial_block_sizes(joining)
+        self._decide([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         finished = []
         for index, (row, first) in enumerate(zip(joining, firsts, strict=True)):
             row.tokens, row.length = [first], lengths[index]
@@ -337,11 +349,12 @@ class SpeculativeEngine:
                 self._record_distributions(row, logits[index][None])
             row.prefill_time = elapsed
             self.rows.append(row)
-            if first in row.config.stop_token_ids:
-                row.stop_reason = "stop"
-            elif row.config.max_new_tokens == 1:
-                row.stop_reason = "length"
-            updates.append(RowUpdate(row.id, [first]))
+            if row.failure is None:
+                if first in row.config.stop_token_ids:
+                    row.stop_reason = "stop"
+                elif row.config.max_new_tokens == 1:
+                    row.stop_reason = "length"
+                updates.append(RowUpdate(row.id, [first]))
             if row.stop_reason is not None:
                 finished.append(first_slot + index)
         for slot in reversed(finished):
@@ -373,6 +386,9 @@ class SpeculativeEngine:
         elapsed = time.perf_counter() - started
         finished, going_on = [], []
         for index, (row, size, (new_tokens, accepted)) in enumerate(zip(rows, sizes, committed, strict=True)):
+            if row.failure is not None:
+                finished.append(index)
+                continue
             self._commit(row, size, new_tokens, features, logits, index)
             row.acceptance.add(size, accepted)
             self.acceptance.add(size, accepted)
@@ -384,26 +400,45 @@ class SpeculativeEngine:
                 finished.append(index)
         # The hooks price the next cycle: the rows going on and the waiting ones that will join them.
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        self._next_block_sizes([(row, _cycle_state(row, *done, next_batch)) for row, *done in going_on])
+        self._decide([(row, _cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
+        finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
         for index in reversed(finished):
             self._retire(index, updates)
 
-    def _initial_block_sizes(self, rows: list[_Row]) -> None:
-        """Every joining row's first b from its policy's prefill hook, once per policy the rows share."""
-        for group in _by_policy(rows):
-            policy = rows[group[0]].policy
-            sizes = _asked(policy, policy.initial_block_sizes, [rows[i].prefill_state for i in group])
-            for index, size in zip(group, sizes, strict=True):
-                rows[index].block_size = rows[index].chosen_block_size = _checked(size, policy)
+    def _decide(self, pairs: list[tuple[_Row, Any]], initial: bool) -> None:
+        """Each row's b from its policy: the first one from the prefill state (`initial`), else the next one from
+        its cycle state; one batched call per policy the rows share. A policy that raises or answers a bad value
+        for the group is asked row by row, so that only the rows it fails on fail, with its error."""
+        for group in _by_policy([row for row, _ in pairs]):
+            policy = pairs[group[0]][0].policy
+            hook = policy.initial_block_sizes if initial else policy.next_block_sizes
+            try:
+                sizes: list[int | None] = _checked_sizes(policy, hook([pairs[i][1] for i in group]), len(group))
+            except Exception:
+                sizes = []
+                for i in group:
+                    try:
+                        sizes.append(_checked_sizes(policy, hook([pairs[i][1]]), 1)[0])
+                    except Exception as error:
+                        pairs[i][0].fail(error)
+                        sizes.append(None)
+            for i, size in zip(group, sizes, strict=True):
+                if size is None:
+                    continue
+                row = pairs[i][0]
+                row.block_size = size
+                if initial:
+                    row.chosen_block_size = size
 
-    def _next_block_sizes(self, rows: list[tuple[_Row, CycleState]]) -> None:
-        """Every going row's next b from its policy's per-cycle hook, once per policy the rows share: a policy
-        with a model decides for the whole batch in one call."""
-        for group in _by_policy([row for row, _ in rows]):
-            policy = rows[group[0]][0].policy
-            sizes = _asked(policy, policy.next_block_sizes, [rows[i][1] for i in group])
-            for index, size in zip(group, sizes, strict=True):
-                rows[index][0].block_size = _checked(size, policy)
+    def _first_token(self, row: _Row, logits: torch.Tensor, finite: bool) -> int:
+        """The row's first token from its prefill distribution; 0 (unused) for a row that fails here."""
+        try:
+            if not finite:
+                raise NonFiniteLogits("the target's next-token distribution after the prompt is not finite")
+            return int(sample_next(logits, row.config.temperature, row.generator))
+        except Exception as error:
+            row.fail(error)
+            return 0
 
     def _priced_sizes(self, rows: list[_Row], sizes: list[int]) -> list[int]:
         """Greedy rows capped at the width the cost curve prices best for this batch; rows sampled at T > 0 keep
@@ -460,9 +495,15 @@ class SpeculativeEngine:
         for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
             if not row.policy.trims or size < 2 or draft_logits is None:
                 continue
-            count = row.policy.verify_count(draft_confidence(draft_logits[index, : size - 1]))
-            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= size - 1:
-                raise ValueError(f"policy {row.policy.name!r} kept {count!r} drafts; expected an integer in [0, {size - 1}]")
+            try:
+                count = row.policy.verify_count(draft_confidence(draft_logits[index, : size - 1]))
+                if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= size - 1:
+                    raise ValueError(
+                        f"policy {row.policy.name!r} kept {count!r} drafts; expected an integer in [0, {size - 1}]"
+                    )
+            except Exception as error:
+                row.fail(error)
+                continue
             out[index] = count + 1
         return out
 
@@ -513,20 +554,31 @@ class SpeculativeEngine:
         # synchronisations a cycle.
         draft_ids = drafts.tolist()  # (n, W - 1)
         greedy_ids = logits.argmax(dim=-1).tolist() if any(row.config.temperature == 0 for row in rows) else None
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # (n, W): a row's NaN fails that row alone
         out = []
         for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
             config = row.config
             row_drafts = draft_ids[index][: size - 1]
-            if config.temperature == 0:
-                accepted, bonus = accept_greedy(row_drafts, greedy_ids[index][:size])
-            else:
-                target_probs = temperature_probs(logits[index, :size], config.temperature)
-                draft_tensor = drafts[index, : size - 1]
-                if draft_probs[index] is not None:
-                    row_probs = draft_probs[index][: size - 1]
-                    accepted, bonus = accept_rejection(draft_tensor, row_probs, target_probs, row.generator)
+            if row.failure is not None:  # failed earlier this cycle (its policy's verify count)
+                out.append(([], 0))
+                continue
+            try:
+                if not all(finite[index][:size]):
+                    raise NonFiniteLogits("the target's distribution over this request's block is not finite")
+                if config.temperature == 0:
+                    accepted, bonus = accept_greedy(row_drafts, greedy_ids[index][:size])
                 else:
-                    accepted, bonus = accept_match(draft_tensor, target_probs, row.generator)
+                    target_probs = temperature_probs(logits[index, :size], config.temperature)
+                    draft_tensor = drafts[index, : size - 1]
+                    if draft_probs[index] is not None:
+                        row_probs = draft_probs[index][: size - 1]
+                        accepted, bonus = accept_rejection(draft_tensor, row_probs, target_probs, row.generator)
+                    else:
+                        accepted, bonus = accept_match(draft_tensor, target_probs, row.generator)
+            except Exception as error:
+                row.fail(error)
+                out.append(([], 0))
+                continue
             new_tokens = truncate_at_stop([*row_drafts[:accepted], bonus], config.stop_token_ids)
             out.append((new_tokens, accepted))
         return out
@@ -602,9 +654,9 @@ class SpeculativeEngine:
         result = self._result(row, row.stop_reason)
         mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
         if mine is None:
-            updates.append(RowUpdate(row.id, [], result))
+            updates.append(RowUpdate(row.id, [], result, row.failure))
         else:
-            mine.result = result
+            mine.result, mine.error = result, row.failure
 
     def _result(self, row: _Row, stop_reason: StopReason) -> GenerationResult:
         record = None
@@ -643,11 +695,14 @@ def generate_many(
     cost: CyclePrice | None = None,
 ) -> list[GenerationResult]:
     """Run `requests` through one engine (all at once by default; verify widths priced with `cost` when given)
-    and return their results in order."""
+    and return their results in order. A row that fails raises its error here (the engine itself goes on with the
+    other rows: a server reads `RowUpdate.error`)."""
     engine = SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)), cost=cost)
     ids = [engine.submit(request) for request in requests]
     results: dict[int, GenerationResult] = {}
     for update in engine.run():
+        if update.error is not None:
+            raise update.error
         if update.result is not None:
             results[update.row_id] = update.result
     return [results[i] for i in ids]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from blockpilot.policies.base import BlockSizePolicy, PrefillState
 
-StopReason = Literal["stop", "length", "cancelled"]
+StopReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass(frozen=True)

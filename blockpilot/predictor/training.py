@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from blockpilot.checks import positive_int
 from blockpilot.cost import CycleCost
-from blockpilot.scoring import LabelArrays, best_indices, candidates_of, score_matrix
 from blockpilot.predictor.inputs import INPUT_COLUMNS, PredictorInputs, input_arrays
+from blockpilot.scoring import LabelArrays, best_indices, candidates_of, score_matrix
 
 Objective = Literal["ce", "expected-tau", "normalized-gain"]
 OBJECTIVES: tuple[str, ...] = ("ce", "expected-tau", "normalized-gain")

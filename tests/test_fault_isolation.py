@@ -1,0 +1,142 @@
+"""One row's fault ends that row alone: its policy raising or answering a bad value (for the whole batch at once,
+then asked row by row), non-finite target logits (greedy or sampled), a bad verify count. The faulty row reports
+its error; the other rows of the batch decode what they decode alone; the engine goes on serving. The same through
+the serving decoder: the faulty request gets its error, the others their text, and the decoder stays healthy."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.trim import DraftThenTrim, TrimCalibration
+
+PROMPTS = ("Count from 1 to 9.", "List four colors.", "Spell cat.")
+FAULTY = 1  # the index of the faulty request among PROMPTS
+
+
+class Poisoned(BlockSizePolicy):
+    """b = 3, shared by every row; for the row whose prompt is `poison` it fails at its second cycle."""
+
+    name = "poisoned"
+
+    def __init__(self, poison, fault: str) -> None:
+        self.poison, self.fault = tuple(poison), fault
+
+    def initial_block_size(self, prefill):
+        return 3
+
+    def next_block_sizes(self, cycles):
+        poisoned = [cycle.cycle >= 1 and tuple(cycle.prefill.prompt_ids.tolist()) == self.poison for cycle in cycles]
+        if self.fault == "raises" and any(poisoned):
+            raise RuntimeError("the policy broke on this request")
+        if self.fault == "answers 0":
+            return [0 if bad else 3 for bad in poisoned]
+        if self.fault == "answers for too few rows" and any(poisoned):
+            return [3] * (len(cycles) - 1)
+        return [3] * len(cycles)
+
+
+def nan_logits_for(engine: SpeculativeEngine, row_id: int, after_cycles: int):
+    """Wrap the engine's verify so that row `row_id`'s logits turn NaN from its `after_cycles`-th cycle on."""
+    verify, seen = engine._verify, {"cycles": 0}
+
+    def corrupted(block_ids, lengths, sizes):
+        logits, features = verify(block_ids, lengths, sizes)
+        index = next((i for i, row in enumerate(engine.rows) if row.id == row_id), None)
+        seen["cycles"] += index is not None
+        if index is not None and seen["cycles"] > after_cycles:
+            logits = logits.clone()
+            logits[index] = float("nan")
+        return logits, features
+
+    engine._verify = corrupted
+
+
+def run_batch(models, requests, inject=None):
+    """{row index: (tokens, stop reason, error)} of one engine over `requests`, then one more request served."""
+    engine = SpeculativeEngine(models, max_batch=len(requests))
+    ids = [engine.submit(request) for request in requests]
+    if inject is not None:
+        inject(engine, ids[FAULTY])
+    tokens, ends = {i: [] for i in ids}, {}
+    for update in engine.run():
+        tokens[update.row_id] += update.new_tokens
+        if update.result is not None:
+            ends[update.row_id] = (update.result.stop_reason, update.error)
+    after = engine.submit(requests[0])  # the engine is still in a usable state
+    finished = [u.result for u in engine.run() if u.row_id == after and u.result is not None]
+    assert finished and finished[0].stop_reason in ("stop", "length") and finished[0].token_ids
+    return {index: (tokens[i], *ends[i]) for index, i in enumerate(ids)}
+
+
+@pytest.mark.parametrize(
+    "fault, temperature",
+    [
+        ("raises", 0.0),
+        ("answers 0", 0.0),
+        ("answers for too few rows", 0.0),
+        ("nan logits", 0.0),
+        ("nan logits", 1.0),
+        ("verify count", 0.0),
+    ],
+)
+def test_a_faulty_row_ends_alone_and_the_others_decode_as_alone(tiny_models, fault, temperature):
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
+    # No stop tokens: every row runs its 24 tokens, so the faulty one reaches its fault.
+    configs = [GenerationConfig(max_new_tokens=24, temperature=temperature, seed=i) for i in range(3)]
+    inject = None
+    if fault == "nan logits":
+        policy = Poisoned((), "none")
+        inject = lambda engine, row_id: nan_logits_for(engine, row_id, after_cycles=1)  # noqa: E731
+    elif fault == "verify count":
+        policy = Poisoned((), "none")
+    else:
+        policy = Poisoned(prompts[FAULTY], fault)
+    policies = [policy] * 3
+    if fault == "verify count":
+
+        class BadCount(DraftThenTrim):
+            def verify_count(self, confidences):
+                return len(confidences) + 5
+
+        policies[FAULTY] = BadCount(TrimCalibration(4, (0.5,) * 10, (1,) * 10))
+    requests = [GenerationRequest(p, c, q) for p, c, q in zip(prompts, configs, policies, strict=True)]
+    ends = run_batch(tiny_models, requests, inject)
+
+    tokens, reason, error = ends[FAULTY]
+    assert reason == "error" and error is not None, f"the faulty row ended as {reason!r}"
+    for index in (0, 2):
+        alone = generate_many(tiny_models, [requests[index]])[0]
+        assert ends[index][1] in ("stop", "length") and ends[index][2] is None
+        assert ends[index][0] == alone.token_ids, f"row {index} decoded differently beside the faulty row"
+
+
+def test_the_library_call_raises_the_faulty_rows_error(tiny_models):
+    prompt = tiny_models.encode_prompt(PROMPTS[0])
+    request = GenerationRequest(prompt, GenerationConfig(max_new_tokens=16), Poisoned(prompt, "raises"))
+    with pytest.raises(RuntimeError, match="the policy broke"):
+        generate_many(tiny_models, [request])
+
+
+def test_the_serving_decoder_gives_the_faulty_request_its_error_and_stays_healthy(tiny_models):
+    from blockpilot.serving import BatchedDecoder, RowFailure, ServeLimits
+
+    decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_batch=3)).start()
+    try:
+        checked = [
+            decoder.check(decoder.encode_completion(text), max_tokens=16, temperature=0.0, ignore_eos=True)
+            for text in PROMPTS
+        ]
+        decoder.adaptive = Poisoned(checked[FAULTY].prompt_ids, "raises")  # the server's policy for every request
+        alone = {index: decoder.complete(checked[index])[0] for index in (0, 2)}
+        handles = [decoder.submit(request) for request in checked]
+        outcomes = [list(handle.events(timeout_s=60)) for handle in handles]
+        kind, error = outcomes[FAULTY][-1]
+        assert kind == "error" and isinstance(error, RowFailure) and "the policy broke" in str(error)
+        for index in (0, 2):
+            assert outcomes[index][-1][0] == "done"
+            assert "".join(value for kind, value in outcomes[index] if kind == "delta") == alone[index]
+        assert decoder.healthy and decoder.failure is None
+    finally:
+        decoder.stop()
