@@ -23,12 +23,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from blockpilot.checks import check_fits_context
 from blockpilot.cost import CycleCost
 from blockpilot.decoding.calibration import serving_calibration
-from blockpilot.decoding.engine import SpeculativeEngine
+from blockpilot.decoding.engine import CACHE_SCRATCH, SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
-from blockpilot.models.loading import SpeculativeModels
+from blockpilot.models.loading import SpeculativeModels, cache_bytes_per_token
 from blockpilot.options import option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
@@ -67,10 +69,19 @@ class ServeLimits:
     max_stop_strings: int = option(4, type=positive_int_arg, help="stop strings per request")
     max_stop_length: int = option(64, type=positive_int_arg, help="characters per stop string")
     max_prompt_chars: int = option(64_000, type=positive_int_arg, help="prompt characters, checked before tokenizing")
-    max_prompt_tokens: int | None = option(None, type=positive_int_arg, help="prompt tokens (default: the context)")
+    max_prompt_tokens: int = option(8192, type=positive_int_arg, help="prompt tokens (at most the context)")
+    max_cache_tokens: int | None = option(
+        None,
+        type=positive_int_arg,
+        help="key/value cache tokens all rows together may hold (default: from the device's free memory at start)",
+    )
     max_body_bytes: int = option(1 << 20, type=positive_int_arg, help="request body size (larger: 413)")
     request_timeout_s: float = option(120.0, type=positive_float_arg, help="decoding time per request")
     queue_timeout_s: float = option(30.0, type=positive_float_arg, help="wait for a free row before 503")
+    stall_timeout_s: float = option(
+        120.0, type=positive_float_arg, help="an engine step longer than this (a hung kernel) marks the replica unhealthy"
+    )
+    max_messages: int = option(256, type=positive_int_arg, help="messages per chat request")
     max_batch: int = option(8, type=positive_int_arg, help="requests decoded together in one engine")
     max_queue: int = option(64, type=positive_int_arg, help="requests waiting for a row (more: 503)")
 
@@ -240,6 +251,8 @@ class BatchedDecoder:
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
+        self._beat = time.monotonic()  # the engine loop's last sign of life
+        self.cache_budget = self._cache_budget()
         self.failure: BaseException | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -252,7 +265,33 @@ class BatchedDecoder:
 
     @property
     def max_prompt_tokens(self) -> int:
-        return min(self.limits.max_prompt_tokens or self.context, self.context - 1)
+        return min(self.limits.max_prompt_tokens, self.context - 1)
+
+    def _cache_budget(self) -> int:
+        """Cache tokens the rows may hold together: `max_cache_tokens`, else what the device's free memory holds
+        (half the CPU's free memory; four fifths of a GPU's), measured as the decoder is built."""
+        if self.limits.max_cache_tokens is not None:
+            return self.limits.max_cache_tokens
+        device = self.models.device
+        if device.type == "cuda":
+            free = int(torch.cuda.mem_get_info(device)[0] * 0.8)
+        else:  # free physical memory (POSIX); a machine that does not say gets no bound from here
+            try:
+                free = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+            except (ValueError, OSError, AttributeError):
+                return 1 << 40
+        return max(1, free // cache_bytes_per_token(self.models))
+
+    @staticmethod
+    def cache_need(request: DecodeRequest) -> int:
+        """Cache positions a request's row can need: its prompt, its token budget, a cycle's scratch slots."""
+        return len(request.prompt_ids) + request.max_tokens + 2 * CACHE_SCRATCH
+
+    def _fits(self, need: int) -> bool:
+        """Whether one more row of `need` positions fits the budget beside the active rows (the caches hold every
+        row at the longest one's length)."""
+        longest = max([need, *(self.cache_need(h.request) for h in self._active.values())])
+        return (len(self._active) + 1) * longest <= self.cache_budget
 
     def _check_text(self, text: str, field_name: str) -> None:
         if len(text) > self.limits.max_prompt_chars:
@@ -278,8 +317,13 @@ class BatchedDecoder:
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("messages", f"model {self.model_name!r} has no chat template; use /v1/completions")
+        if len(messages) > self.limits.max_messages:
+            raise RequestError("messages", f"{len(messages)} messages; at most {self.limits.max_messages}")
         for index, (_, content) in enumerate(messages):
             self._check_text(content, f"messages[{index}].content")
+        total = sum(len(content) for _, content in messages)
+        if total > self.limits.max_prompt_chars:
+            raise RequestError("messages", f"{total} characters in all; at most {self.limits.max_prompt_chars}")
         if not any(content.strip() for _, content in messages):
             raise RequestError("messages", "every message is empty")
         marks = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
@@ -293,12 +337,15 @@ class BatchedDecoder:
         except Exception as error:  # jinja's TemplateError and whatever a template raises on purpose
             raise RequestError("messages", f"the chat template rejects these messages: {error}") from None
         ids: list[int] = []
+        start = 0  # scanned with offsets: slicing off the rest per message copied it, quadratic in the messages
         for mark, (_, content) in zip(marks, messages, strict=True):
-            before, found, rendered = rendered.partition(mark)
-            if not found:
+            found = rendered.find(mark, start)
+            if found < 0:
                 raise RequestError("messages", "the chat template rewrites message contents; cannot encode safely")
-            ids += tokenizer(before, add_special_tokens=False)["input_ids"] + self._tokenize_user_text(content)
-        ids += tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            ids += tokenizer(rendered[start:found], add_special_tokens=False)["input_ids"]
+            ids += self._tokenize_user_text(content)
+            start = found + len(mark)
+        ids += tokenizer(rendered[start:], add_special_tokens=False)["input_ids"]
         return self._checked_prompt(ids, "messages")
 
     def _checked_prompt(self, ids: list[int], field_name: str) -> list[int]:
@@ -341,9 +388,16 @@ class BatchedDecoder:
             raise RequestError("block_size", f"must be between 1 and {self.max_block_size}, got {block_size}")
         if policy not in REQUEST_POLICIES:
             raise RequestError("policy", f"must be one of {list(REQUEST_POLICIES)}, got {policy!r}")
-        return DecodeRequest(
+        request = DecodeRequest(
             tuple(prompt_ids), max_tokens, float(temperature), tuple(stop), seed, block_size, policy, ignore_eos
         )
+        if self.cache_need(request) > self.cache_budget:
+            raise RequestError(
+                "max_tokens",
+                f"the prompt and max_tokens need {self.cache_need(request)} cache tokens; this replica holds "
+                f"{self.cache_budget} (ask for fewer tokens)",
+            )
+        return request
 
     def policy_for(self, request: DecodeRequest) -> BlockSizePolicy:
         if request.block_size is not None:
@@ -387,7 +441,12 @@ class BatchedDecoder:
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self._thread is not None and self._thread.is_alive()
+        """The engine thread runs, has not failed, and, with work to do, has stepped within `stall_timeout_s`
+        (a hung kernel or a stuck step keeps the thread alive, not its heartbeat)."""
+        if self.failure is not None or self._thread is None or not self._thread.is_alive():
+            return False
+        busy = bool(self._active or self._waiting)
+        return not busy or time.monotonic() - self._beat < self.limits.stall_timeout_s
 
     @property
     def load(self) -> dict[str, int]:
@@ -439,9 +498,11 @@ class BatchedDecoder:
     def _loop(self) -> None:
         try:
             while True:
+                self._beat = time.monotonic()
                 with self._lock:
                     while self._running and not (self._waiting or self._active):
                         self._lock.wait(timeout=1.0)
+                        self._beat = time.monotonic()
                     if not self._running:
                         break
                     self._admit()
@@ -473,6 +534,8 @@ class BatchedDecoder:
                 self._waiting.popleft()
                 handle.emit("error", Overloaded("no decoding row became free in time", self._retry_after()))
                 continue
+            if not self._fits(self.cache_need(handle.request)):
+                break  # it waits (first in line) until rows leave and free cache
             config = GenerationConfig(
                 max_new_tokens=handle.request.max_tokens,
                 temperature=handle.request.temperature,

@@ -278,6 +278,31 @@ def _long(decoder: BatchedDecoder):
     return checked(decoder, body | {"ignore_eos": True})
 
 
+def test_admission_keeps_the_cache_within_its_budget(tiny_models):
+    """A request that can never fit the cache budget is refused at once naming max_tokens; one that cannot fit
+    beside the running rows waits for them; the engine's caches grow to what the rows need, not twice that, and
+    an idle engine holds none."""
+    probe = BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=512))
+    need = probe.cache_need(_long(probe))  # 400 tokens and a short prompt
+    limits = ServeLimits(max_tokens_cap=512, max_cache_tokens=need + 50)  # one such row, not two
+    decoder = BatchedDecoder(tiny_models, limits=limits).start()
+    try:
+        with pytest.raises(RequestError, match="max_tokens.*cache tokens"):
+            checked(decoder, {"prompt": "Tell a story about file.", "max_tokens": 512})
+        first, second = decoder.submit(_long(decoder)), decoder.submit(_long(decoder))
+        next(first.events(timeout_s=60))
+        time.sleep(0.3)
+        assert decoder.load["active"] == 1 and decoder.load["waiting"] == 1, "the second fits only when the first leaves"
+        rows, positions = decoder._engine.target_cache.store.capacity
+        assert positions <= need, f"the cache grew to {positions} positions for a row of {need}"
+        first.cancel()
+        assert [kind for kind, _ in second.events(timeout_s=60)][-1] == "done"
+        time.sleep(0.3)
+        assert all(layer is None for layer in decoder._engine.target_cache.store.layers), "an idle engine holds no cache"
+    finally:
+        decoder.stop()
+
+
 def test_cancel_frees_the_row_and_reports_an_openai_finish_reason(tiny_models):
     decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=512)).start()
     try:
@@ -352,6 +377,39 @@ def test_a_request_the_engine_refuses_gets_its_error_instead_of_waiting_forever(
         assert decoder.healthy and decoder.complete(good)[1]["usage"]["completion_tokens"] >= 1
     finally:
         decoder.stop()
+
+
+def test_a_stalled_engine_step_makes_the_decoder_unhealthy_until_it_moves_again(tiny_models):
+    decoder = BatchedDecoder(tiny_models, limits=ServeLimits(stall_timeout_s=0.3)).start()
+    try:
+        step, release = decoder._engine.step, threading.Event()
+
+        def hung(*args, **kwargs):  # a kernel that does not return
+            release.wait(timeout=30)
+            return step(*args, **kwargs)
+
+        decoder._engine.step = hung
+        handle = decoder.submit(checked(decoder, {"prompt": "hi", "max_tokens": 4}))
+        deadline = time.monotonic() + 5
+        while decoder.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not decoder.healthy, "a hung step left the decoder healthy"
+        release.set()
+        assert [kind for kind, _ in handle.events(timeout_s=30)][-1] == "done"
+        assert decoder.healthy, "the loop moved again: healthy again"
+    finally:
+        decoder.stop()
+
+
+def test_chat_requests_are_bounded_before_they_are_tokenized(tiny_models):
+    decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_messages=4, max_prompt_chars=100))
+    with pytest.raises(RequestError, match="5 messages; at most 4"):
+        decoder.encode_chat([("user", "hi")] * 5)
+    with pytest.raises(RequestError, match="120 characters in all; at most 100"):
+        decoder.encode_chat([("user", "x" * 60), ("assistant", "y" * 60)])
+    many = BatchedDecoder(tiny_models)
+    turns = [("user" if i % 2 == 0 else "assistant", f"t{i}") for i in range(40)]
+    assert many.encode_chat(turns) == many.encode_chat(turns)  # deterministic over many messages
 
 
 def test_a_broken_engine_makes_the_decoder_unhealthy(tiny_models):

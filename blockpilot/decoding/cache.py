@@ -20,8 +20,12 @@ import torch
 from transformers.cache_utils import Cache
 
 
-def _grown(size: int, needed: int, step: int) -> int:
-    return max(needed, 2 * size, step) if needed > size else size
+def _grown(size: int, needed: int, step: int, limit: int | None = None) -> int:
+    """A capacity that holds `needed`: doubled (amortized growth), but never past `limit` when it need not be."""
+    if needed <= size:
+        return size
+    grown = max(needed, 2 * size, step)
+    return grown if limit is None else max(needed, min(grown, limit))
 
 
 class SlotStore:
@@ -33,10 +37,11 @@ class SlotStore:
         self.position_capacity = positions
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
 
-    def reserve(self, rows: int, positions: int) -> None:
-        """Make room for `rows` rows and `positions` positions, keeping what is stored."""
+    def reserve(self, rows: int, positions: int, position_limit: int | None = None) -> None:
+        """Make room for `rows` rows and `positions` positions, keeping what is stored; growth stops at
+        `position_limit` (the most any admitted row can need) instead of doubling past it."""
         new_rows = _grown(self.row_capacity, rows, 1)
-        new_positions = _grown(self.position_capacity, positions, 64)
+        new_positions = _grown(self.position_capacity, positions, 64, position_limit)
         if (new_rows, new_positions) == (self.row_capacity, self.position_capacity):
             return
         for index, pair in enumerate(self.layers):
@@ -79,6 +84,16 @@ class SlotStore:
     def read_all(self, rows: slice, span: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.read(layer, rows, span) for layer in range(self.num_layers) if self.layers[layer] is not None]
 
+    def release(self) -> None:
+        """Free every buffer (an idle engine holds no cache); the next write allocates them anew."""
+        self.layers = [None] * self.num_layers
+        self.row_capacity, self.position_capacity = 1, 256
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, positions) the buffers hold room for."""
+        return self.row_capacity, self.position_capacity
+
     def move_row(self, source: int, destination: int, length: int) -> None:
         """Copy the first `length` slots of row `source` over row `destination`."""
         for pair in self.layers:
@@ -104,8 +119,10 @@ class TargetSlotCache(Cache):
         self._token_rows: torch.Tensor | None = None
         self._span = 0
 
+    position_limit: int | None = None  # set by the engine: the most any admitted row can need
+
     def window(self, rows: slice, positions: torch.Tensor, span: int, token_rows: torch.Tensor | None = None) -> None:
-        self.store.reserve(rows.stop, span)
+        self.store.reserve(rows.stop, span, self.position_limit)
         self._rows, self._positions, self._span, self._token_rows = rows, positions, span, token_rows
 
     def update(

@@ -78,6 +78,10 @@ class RowUpdate:
     error: BaseException | None = None
 
 
+# Slots past a row's last position that a cycle writes into: the drafter's block and the verify's block.
+CACHE_SCRATCH = 64
+
+
 class NonFiniteLogits(FloatingPointError):
     """The target's distribution for a row holds NaN or infinity."""
 
@@ -285,11 +289,18 @@ class SpeculativeEngine:
         joining = []
         while self.waiting and len(self.rows) + len(joining) < self.max_batch:
             joining.append(self.waiting.popleft())
+        # Caches grow to what the rows can need (prompt, budget, the widest block's scratch), never doubled past it.
+        needs = [row.prompt.numel() + row.config.max_new_tokens for row in [*self.rows, *joining]]
+        self.target_cache.position_limit = max(needs) + 2 * CACHE_SCRATCH if needs else None
         with masked_attention_kernels(self.device):
             if joining:
                 self._admit(joining, updates)
             if self.rows:
                 self._cycle(updates)
+        if not self.busy:  # idle: hold no cache (the next request allocates what it needs)
+            self.target_cache.store.release()
+            if self.context is not None:
+                self.context.release()
         return updates
 
     # ---------------------------------------------------------------- prefill
@@ -462,7 +473,7 @@ class SpeculativeEngine:
         span = int(lengths.max())
         # The slots past the longest row hold the blocks' keys and values while drafting: every row's context is
         # read in place, never copied. Each row's slots from its length on are rewritten before they are read.
-        self.context.reserve(n, span + width)
+        self.context.reserve(n, span + width, self.target_cache.position_limit)
         block_sizes = torch.tensor(sizes, device=self.device)
         packed = min(sizes) < width
         hidden = self.drafter.draft_in_rows(
@@ -616,7 +627,7 @@ class SpeculativeEngine:
     ) -> None:
         """Encode the first `counts[i]` features of every row into the drafter's context keys/values, packed:
         entries past a row's count (a shorter prompt's padding, rejected drafts) cost nothing."""
-        self.context.reserve(rows.stop, span)
+        self.context.reserve(rows.stop, span, self.target_cache.position_limit)
         kept = RaggedTokens.of(counts, positions.shape[1])
         kept_positions = kept.pack(positions)  # (1, T)
         for layer, (keys, values) in enumerate(self.drafter.encode_context(kept.pack(features), kept_positions)):
