@@ -178,6 +178,7 @@ class DecodeHandle:
     listener: Callable[[tuple[str, Any]], None] | None = None
     on_cancel: Callable[[DecodeHandle], None] | None = None  # the decoder's: frees a queued request's slot at once
     checked_at: float = 0.0  # when the server last asked whether this request's client is still there
+    deadline: float | None = None  # past it (monotonic), the server's waiting side gives up on the engine
     _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     def emit(self, kind: str, value: Any) -> None:

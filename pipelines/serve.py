@@ -113,9 +113,17 @@ async def _request_error(request: Request, error: RequestError) -> JSONResponse:
     return _error(status, f"{error.field}: {error.message}", error.field, "invalid_request_error")
 
 
+class NoAnswerInTime(RowFailure):
+    """The engine sent nothing for this request past every deadline it has (queue, decoding): the waiting side
+    gives up, so that no client hangs on an engine that does (the heartbeat then replaces the replica)."""
+
+
 @api.exception_handler(RowFailure)
 async def _row_failure(request: Request, error: RowFailure) -> JSONResponse:
-    # This request alone failed in the engine: a 500 for it, the replica and the other requests go on.
+    # This request alone failed in the engine: a 500 for it (504 when the engine did not answer), the replica and
+    # the other requests go on.
+    if isinstance(error, NoAnswerInTime):
+        return _error(504, "the decoder did not answer in time", None, "server_error")
     return _error(500, "decoding this request failed", None, "server_error")
 
 
@@ -157,6 +165,8 @@ async def respond(decoder: BatchedDecoder, request: Request, chat: bool) -> Any:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     handle = decoder.submit(checked, listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+    limits = decoder.limits
+    handle.deadline = handle.submitted_at + limits.queue_timeout_s + limits.request_timeout_s + ANSWER_GRACE_S
     ident, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
     try:
         first = await next_event(events, request, handle)
@@ -198,6 +208,7 @@ async def respond(decoder: BatchedDecoder, request: Request, chat: bool) -> Any:
 
 
 DISCONNECT_CHECK_S = 0.25  # how often a request's client is asked whether it is still there
+ANSWER_GRACE_S = 30.0  # past a request's queue and decoding deadlines, how long its waiting side still waits
 
 
 async def next_event(events: asyncio.Queue, request: Request, handle: Any) -> Optional[tuple[str, Any]]:
@@ -214,6 +225,9 @@ async def next_event(events: asyncio.Queue, request: Request, handle: Any) -> Op
         try:
             return await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
         except TimeoutError:
+            if handle.deadline is not None and time.monotonic() > handle.deadline:
+                handle.cancel()
+                raise NoAnswerInTime("the decoder sent nothing past the request's deadlines") from None
             handle.checked_at = time.monotonic()
             if await request.is_disconnected():
                 handle.cancel()
@@ -261,7 +275,10 @@ async def sse_events(
                 extra = {"blockpilot": value["blockpilot"]} | ({"usage": value["usage"]} if include_usage else {})
                 yield chunk(None, value["finish_reason"], extra=extra)
                 break
-            event = await next_event(events, request, handle)
+            try:
+                event = await next_event(events, request, handle)
+            except NoAnswerInTime as error:  # the stream says so, as it says any other failure
+                event = ("error", error)
         if event is not None:
             yield b"data: [DONE]\n\n"
     finally:

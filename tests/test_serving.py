@@ -401,6 +401,30 @@ def test_a_stalled_engine_step_makes_the_decoder_unhealthy_until_it_moves_again(
         decoder.stop()
 
 
+def test_the_waiting_side_gives_up_on_an_engine_that_never_answers():
+    """`next_event` past the request's deadline: the request is cancelled and its client gets NoAnswerInTime
+    (504), not a wait for the proxy's timeout."""
+    import asyncio
+
+    from blockpilot.serving import DecodeHandle
+    from pipelines.serve import NoAnswerInTime, next_event
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    handle = DecodeHandle(None, None, None)
+    handle.deadline = time.monotonic() + 0.3
+
+    async def wait() -> None:
+        await next_event(asyncio.Queue(), Connected(), handle)
+
+    started = time.monotonic()
+    with pytest.raises(NoAnswerInTime):
+        asyncio.run(wait())
+    assert handle.cancelled and time.monotonic() - started < 5
+
+
 def test_chat_requests_are_bounded_before_they_are_tokenized(tiny_models):
     decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_messages=4, max_prompt_chars=100))
     with pytest.raises(RequestError, match="5 messages; at most 4"):
