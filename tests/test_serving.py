@@ -11,7 +11,7 @@ import pytest
 
 from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.policies.fixed import FixedBlockSize
-from blockpilot.serving import BatchedDecoder, IncrementalText, Overloaded, RequestError, ServeLimits
+from blockpilot.serving import BatchedDecoder, DecodeHandle, IncrementalText, Overloaded, RequestError, ServeLimits
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 from pipelines.serve import ModelLoader, ServeJob
 
@@ -331,15 +331,21 @@ def test_the_deadline_starts_with_decoding_and_cuts_a_long_request(tiny_models):
         decoder.stop()
 
 
+def fill_the_row_and_the_queue(decoder: BatchedDecoder) -> tuple[DecodeHandle, DecodeHandle]:
+    """With one row and a queue of one: a running request, a waiting one, and a third refused as Overloaded."""
+    running = decoder.submit(_long(decoder))
+    next(running.events(timeout_s=60))  # it holds the only row
+    waiting = decoder.submit(_long(decoder))
+    with pytest.raises(Overloaded):
+        decoder.submit(_long(decoder))  # the queue holds one
+    return running, waiting
+
+
 def test_a_full_queue_and_a_long_wait_are_overloaded(tiny_models):
     limits = ServeLimits(max_tokens_cap=512, max_batch=1, max_queue=1, queue_timeout_s=0.5)
     decoder = BatchedDecoder(tiny_models, limits=limits).start()
     try:
-        running = decoder.submit(_long(decoder))
-        next(running.events(timeout_s=60))  # it holds the only row
-        waiting = decoder.submit(_long(decoder))
-        with pytest.raises(Overloaded):
-            decoder.submit(_long(decoder))  # the queue holds one
+        running, waiting = fill_the_row_and_the_queue(decoder)
         kind, error = next(waiting.events(timeout_s=30))
         assert kind == "error" and isinstance(error, Overloaded) and error.retry_after_s >= 1
         running.cancel()
@@ -351,11 +357,7 @@ def test_a_cancelled_queued_request_frees_its_queue_slot_at_once(tiny_models):
     limits = ServeLimits(max_tokens_cap=512, max_batch=1, max_queue=1, queue_timeout_s=60)
     decoder = BatchedDecoder(tiny_models, limits=limits).start()
     try:
-        running = decoder.submit(_long(decoder))
-        next(running.events(timeout_s=60))  # it holds the only row
-        waiting = decoder.submit(_long(decoder))
-        with pytest.raises(Overloaded):
-            decoder.submit(_long(decoder))
+        running, waiting = fill_the_row_and_the_queue(decoder)
         waiting.cancel()  # the client left: its slot is free now, not when it would have reached the front
         assert decoder.load["waiting"] == 0
         decoder.submit(_long(decoder)).cancel()
