@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from commands import BIN, ROOT, check_endpoint, free_port, run, user_env, wait_healthy
+from commands import BIN, ROOT, UNACTIONABLE, check_endpoint, free_port, run, user_env, wait_healthy
 
 from blockpilot.data.labels import read_labels
 
@@ -71,11 +71,11 @@ PACKAGE_LOST = "Failed to download runtime_env file package"
 
 def submit(command: str, env: dict[str, str]) -> str:
     try:
-        return run(command, env)
+        return run(command, env, noise=UNACTIONABLE)
     except AssertionError as failure:
         if PACKAGE_LOST not in str(failure):
             raise
-        return run(command, env)
+        return run(command, env, noise=UNACTIONABLE)
 
 
 def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, tmp_path):
@@ -103,7 +103,7 @@ def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, t
         target=str(tiny_zoo / "target"), drafter=str(tiny_zoo / "drafter"), predictor=str(predictor)
     )
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
-    run(f"serve deploy --address {address} {tmp_path / 'serve.yaml'}", env)
+    run(f"serve deploy --address {address} {tmp_path / 'serve.yaml'}", env, noise=UNACTIONABLE)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(f"{url}/health")
     check_endpoint(url, application["args"]["model_name"])
