@@ -82,6 +82,9 @@ class ServeLimits:
         120.0, type=positive_float_arg, help="an engine step longer than this (a hung kernel) marks the replica unhealthy"
     )
     max_messages: int = option(256, type=positive_int_arg, help="messages per chat request")
+    prefill_chunk_tokens: int = option(
+        512, type=positive_int_arg, help="a longer prompt is prefilled this many tokens a step, beside running rows"
+    )
     max_batch: int = option(8, type=positive_int_arg, help="requests decoded together in one engine")
     max_queue: int = option(64, type=positive_int_arg, help="requests waiting for a row (more: 503)")
 
@@ -246,7 +249,9 @@ class BatchedDecoder:
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
         self.stop_token_ids = tuple(models.stop_token_ids())
-        self._engine = SpeculativeEngine(models, max_batch=self.limits.max_batch, cost=cost)
+        self._engine = SpeculativeEngine(
+            models, max_batch=self.limits.max_batch, cost=cost, prefill_chunk=self.limits.prefill_chunk_tokens
+        )
         self._waiting: deque[DecodeHandle] = deque()
         self._active: dict[int, DecodeHandle] = {}
         self._lock = threading.Condition()

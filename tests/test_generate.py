@@ -342,3 +342,43 @@ def test_unequal_blocks_drafted_and_verified_packed_decode_as_each_row_alone(
         check_stats_invariants(mine, 40)
         if temperature == 0:
             assert mine.token_ids == greedy_reference(tiny_models.target, ids, 40, stop)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_long_prompts_prefill_a_chunk_a_step_beside_running_rows_and_decode_as_whole(
+    tiny_models, zoo_prompts, temperature
+):
+    """With `prefill_chunk`, a prompt longer than a chunk is prefilled over several steps in a row of its own
+    while the other rows cycle; it then joins and decodes exactly what it decodes prefilled whole (greedy, or
+    seeded at T = 1), and a short row is not held behind it."""
+    from blockpilot.decoding import SpeculativeEngine
+
+    stop = tuple(tiny_models.stop_token_ids())
+    short = tiny_models.encode_prompt("Hi.")
+    chunk = len(short)  # the short prompt is prefilled whole, the long ones in chunks
+    longs = [ids + ids for ids in zoo_prompts[:2]]  # each at least twice the short one
+    assert longs and len(short) <= chunk, "the test needs long prompts and a short one"
+    requests = [
+        GenerationRequest(ids, GenerationConfig(max_new_tokens=24, temperature=temperature, seed=i, stop_token_ids=stop),
+                          FixedBlockSize(3))
+        for i, ids in enumerate([*longs, short])
+    ]
+    whole = [generate_many(tiny_models, [request])[0] for request in requests]
+    engine = SpeculativeEngine(tiny_models, max_batch=3, prefill_chunk=chunk)
+    ids = [engine.submit(request) for request in requests]
+    first_tokens_at: dict[int, int] = {}
+    results = {}
+    for step, updates in enumerate(iter(engine.step, None)):
+        for update in updates:
+            if update.new_tokens:
+                first_tokens_at.setdefault(update.row_id, step)
+            if update.result is not None:
+                results[update.row_id] = update.result
+        if not engine.busy:
+            break
+    for row_id, alone in zip(ids, whole, strict=True):
+        assert results[row_id].token_ids == alone.token_ids
+        check_stats_invariants(results[row_id], 24)
+    # The short prompt, behind the long ones, decodes while the first long one is still being prefilled.
+    assert first_tokens_at[ids[2]] < first_tokens_at[ids[0]]
+    assert first_tokens_at[ids[0]] >= len(longs[0]) // chunk - 1, "the long prompt took a chunk a step"

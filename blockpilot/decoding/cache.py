@@ -35,12 +35,13 @@ class SlotStore:
         self.num_layers = num_layers
         self.row_capacity = rows
         self.position_capacity = positions
+        self.row_limit: int | None = None  # the most rows the engine ever writes (its batch, and its prefill row)
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
 
     def reserve(self, rows: int, positions: int, position_limit: int | None = None) -> None:
         """Make room for `rows` rows and `positions` positions, keeping what is stored; growth stops at
         `position_limit` (the most any admitted row can need) instead of doubling past it."""
-        new_rows = _grown(self.row_capacity, rows, 1)
+        new_rows = _grown(self.row_capacity, rows, 1, self.row_limit)
         new_positions = _grown(self.position_capacity, positions, 64, position_limit)
         if (new_rows, new_positions) == (self.row_capacity, self.position_capacity):
             return

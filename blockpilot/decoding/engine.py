@@ -216,9 +216,15 @@ class SpeculativeEngine:
         *,
         max_batch: int = 1,
         cost: CyclePrice | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
+        # Prompts longer than this are prefilled a chunk a step, beside the running rows' cycles (None: whole).
+        self.prefill_chunk = None if prefill_chunk is None else positive_int(prefill_chunk, "prefill_chunk")
+        self.prefilling: _Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
+        self._prefilled = 0  # its prompt tokens already in the caches
+        self._chunk_features: list[torch.Tensor] = []  # its recorded features, chunk by chunk
         self.cost = cost
         # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`); a target
         # loaded with another attention verifies every row padded to the widest block.
@@ -231,6 +237,9 @@ class SpeculativeEngine:
         num_layers = int(self.target.config.get_text_config().num_hidden_layers)
         self.target_cache = TargetSlotCache(num_layers)
         self.context = SlotStore(self.drafter.config.num_hidden_layers) if self.drafter is not None else None
+        for store in (self.target_cache.store, self.context):
+            if store is not None:
+                store.row_limit = self.max_batch + 1  # the batch's rows and the long prompt's prefill row
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else None
         self.embed, self.head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
         self.vocab_size = int(self.embed.weight.shape[0])
@@ -269,13 +278,13 @@ class SpeculativeEngine:
 
     def cancel(self, row_id: int) -> None:
         """End a row before its next cycle (stop reason "cancelled"); unknown or finished ids are ignored."""
-        for row in itertools.chain(self.rows, self.waiting):
+        for row in itertools.chain(self.rows, self.waiting, [self.prefilling] if self.prefilling else []):
             if row.id == row_id:
                 row.cancelled = True
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.rows or self.waiting or self.prefilling)
 
     def run(self) -> Iterator[RowUpdate]:
         """Step until every submitted row is done, yielding each step's updates."""
@@ -286,15 +295,25 @@ class SpeculativeEngine:
     def step(self) -> list[RowUpdate]:
         updates: list[RowUpdate] = []
         self._drop_cancelled(updates)
-        joining = []
-        while self.waiting and len(self.rows) + len(joining) < self.max_batch:
-            joining.append(self.waiting.popleft())
+        joining, passed = [], deque()
+        while self.waiting and len(self.rows) + len(joining) + (self.prefilling is not None) < self.max_batch:
+            row = self.waiting.popleft()
+            if not self._chunked(row):
+                joining.append(row)
+            elif self.prefilling is None:
+                self.prefilling, self._prefilled, self._chunk_features = row, 0, []
+            else:  # one long prompt is prefilled at a time; the short ones behind it need not wait for it
+                passed.append(row)
+        self.waiting.extendleft(reversed(passed))
         # Caches grow to what the rows can need (prompt, budget, the widest block's scratch), never doubled past it.
-        needs = [row.prompt.numel() + row.config.max_new_tokens for row in [*self.rows, *joining]]
+        pending = [*self.rows, *joining, *([self.prefilling] if self.prefilling else [])]
+        needs = [row.prompt.numel() + row.config.max_new_tokens for row in pending]
         self.target_cache.position_limit = max(needs) + 2 * CACHE_SCRATCH if needs else None
         with masked_attention_kernels(self.device):
             if joining:
                 self._admit(joining, updates)
+            if self.prefilling is not None:
+                self._prefill_chunk(updates)
             if self.rows:
                 self._cycle(updates)
         if not self.busy:  # idle: hold no cache (the next request allocates what it needs)
@@ -343,6 +362,20 @@ class SpeculativeEngine:
             self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
         synchronize(self.device)
         elapsed = time.perf_counter() - started
+        recorded = [None if features is None else features[i, : lengths[i]] for i in range(count)]
+        self._join(joining, logits, recorded, batch_rows, elapsed, updates)
+
+    def _join(
+        self,
+        joining: list[_Row],
+        logits: torch.Tensor,  # (k, V) each row's next-token logits after its prompt
+        features: list[torch.Tensor | None],  # each row's prompt features, for its record
+        batch_rows: int,
+        elapsed: float,
+        updates: list[RowUpdate],
+    ) -> None:
+        """Rows whose prompts are in the next free cache rows join the batch: each one's first token, first b."""
+        first_slot = len(self.rows)
         # Each first token is drawn before the first b is chosen: it is that block's first token, which a policy reads.
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         firsts = [self._first_token(row, logits[i], finite[i]) for i, row in enumerate(joining)]
@@ -354,11 +387,11 @@ class SpeculativeEngine:
         self._decide([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         finished = []
         for index, (row, first) in enumerate(zip(joining, firsts, strict=True)):
-            row.tokens, row.length = [first], lengths[index]
-            if row.record is not None and features is not None:
-                row.record["features"].append(features[index, : lengths[index]])
+            row.tokens, row.length = [first], row.prompt.numel()
+            if row.record is not None and features[index] is not None:
+                row.record["features"].append(features[index])
                 self._record_distributions(row, logits[index][None])
-            row.prefill_time = elapsed
+            row.prefill_time += elapsed
             self.rows.append(row)
             if row.failure is None:
                 if first in row.config.stop_token_ids:
@@ -370,6 +403,53 @@ class SpeculativeEngine:
                 finished.append(first_slot + index)
         for slot in reversed(finished):
             self._retire(slot, updates)
+
+    def _chunked(self, row: _Row) -> bool:
+        return self.prefill_chunk is not None and row.prompt.numel() > self.prefill_chunk
+
+    def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
+        """The next `prefill_chunk` tokens of the long prompt being prefilled, in its own cache row (`max_batch`,
+        past every active row): the running rows cycle meanwhile, instead of waiting for one long prefill. After
+        its last chunk the row moves to the next free cache row and joins the batch."""
+        row, start, slot = self.prefilling, self._prefilled, self.max_batch
+        if row.cancelled:
+            self.prefilling = None
+            updates.append(RowUpdate(row.id, [], self._result(row, "cancelled")))
+            return
+        started = time.perf_counter()
+        length = row.prompt.numel()
+        stop = min(start + self.prefill_chunk, length)
+        positions = torch.arange(start, stop, device=self.device)[None]  # (1, c)
+        # A query at position q sees the slots <= q: the earlier chunks and this one up to itself.
+        visible = torch.arange(stop, device=self.device)[None, None, :] <= positions[:, :, None]
+        rows = slice(slot, slot + 1)
+        self.target_cache.window(rows, positions, stop)
+        with tapped(self.target, self.layer_ids) as tap:
+            out = self.target(
+                input_ids=row.prompt[start:stop][None],
+                position_ids=positions,
+                attention_mask=visible[:, None],
+                **{self.cache_keyword: self.target_cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        features = tap.features() if tap is not None else None  # (1, c, F)
+        if features is not None:
+            self._write_context(rows, positions, features, torch.tensor([stop - start], device=self.device), stop)
+            if row.record is not None:
+                self._chunk_features.append(features[0])
+        synchronize(self.device)
+        row.prefill_time += time.perf_counter() - started
+        self._prefilled = stop
+        if stop < length:
+            return
+        destination = len(self.rows)
+        self.target_cache.store.move_row(slot, destination, length)
+        if self.context is not None:
+            self.context.move_row(slot, destination, length)
+        self.prefilling = None
+        recorded = torch.cat(self._chunk_features) if self._chunk_features else None
+        self._join([row], out.logits[:, -1].float(), [recorded], len(self.rows) + 1, 0.0, updates)
 
     # ---------------------------------------------------------------- one cycle for the whole batch
 
