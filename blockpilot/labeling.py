@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from blockpilot.checks import check_fits_context, distinct_block_sizes, positive_int
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
+from blockpilot.decoding.engine import is_device_failure as engine_device_failure
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list
 from blockpilot.sweep import SWEEP_MODES
 
@@ -95,9 +96,6 @@ class PromptError(ValueError):
         self.kind = kind
 
 
-TRANSIENT_MARKERS = ("cuda error", "device-side assert", "cudnn", "nccl", "driver", "ecc error")
-
-
 class DeviceFailure(RuntimeError):
     """The device failed (not the prompt, not memory): the process must restart before it labels again."""
 
@@ -112,11 +110,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def is_device_failure(error: BaseException) -> bool:
     """A failure of the device rather than of the prompt or of memory: a restart and a retry, never an error row."""
-    if isinstance(error, DeviceFailure):
-        return True
-    return isinstance(error, RuntimeError) and not is_out_of_memory(error) and any(
-        m in str(error).lower() for m in TRANSIENT_MARKERS
-    )
+    return isinstance(error, DeviceFailure) or engine_device_failure(error)
 
 
 def _free_device_memory() -> None:

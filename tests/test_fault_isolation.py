@@ -140,3 +140,18 @@ def test_the_serving_decoder_gives_the_faulty_request_its_error_and_stays_health
         assert decoder.healthy and decoder.failure is None
     finally:
         decoder.stop()
+
+
+def test_a_device_failure_fails_the_engine_not_one_row(tiny_models):
+    """A CUDA device assert poisons the process: the engine raises it (the serving decoder then turns unhealthy and
+    the replica is replaced) instead of ending one row and going on with a broken device."""
+    prompt = tiny_models.encode_prompt(PROMPTS[0])
+
+    class Broken(Poisoned):
+        def next_block_sizes(self, cycles):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+    engine = SpeculativeEngine(tiny_models, max_batch=2)
+    engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=16), Broken((), "none")))
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        list(engine.run())

@@ -82,6 +82,16 @@ class RowUpdate:
 CACHE_SCRATCH = 64
 
 
+# Failures of the device, not of one row: they poison the process (a CUDA device assert cannot be cleared), so they
+# fail the engine (and the replica's health), never a row alone.
+DEVICE_FAILURE_MARKERS = ("cuda error", "device-side assert", "cudnn", "nccl", "driver", "ecc error")
+
+
+def is_device_failure(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and "out of memory" not in text and any(m in text for m in DEVICE_FAILURE_MARKERS)
+
+
 class NonFiniteLogits(FloatingPointError):
     """The target's distribution for a row holds NaN or infinity."""
 
@@ -112,6 +122,9 @@ class _Row:
     record: dict[str, list[torch.Tensor]] | None = None
 
     def fail(self, error: BaseException) -> None:
+        """End this row with `error`; a failure of the device is raised instead (`is_device_failure`)."""
+        if is_device_failure(error):
+            raise error
         self.failure, self.stop_reason = error, "error"
 
     @property
