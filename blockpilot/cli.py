@@ -82,6 +82,46 @@ def _policy_spec(args: argparse.Namespace) -> str:
     return args.policy or "fixed"
 
 
+def _generate_static(args: argparse.Namespace, models: object, policy: object, prompt_ids: list[int]) -> int:
+    """`generate --engine static`: the compiled-cycle decoder (`decoding/static.py`) for a policy of one fixed b."""
+    import os
+    import time
+
+    from blockpilot.decoding.static import StaticDecoder
+    from blockpilot.home import blockpilot_home
+    from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
+
+    if not isinstance(policy, (FixedBlockSize, Autoregressive)):
+        raise ValueError(f"--engine static decodes a fixed block size (fixed, fixed:N, autoregressive), not {policy.name!r}")
+    if args.temperature > 0 and args.verify != "match":
+        raise ValueError("--engine static samples with the match rule: drop --verify rejection")
+    if args.compile != "off":  # inductor's compiled kernels, kept with everything else the project writes
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(blockpilot_home() / "inductor"))
+    width = policy.initial_block_size(None)  # one b for the whole generation: no prefill state needed
+    decoder = StaticDecoder(
+        models,
+        rows=1,
+        width=width,
+        capacity=len(prompt_ids) + args.max_new_tokens + width,
+        compile=args.compile,
+        sampling=args.temperature > 0,
+    )
+    started = time.perf_counter()
+    (tokens,) = decoder.generate(
+        [prompt_ids], args.max_new_tokens, [width], tuple(models.stop_token_ids()), [args.temperature], [args.seed]
+    )
+    seconds = time.perf_counter() - started
+    text = models.tokenizer.decode(tokens, skip_special_tokens=True)
+    stats = {"engine": "static", "compile": args.compile, "policy": policy.name, "block_size": width, "seconds": seconds}
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": tokens, **stats}))
+    else:
+        print(text)
+        print("---")
+        print(f"engine static ({args.compile}), b = {width}: {len(tokens)} tokens in {seconds:.3f} s (compiling included)")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.models.loading import load_models
@@ -92,6 +132,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
     policy = resolve_policy(spec, models)
     prompt_ids = models.encode_prompt(args.prompt, chat=not args.raw)
+    if args.engine == "static":
+        return _generate_static(args, models, policy, prompt_ids)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -202,6 +244,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from blockpilot.decoding.acceptance import VERIFY_RULES
+    from blockpilot.decoding.static import COMPILE_MODES
     from blockpilot.options import add_options
     from pipelines.build_zoo import ZooBuildJob
     from pipelines.demo import DemoJob
@@ -248,6 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     gen.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: bf16 on cuda, fp32 on cpu)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
+    gen.add_argument(
+        "--engine",
+        choices=("eager", "static"),
+        default="eager",
+        help="eager: the batched engine, any policy; static: the compiled-cycle decoder, a fixed b",
+    )
+    gen.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="off",
+        help="with --engine static: torch.compile the cycle, replay it as a CUDA graph, or both (GPU for graphs)",
+    )
     gen.set_defaults(handler=cmd_generate)
 
     cal = commands.add_parser("calibrate", help="time a draft+verify cycle per block size (and batch size)")

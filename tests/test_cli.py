@@ -104,6 +104,13 @@ def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zo
     assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
     assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2
     assert "give one of --policy, --block-size, --predictor" in capsys.readouterr().err
+    # The static engine decodes one fixed b with the match rule; anything else is refused, saying what it takes.
+    assert main([*base, "--policy", "entropy", "--engine", "static"]) == 2
+    assert "--engine static decodes a fixed block size" in capsys.readouterr().err
+    assert main([*base, "--engine", "static", "--temperature", "1", "--verify", "rejection"]) == 2
+    assert "match rule" in capsys.readouterr().err
+    assert main([*base, "--engine", "static", "--compile", "graph"]) == 2  # CUDA graphs need a GPU
+    assert "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_calibrate_writes_the_fitted_curve_and_prints_every_point(random_zoo, capsys, tmp_path):
