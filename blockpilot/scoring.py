@@ -119,6 +119,13 @@ def fixed_walks(arrays: LabelArrays) -> FixedWalks:
     return FixedWalks(arrays.tau * arrays.cycles, arrays.cycles, arrays.cycles * arrays.cycle_cost[None, :])
 
 
+def step_oracles(arrays: LabelArrays) -> np.ndarray | None:
+    """(N, 3) each row's per-step oracle (tokens, cycles, cost) over its tables; None without tables."""
+    if arrays.tables is None:
+        return None
+    return np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
+
+
 def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str, float]:
     """The metrics (`blockpilot.walks`) of choosing `candidates[choice_index[i]]` for row i as `pred`, beside fixed B,
     the best fixed b and the oracles; with `accuracy` (the choice is the row's B*), `gap_captured` = (pred - B) /
@@ -126,9 +133,7 @@ def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str,
     source."""
     choice = np.asarray(choice_index, dtype=np.int64)
     walks = fixed_walks(arrays)
-    oracles = None
-    if arrays.tables is not None:
-        oracles = np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
+    oracles = step_oracles(arrays)
     groups = temperature_groups(arrays.temperature.tolist())
     sources = np.asarray(arrays.sources, dtype=object)
     groups |= {f"source/{s}/": np.flatnonzero(sources == s) for s in sorted(set(arrays.sources))}
@@ -155,9 +160,7 @@ def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str,
 def headroom(arrays: LabelArrays) -> dict[str, float]:
     """What the labels leave to gain: fixed B, the best fixed b, the static oracle and the per-step oracle."""
     walks = fixed_walks(arrays)
-    oracles = None
-    if arrays.tables is not None:
-        oracles = np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
+    oracles = step_oracles(arrays)
     groups = temperature_groups(arrays.temperature.tolist())
     return walk_metrics(walks, groups, arrays.candidates, arrays.train_block_size, step_oracles=oracles)
 

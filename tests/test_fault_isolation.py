@@ -155,3 +155,22 @@ def test_a_device_failure_fails_the_engine_not_one_row(tiny_models):
     engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=16), Broken((), "none")))
     with pytest.raises(RuntimeError, match="device-side assert"):
         list(engine.run())
+
+
+def test_tokens_banned_at_minus_infinity_are_not_a_fault(tiny_models):
+    """A logit of -inf bans a token (a legitimate distribution); only NaN, +inf or nothing finite fails a row."""
+    prompt = tiny_models.encode_prompt(PROMPTS[0])
+    request = GenerationRequest(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, seed=1), Poisoned((), "none"))
+    engine = SpeculativeEngine(tiny_models, max_batch=1)
+    row_id = engine.submit(request)
+    verify = engine._verify
+
+    def banning(block_ids, lengths, sizes):
+        logits, features = verify(block_ids, lengths, sizes)
+        logits = logits.clone()
+        logits[..., : logits.shape[-1] // 2] = float("-inf")  # half the vocabulary banned
+        return logits, features
+
+    engine._verify = banning
+    ends = [u for u in engine.run() if u.row_id == row_id and u.result is not None]
+    assert ends[0].error is None and ends[0].result.stop_reason in ("stop", "length")

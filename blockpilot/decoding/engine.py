@@ -92,6 +92,13 @@ def is_device_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "out of memory" not in text and any(m in text for m in DEVICE_FAILURE_MARKERS)
 
 
+def _finite(logits: torch.Tensor) -> list:
+    """Whether each distribution of (..., V) logits is usable, as a nested list (...): its largest logit is
+    finite. NaN propagates into the maximum and so does +inf, while a few tokens banned at -inf (a legitimate
+    logit) leave it finite; one reduction over the logits, not an elementwise test of every one."""
+    return torch.isfinite(logits.amax(dim=-1)).tolist()
+
+
 class NonFiniteLogits(FloatingPointError):
     """The target's distribution for a row holds NaN or infinity."""
 
@@ -390,7 +397,7 @@ class SpeculativeEngine:
         """Rows whose prompts are in the next free cache rows join the batch: each one's first token, first b."""
         first_slot = len(self.rows)
         # Each first token is drawn before the first b is chosen: it is that block's first token, which a policy reads.
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = _finite(logits)
         firsts = [self._first_token(row, logits[i], finite[i]) for i, row in enumerate(joining)]
         for index, row in enumerate(joining):
             temperature = row.config.temperature
@@ -658,7 +665,7 @@ class SpeculativeEngine:
         # synchronisations a cycle.
         draft_ids = drafts.tolist()  # (n, W - 1)
         greedy_ids = logits.argmax(dim=-1).tolist() if any(row.config.temperature == 0 for row in rows) else None
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # (n, W): a row's NaN fails that row alone
+        finite = _finite(logits)  # (n, W): a row's NaN fails that row alone
         out = []
         for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
             config = row.config

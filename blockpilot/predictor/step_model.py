@@ -11,6 +11,7 @@ rows) as an input did not learn the loads apart (docs/log.md, "A step model for 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,9 @@ class StepModelConfig:
         positive_int(self.hidden_size, "hidden_size")
         positive_int(self.token_dims, "token_dims")
 
-    @property
+    @cached_property
     def features(self) -> StepFeatures:
+        """Built once per config: the live policy reads it before every cycle."""
         return StepFeatures(self.candidates, prior=self.prior, load=bool(self.loads))
 
     def to_dict(self) -> dict[str, Any]:
