@@ -166,7 +166,7 @@ class IncrementalText:
         return candidate
 
 
-@dataclass
+@dataclass(eq=False)  # a handle is one request: found in the queue by identity, not by comparing every field
 class DecodeHandle:
     """One request in the decoder: events flow to `listener` (by default a queue that `events()` reads)."""
 
