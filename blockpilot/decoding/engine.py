@@ -368,16 +368,8 @@ class SpeculativeEngine:
         kept = torch.unique(last)  # (U,) the last positions, sorted: the only ones whose logits are needed
         slots = slice(first_slot, first_slot + count)
         self.target_cache.window(slots, positions, width)
-        with tapped(self.target, self.layer_ids) as tap:
-            out = self.target(
-                input_ids=prompts,
-                position_ids=positions,
-                **{self.cache_keyword: self.target_cache},
-                use_cache=True,
-                logits_to_keep=kept,
-            )
+        out, features = self._target(input_ids=prompts, position_ids=positions, logits_to_keep=kept)  # (k, width, F)
         logits = out.logits[torch.arange(count), torch.searchsorted(kept, last)].float()  # (k, V)
-        features = tap.features() if tap is not None else None  # (k, width, F)
         if features is not None:
             self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
         synchronize(self.device)
@@ -444,16 +436,12 @@ class SpeculativeEngine:
         visible = torch.arange(stop, device=self.device)[None, None, :] <= positions[:, :, None]
         rows = slice(slot, slot + 1)
         self.target_cache.window(rows, positions, stop)
-        with tapped(self.target, self.layer_ids) as tap:
-            out = self.target(
-                input_ids=row.prompt[start:stop][None],
-                position_ids=positions,
-                attention_mask=visible[:, None],
-                **{self.cache_keyword: self.target_cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        features = tap.features() if tap is not None else None  # (1, c, F)
+        out, features = self._target(  # features (1, c, F)
+            input_ids=row.prompt[start:stop][None],
+            position_ids=positions,
+            attention_mask=visible[:, None],
+            logits_to_keep=1,
+        )
         if features is not None:
             self._write_context(rows, positions, features, torch.tensor([stop - start], device=self.device), stop)
             if row.record is not None:
@@ -618,6 +606,13 @@ class SpeculativeEngine:
             out[index] = count + 1
         return out
 
+    def _target(self, **inputs: Any) -> tuple[Any, torch.Tensor | None]:
+        """One target pass over the window set on its cache (prefill, a prefill chunk, a verify): its output, and
+        the context features of its tokens for the drafter (None without a drafter)."""
+        with tapped(self.target, self.layer_ids) as tap:
+            out = self.target(**inputs, **{self.cache_keyword: self.target_cache}, use_cache=True)
+        return out, tap.features() if tap is not None else None
+
     def _verify(
         self, block_ids: torch.Tensor, lengths: torch.Tensor, sizes: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -642,11 +637,8 @@ class SpeculativeEngine:
                 "position_ids": ragged.pack(positions),
                 "ragged_tokens": ragged,
             }
-        with tapped(self.target, self.layer_ids) as tap:
-            out = self.target(
-                **inputs, attention_mask=visible[:, None], **{self.cache_keyword: self.target_cache}, use_cache=True
-            )
-        logits, features = out.logits, (tap.features() if tap is not None else None)
+        out, features = self._target(**inputs, attention_mask=visible[:, None])
+        logits = out.logits
         if ragged is not None:
             logits = ragged.unpack(logits, n)
             features = ragged.unpack(features, n) if features is not None else None
