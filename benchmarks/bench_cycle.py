@@ -150,11 +150,14 @@ def static_cycle(
     row at T = 1."""
     decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode, sampling=sampling)
     generator = torch.Generator().manual_seed(batch * 100 + width)
-    temperatures = [1.0 if sampling else 0.0] * batch
-    decoder.start(random_prompts(models, batch, 64, generator), temperatures=temperatures, seeds=list(range(batch)))
-    decoder.cycle()  # builds (compiles, captures) and runs one
+    decoder.prefill(0, random_prompts(models, batch, 64, generator))
+    for row in range(batch):
+        decoder.place(row, length=64, last_token=1, temperature=1.0 if sampling else 0.0, seed=row)
+    decoder.set_block_sizes([width] * batch)
+    decoder.cycle(batch, capacity)  # builds (compiles, captures) and runs one
     repeats = max(1, (capacity - 64 - 2 * width) // (cycles * width) - 1)
-    seconds = timed(lambda: [decoder.cycle() for _ in range(cycles)], min(5, repeats), models.device) / cycles
+    seconds = timed(lambda: [decoder.cycle(batch, capacity) for _ in range(cycles)], min(5, repeats), models.device)
+    seconds /= cycles
     return seconds, decoder.compile_seconds or 0.0
 
 

@@ -9,12 +9,12 @@ On the zoo's held-out prompts (one at a time, batch 1), each decoder generating 
 - transformers: the target's plain greedy loop (`DynamicCache`, one token a step), and a `StaticCache` step under
   `torch.compile` (compiled once, before timing);
 - the engine (`blockpilot.decoding.engine`, transformers' modules, eager): autoregressive and fixed b;
-- the static cycle (`blockpilot.decoding.static`, compiled once per width before timing): autoregressive and
-  fixed b, at every --widths (the best of them is the best fixed b).
+- the static engine (`blockpilot.decoding.static_engine`, its cycle compiled once per width before timing):
+  autoregressive and fixed b, at every --widths (the best of them is the best fixed b).
 
-T > 0 rows run where the decoder samples (the engine and the static cycle). With --batch N, the engine and the
-static cycle also decode the prompts N at a time, each row at its own b (cycling through --widths). Compile times
-are printed; the figures are timings of this machine, so compare rows of one run only.
+T > 0 rows run where the decoder samples (the engines). With --batch N, both engines also decode the prompts N at
+a time, each row at its own b (cycling through --widths), rows leaving as they finish. Compile times are printed;
+the figures are timings of this machine, so compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.static import StaticDecoder
+from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
 from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
@@ -93,19 +93,26 @@ def rate(decode: Callable[[list[int]], list[int]], prompts: list[list[int]], rep
     return statistics.median(speeds), count / len(prompts)
 
 
-def engine_decode(models, policy, temperature: float, max_new_tokens: int, stop) -> Callable:
+def engine_decode(models, policy, temperature: float, max_new_tokens: int, stop, engine=None) -> Callable:
     def decode(prompt: list[int]) -> list[int]:
         config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=0)
-        return generate_many(models, [GenerationRequest(prompt, config, policy)])[0].token_ids
+        return generate_many(models, [GenerationRequest(prompt, config, policy)], engine=engine)[0].token_ids
 
     return decode
 
 
-def static_decode(decoder: StaticDecoder, temperature: float, max_new_tokens: int, stop) -> Callable:
-    def decode(prompt: list[int]) -> list[int]:
-        return decoder.generate([prompt], max_new_tokens, stop_token_ids=stop, temperatures=[temperature], seeds=[0])[0]
+def batch_requests(prompts, sizes, temperature: float, max_new_tokens: int, stop) -> list[GenerationRequest]:
+    config = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop)
+    return [
+        GenerationRequest(p, GenerationConfig(**config, seed=i), FixedBlockSize(b))
+        for i, (p, b) in enumerate(zip(prompts, sizes, strict=True))
+    ]
 
-    return decode
+
+def batch_rate(models, requests, engine=None) -> float:
+    started = time.perf_counter()
+    tokens = sum(len(r.token_ids) for r in generate_many(models, requests, max_batch=len(requests), engine=engine))
+    return tokens / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -136,12 +143,13 @@ def main() -> None:
         f"batch 1, torch {torch.__version__} on {torch.get_num_threads()} threads; tokens/s over whole generations"
     )
 
-    static: dict[int, StaticDecoder] = {}
+    keep_compiled_kernels()
+    static: dict[int, StaticEngine] = {}
     for width in [1, *widths]:
-        decoder = StaticDecoder(models, rows=1, width=width, capacity=capacity, compile="compile", sampling=True)
-        decoder.generate([prompts[0]], 4, temperatures=[0.0])  # compiles
-        static[width] = decoder
-        say(f"  static cycle compiled at width {width} in {decoder.compile_seconds:.0f} s")
+        engine = StaticEngine(models, width=width, capacity=capacity, compile="compile")
+        generate_many(models, [GenerationRequest(prompts[0], GenerationConfig(max_new_tokens=4))], engine=engine)
+        static[width] = engine
+        say(f"  static cycle compiled at width {width} in {engine.compile_seconds:.0f} s")
     hf_compiled = HFCompiled(models, capacity)
     started = time.perf_counter()
     hf_compiled(prompts[0], 4, stop)
@@ -164,9 +172,13 @@ def main() -> None:
                 f"engine, fixed b = {width}",
                 engine_decode(models, FixedBlockSize(width), temperature, args.max_new_tokens, stop),
             )
-        add("static, autoregressive", static_decode(static[1], temperature, args.max_new_tokens, stop))
+        add("static, autoregressive", engine_decode(models, None, temperature, args.max_new_tokens, stop, static[1]))
         for width in widths:
-            add(f"static, fixed b = {width}", static_decode(static[width], temperature, args.max_new_tokens, stop))
+            policy = FixedBlockSize(width)
+            add(
+                f"static, fixed b = {width}",
+                engine_decode(models, policy, temperature, args.max_new_tokens, stop, static[width]),
+            )
         baseline = next((speed for name, speed, _ in rows if name == "transformers, static cache + compile"), None)
         best = max((r for r in rows if r[0].startswith("static, fixed")), key=lambda r: r[1])
         fixed_B = next(r for r in rows if r[0] == f"static, fixed b = {B}")
@@ -180,31 +192,18 @@ def main() -> None:
         )
 
     if args.batch > 1:
-        batch = prompts[: args.batch]
-        sizes = [widths[i % len(widths)] for i in range(len(batch))]
-        for temperature in temperatures:
-            config = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, stop_token_ids=stop)
-            requests = [
-                GenerationRequest(p, GenerationConfig(**config, seed=i), FixedBlockSize(b))
-                for i, (p, b) in enumerate(zip(batch, sizes, strict=True))
-            ]
-            started = time.perf_counter()
-            tokens = sum(len(r.token_ids) for r in generate_many(models, requests, max_batch=len(batch)))
-            engine_speed = tokens / (time.perf_counter() - started)
-            decoder = StaticDecoder(
-                models, rows=len(batch), width=max(sizes), capacity=capacity, compile="compile", sampling=True
-            )
-            seeds, row_temperatures = list(range(len(batch))), [temperature] * len(batch)
-            decoder.generate(batch, args.max_new_tokens, sizes, stop, row_temperatures, seeds)  # compiles
-            started = time.perf_counter()
-            outputs = decoder.generate(batch, args.max_new_tokens, sizes, stop, row_temperatures, seeds)
-            tokens = sum(len(t) for t in outputs)
-            static_speed = tokens / (time.perf_counter() - started)
-            say(
-                f"batch {len(batch)}, b = {sizes}, T = {temperature:g}: engine {engine_speed:.1f} tokens/s, static "
-                f"{static_speed:.1f} tokens/s (compiled in {decoder.compile_seconds:.0f} s)"
-            )
-
+        for batch_size in sorted({args.batch, *([32] if args.batch < 32 <= len(prompts) else [])}):
+            batch = prompts[:batch_size]
+            sizes = [widths[i % len(widths)] for i in range(len(batch))]
+            engine = StaticEngine(models, max_batch=len(batch), width=max(sizes), capacity=capacity, compile="compile")
+            for temperature in temperatures:
+                requests = batch_requests(batch, sizes, temperature, args.max_new_tokens, stop)
+                batch_rate(models, requests, engine)  # compiles the row counts it meets
+                eager, static_speed = batch_rate(models, requests), batch_rate(models, requests, engine)
+                say(
+                    f"batch {len(batch)}, b = {sizes[:len(widths)]}..., T = {temperature:g}: engine {eager:.1f} "
+                    f"tokens/s, static {static_speed:.1f} tokens/s (compiled in {engine.compile_seconds:.0f} s)"
+                )
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,48 +83,8 @@ def _policy_spec(args: argparse.Namespace) -> str:
     return args.policy or "fixed"
 
 
-def _generate_static(args: argparse.Namespace, models: object, policy: object, prompt_ids: list[int]) -> int:
-    """`generate --engine static`: the compiled-cycle decoder (`decoding/static.py`) for a policy of one fixed b."""
-    import os
-    import time
-
-    from blockpilot.decoding.static import StaticDecoder
-    from blockpilot.home import blockpilot_home
-    from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
-
-    if not isinstance(policy, (FixedBlockSize, Autoregressive)):
-        raise ValueError(f"--engine static decodes a fixed block size (fixed, fixed:N, autoregressive), not {policy.name!r}")
-    if args.temperature > 0 and args.verify != "match":
-        raise ValueError("--engine static samples with the match rule: drop --verify rejection")
-    if args.compile != "off":  # inductor's compiled kernels, kept with everything else the project writes
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(blockpilot_home() / "inductor"))
-    width = policy.initial_block_size(None)  # one b for the whole generation: no prefill state needed
-    decoder = StaticDecoder(
-        models,
-        rows=1,
-        width=width,
-        capacity=len(prompt_ids) + args.max_new_tokens + width,
-        compile=args.compile,
-        sampling=args.temperature > 0,
-    )
-    started = time.perf_counter()
-    (tokens,) = decoder.generate(
-        [prompt_ids], args.max_new_tokens, [width], tuple(models.stop_token_ids()), [args.temperature], [args.seed]
-    )
-    seconds = time.perf_counter() - started
-    text = models.tokenizer.decode(tokens, skip_special_tokens=True)
-    stats = {"engine": "static", "compile": args.compile, "policy": policy.name, "block_size": width, "seconds": seconds}
-    if args.json:
-        print(json.dumps({"text": text, "token_ids": tokens, **stats}))
-    else:
-        print(text)
-        print("---")
-        print(f"engine static ({args.compile}), b = {width}: {len(tokens)} tokens in {seconds:.3f} s (compiling included)")
-    return 0
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockpilot.decoding import GenerationConfig, generate
+    from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
     from blockpilot.models.loading import load_models
     from blockpilot.policies.resolve import resolve_policy
 
@@ -132,8 +93,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
     policy = resolve_policy(spec, models)
     prompt_ids = models.encode_prompt(args.prompt, chat=not args.raw)
-    if args.engine == "static":
-        return _generate_static(args, models, policy, prompt_ids)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -141,14 +100,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(models.stop_token_ids()),
         seed=args.seed,
     )
-    result = generate(models, prompt_ids, policy=policy, config=config)
+    engine, extra = None, {}
+    if args.engine == "static":
+        from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
+        from blockpilot.policies.fixed import FixedBlockSize
+
+        keep_compiled_kernels()
+        engine = StaticEngine(
+            models,
+            width=policy.block_size if isinstance(policy, FixedBlockSize) else None,
+            capacity=len(prompt_ids) + args.max_new_tokens + 2 * (models.train_block_size or 1) + 8,
+            compile=args.compile,
+            sampling=args.temperature > 0,
+        )
+    started = time.perf_counter()
+    (result,) = generate_many(models, [GenerationRequest(prompt_ids, config, policy)], engine=engine)
+    seconds = time.perf_counter() - started
+    if engine is not None:
+        extra = {"engine": "static", "compile": args.compile, "compile_seconds": engine.compile_seconds}
     text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"text": text, **result.to_dict()}))
+        print(json.dumps({"text": text, **result.to_dict(), **extra}))
     else:
         print(text)
         print("---")
         print(result.format_stats())
+        if engine is not None:
+            compiled = f", {engine.compile_seconds:.1f} s of it compiling" if engine.compile_seconds else ""
+            print(f"engine static ({args.compile}): {seconds:.3f} s{compiled}")
     return 0
 
 
@@ -245,6 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from blockpilot.decoding.acceptance import VERIFY_RULES
     from blockpilot.decoding.static import COMPILE_MODES
+    from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
     from blockpilot.options import add_options
     from pipelines.build_zoo import ZooBuildJob
     from pipelines.demo import DemoJob
@@ -291,18 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     gen.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: bf16 on cuda, fp32 on cpu)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
-    gen.add_argument(
-        "--engine",
-        choices=("eager", "static"),
-        default="eager",
-        help="eager: the batched engine, any policy; static: the compiled-cycle decoder, a fixed b",
-    )
-    gen.add_argument(
-        "--compile",
-        choices=COMPILE_MODES,
-        default="off",
-        help="with --engine static: torch.compile the cycle, replay it as a CUDA graph, or both (GPU for graphs)",
-    )
+    gen.add_argument("--engine", choices=ENGINES, default="eager", help=ENGINE_HELP)
+    gen.add_argument("--compile", choices=COMPILE_MODES, default="off", help=COMPILE_HELP)
     gen.set_defaults(handler=cmd_generate)
 
     cal = commands.add_parser("calibrate", help="time a draft+verify cycle per block size (and batch size)")

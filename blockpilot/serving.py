@@ -30,6 +30,7 @@ from blockpilot.cost import CycleCost
 from blockpilot.decoding.calibration import serving_calibration
 from blockpilot.decoding.engine import CACHE_SCRATCH, SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
+from blockpilot.decoding.static_engine import ENGINES, StaticEngine, keep_compiled_kernels
 from blockpilot.models.loading import SpeculativeModels, cache_bytes_per_token
 from blockpilot.options import option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
@@ -240,18 +241,39 @@ class BatchedDecoder:
         limits: ServeLimits | None = None,
         predictor: Any | None = None,
         cost: CycleCost | None = None,
+        engine: str = "eager",
+        compile: str = "off",
     ) -> None:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if engine == "static" and cost is not None:
+            raise ValueError("the static engine's rows all pay its width: a cost curve has no verify width to price")
+        if engine == "eager" and compile != "off":
+            raise ValueError(f"compile={compile!r} compiles the static engine's cycle: serve it with engine='static'")
         self.models, self.model_name = models, model_name
         self.tokenizer = SerializedTokenizer(models.tokenizer)
         self.limits = limits or ServeLimits()
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
         self.stop_token_ids = tuple(models.stop_token_ids())
-        self._engine = SpeculativeEngine(
-            models, max_batch=self.limits.max_batch, cost=cost, prefill_chunk=self.limits.prefill_chunk_tokens
-        )
+        self._engine: SpeculativeEngine | StaticEngine
+        if engine == "static":
+            keep_compiled_kernels()
+            width = self.limits.max_block_size or (models.train_block_size + 2 if models.drafter is not None else 1)
+            self._engine = StaticEngine(
+                models,
+                max_batch=self.limits.max_batch,
+                width=width,
+                capacity=min(self.context, self.max_prompt_tokens + self.limits.max_tokens_cap + width),
+                compile=compile,
+                prefill_chunk=self.limits.prefill_chunk_tokens,
+            )
+        else:
+            self._engine = SpeculativeEngine(
+                models, max_batch=self.limits.max_batch, cost=cost, prefill_chunk=self.limits.prefill_chunk_tokens
+            )
         self._waiting: deque[DecodeHandle] = deque()
         self._active: dict[int, DecodeHandle] = {}
         self._lock = threading.Condition()
@@ -265,6 +287,8 @@ class BatchedDecoder:
 
     @property
     def max_block_size(self) -> int:
+        if isinstance(self._engine, StaticEngine):  # its cycle's width
+            return self._engine.width
         if self.limits.max_block_size is not None:
             return self.limits.max_block_size
         return 2 * self.models.train_block_size if self.models.drafter is not None else 1
@@ -276,6 +300,8 @@ class BatchedDecoder:
     def _cache_budget(self) -> int:
         """Cache tokens the rows may hold together: `max_cache_tokens`, else what the device's free memory holds
         (half the CPU's free memory; four fifths of a GPU's), measured as the decoder is built."""
+        if isinstance(self._engine, StaticEngine):  # its caches are allocated: every admitted row fits
+            return self.limits.max_batch * self._engine.capacity
         if self.limits.max_cache_tokens is not None:
             return self.limits.max_cache_tokens
         device = self.models.device
@@ -425,6 +451,8 @@ class BatchedDecoder:
         with self._lock:
             if self._running:
                 raise RuntimeError("calibrate the decoder before start(): calibration runs the engine")
+        if isinstance(self._engine, StaticEngine):
+            raise ValueError("the static engine's rows all pay its width: a cost curve has no verify width to price")
         cost = serving_calibration(self.models, self.max_block_size, self.limits.max_batch)
         self._engine.cost = cost
         return cost

@@ -31,6 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from blockpilot.decoding.static import COMPILE_MODES
+from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
 from blockpilot.options import (
     add_options,
     from_args,
@@ -62,6 +64,8 @@ class ModelLoader:
     policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
     # A cycle cost curve (`blockpilot calibrate`) the engine prices verify widths with, or "auto": measured at start.
     cost: Optional[str] = None
+    engine: str = "eager"
+    compile: str = "off"
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -84,7 +88,15 @@ class ModelLoader:
         # Read first: a bad path fails before the models load.
         cost = CycleCost.load(self.cost) if self.cost and not measured else None
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
-        decoder = BatchedDecoder(models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits, cost=cost)
+        decoder = BatchedDecoder(
+            models,
+            adaptive=self.adaptive_spec(),
+            model_name=self.model_name,
+            limits=self.limits,
+            cost=cost,
+            engine=self.engine,
+            compile=self.compile,
+        )
         if measured:
             started = time.perf_counter()
             cost = decoder.calibrate()
@@ -460,6 +472,8 @@ class ServeJob:
         help="cycle cost curve of these models on this device (blockpilot calibrate), or 'auto' to measure one as the "
         "replica starts: price each cycle's verify width",
     )
+    engine: str = option("eager", choices=ENGINES, help=ENGINE_HELP)
+    compile: str = option("off", choices=COMPILE_MODES, help=COMPILE_HELP)
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")
     model_name: str = option("blockpilot", help="the model id the API reports")

@@ -104,9 +104,9 @@ def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zo
     assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
     assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2
     assert "give one of --policy, --block-size, --predictor" in capsys.readouterr().err
-    # The static engine decodes one fixed b with the match rule; anything else is refused, saying what it takes.
-    assert main([*base, "--policy", "entropy", "--engine", "static"]) == 2
-    assert "--engine static decodes a fixed block size" in capsys.readouterr().err
+    # The static engine verifies whole blocks with the match rule; anything else is refused, saying what it takes.
+    assert main([*base, "--policy", "entropy", "--engine", "static", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"] == "static"
     assert main([*base, "--engine", "static", "--temperature", "1", "--verify", "rejection"]) == 2
     assert "match rule" in capsys.readouterr().err
     assert main([*base, "--engine", "static", "--compile", "graph"]) == 2  # CUDA graphs need a GPU

@@ -57,7 +57,11 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path):
         assert payload["token_ids"] == greedy and payload["policy"] == policy
 
     port = free_port()
-    command = f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --step-model {STEP_MODEL} --port {port}"
+    # On the static engine (its per-step policy included); the eager engine's endpoint is test_serve.py's.
+    command = (
+        f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --step-model {STEP_MODEL} --port {port} "
+        "--engine static"
+    )
     log = tmp_path / "serve.log"  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     with open(log, "w") as output_file:
         server = subprocess.Popen(command.split(), cwd=ROOT, env=env, stdout=output_file, stderr=subprocess.STDOUT)

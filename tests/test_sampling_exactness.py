@@ -10,6 +10,8 @@ of the residual after a rejection).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from support import OracleDrafter, greedy_reference
@@ -166,16 +168,15 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows(drafters, rule):
 
 
 def static_counts(models: SpeculativeModels, width: int) -> torch.Tensor:
-    """Counts of (x1, x2, x3) over SAMPLES seeds from the static decoder (`blockpilot.decoding.static`) at `width`,
-    BATCH rows at a time."""
-    from blockpilot.decoding.static import StaticDecoder
+    """Counts of (x1, x2, x3) over SAMPLES seeds from the static engine (`blockpilot.decoding.static_engine`) at
+    `width`, BATCH rows at a time."""
+    from blockpilot.decoding.static_engine import StaticEngine
 
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    decoder = StaticDecoder(models, rows=BATCH, width=width, capacity=32, sampling=True)
-    for first in range(0, SAMPLES, BATCH):
-        seeds = list(range(first, first + BATCH))
-        for tokens in decoder.generate([PROMPT] * BATCH, 3, temperatures=[TEMPERATURE] * BATCH, seeds=seeds):
-            counts[tokens[0], tokens[1], tokens[2]] += 1
+    engine = StaticEngine(models, max_batch=BATCH, width=width, capacity=32)
+    requests = [GenerationRequest(PROMPT, GenerationConfig(3, TEMPERATURE, seed=seed)) for seed in range(SAMPLES)]
+    for result in generate_many(models, requests, engine=engine):
+        counts[tuple(result.token_ids)] += 1
     return counts
 
 
@@ -197,19 +198,17 @@ def test_the_static_sampler_follows_the_target_distribution_and_the_check_catche
 def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters):
     """The speculative output for a seed is the autoregressive one: at any block size, beside other rows (other
     seeds, temperatures, block sizes), so it samples the target's distribution exactly, as the test above shows."""
-    from blockpilot.decoding.static import StaticDecoder
+    from blockpilot.decoding.static_engine import StaticEngine
 
     models = drafters["random"]
-    rows = 8
-    seeds, temperatures = list(range(rows)), [TEMPERATURE, 1.0, 0.0, 1.3] * 2
-    alone = [
-        StaticDecoder(models, rows=1, width=1, capacity=48, sampling=True).generate(
-            [PROMPT], 16, temperatures=[t], seeds=[s]
-        )[0]
-        for s, t in zip(seeds, temperatures, strict=True)
+    seeds, temperatures = list(range(8)), [TEMPERATURE, 1.0, 0.0, 1.3] * 2
+    requests = [
+        GenerationRequest(PROMPT, GenerationConfig(16, t, seed=s), FixedBlockSize(b))
+        for s, t, b in zip(seeds, temperatures, [4, 2, 3, 1] * 2, strict=True)
     ]
-    decoder = StaticDecoder(models, rows=rows, width=4, capacity=48, sampling=True)
-    mixed = decoder.generate([PROMPT] * rows, 16, block_sizes=[4, 2, 3, 1] * 2, temperatures=temperatures, seeds=seeds)
-    assert mixed == alone
+    autoregressive = StaticEngine(models, max_batch=1, width=1, capacity=48)
+    alone = [r.token_ids for r in generate_many(models, [replace(q, policy=None) for q in requests], engine=autoregressive)]
+    mixed = generate_many(models, requests, engine=StaticEngine(models, max_batch=8, width=4, capacity=48))
+    assert [r.token_ids for r in mixed] == alone
     assert alone[2] == greedy_reference(models.target, PROMPT, 16)  # the T = 0 row is greedy
     assert len({tuple(tokens) for tokens in alone}) > 4  # seeds and temperatures do change the samples

@@ -1,30 +1,161 @@
-"""The static cycle (`blockpilot.decoding.static`): preallocated caches, fixed shapes, compiled or eager. At T = 0
-it decodes the target's greedy output, for any block size and batch mix; compiled, it decodes what eager does.
-(Its sampling at T > 0 is tested in `test_sampling_exactness.py`.)"""
+"""The static cycle (`blockpilot.decoding.static`) and the engine on it (`static_engine.py`): preallocated caches,
+fixed shapes, compiled or eager. At T = 0 it decodes the target's greedy output for any policy and batch mix, rows
+joining and leaving; per-step policies choose what they choose on the eager engine; compiled, it decodes what eager
+does (`test_commands_offline.py` runs the command compiled). Sampling at T > 0: `test_sampling_exactness.py`."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 from support import greedy_reference
+from test_step_policy import growing_step_model, random_step_model, vocab_of
 
-from blockpilot.decoding.static import COMPILE_MODES, StaticDecoder, StaticTarget
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.static import COMPILE_MODES, StaticDecoder, StaticTarget, span_bucket
+from blockpilot.decoding.static_engine import StaticEngine, row_buckets
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
+from blockpilot.policies.step import StepPolicy
+from blockpilot.policies.trim import DraftThenTrim, TrimCalibration
 
-PROMPTS = ["Count from 3 to 14.", "Sort these numbers: 5 3 9 1", "def add(a, b):", "Reverse: a b c d e"]
+PROMPTS = ["Count from 3 to 14.", "Sort these numbers: 5 3 9 1", "def add(a, b):", "Reverse: a b c d e", "Hi", "x y"]
 
 
-def references(models, max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
-    prompts = [models.encode_prompt(text) for text in PROMPTS]
+def references(models, max_new_tokens: int, texts=PROMPTS) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = [models.encode_prompt(text) for text in texts]
     stop = models.stop_token_ids()
     return prompts, [greedy_reference(models.target, p, max_new_tokens, stop) for p in prompts]
 
 
-@pytest.mark.parametrize("width, block_sizes", [(1, None), (6, [6, 3, 1, 5]), (8, [8, 8, 8, 8])])
-def test_greedy_static_decoding_is_the_targets_greedy_output(tiny_models, width, block_sizes):
+def decode(models, engine, prompts, policies, max_new_tokens, **config):
+    settings = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids()), **config)
+    requests = [GenerationRequest(p, settings, q) for p, q in zip(prompts, policies, strict=True)]
+    return generate_many(models, requests, engine=engine)
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 6])
+def test_greedy_static_decoding_is_the_targets_greedy_output_rows_joining_and_leaving(tiny_models, max_batch):
+    """Six requests of mixed b (1 to the width, and one past it, capped) through 1, 3 or 6 rows: rows finish at
+    different cycles, the last row moves into the hole, waiting rows join mid-run."""
     prompts, expected = references(tiny_models, 40)
-    decoder = StaticDecoder(tiny_models, rows=len(prompts), width=width, capacity=128)
-    outputs = decoder.generate(prompts, 40, block_sizes=block_sizes, stop_token_ids=tiny_models.stop_token_ids())
-    assert outputs == expected
+    assert len({len(tokens) for tokens in expected}) > 1, "the rows should end at different lengths"
+    engine = StaticEngine(tiny_models, max_batch=max_batch)
+    policies = [FixedBlockSize(b) for b in (1, 3, engine.width, 2, engine.width + 4, 5)]
+    results = decode(tiny_models, engine, prompts, policies, 40)
+    assert [r.token_ids for r in results] == expected
+    assert max(b for r in results for b in r.block_sizes) <= engine.width
+    assert not engine.busy and not engine.decoder.active.any(), "every cache row is free again"
+
+
+def test_autoregressive_and_a_target_without_drafter(tiny_models):
+    prompts, expected = references(tiny_models, 24, PROMPTS[:3])
+    engine = StaticEngine(tiny_models, max_batch=2)
+    assert [r.token_ids for r in decode(tiny_models, engine, prompts, [Autoregressive()] * 3, 24)] == expected
+    alone = StaticEngine(replace(tiny_models, drafter=None), max_batch=2)
+    assert alone.width == 1
+    assert [r.token_ids for r in decode(tiny_models, alone, prompts, [None] * 3, 24)] == expected
+
+
+def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_eager_one(tiny_models):
+    """The engine asks a policy with the same states (prefill, cycle, anchor logits) as the eager engine does: at
+    T = 0 every choice, and so every cycle's block size and acceptance, is the same."""
+    prompts, expected = references(tiny_models, 32, PROMPTS[:4])
+    vocab = vocab_of(tiny_models)
+    policies = [
+        StepPolicy(growing_step_model(vocab)),
+        FixedBlockSize(3),
+        StepPolicy(random_step_model(3, vocab=vocab)),
+        StepPolicy(random_step_model(4, vocab=vocab)),
+    ]
+    static = decode(tiny_models, StaticEngine(tiny_models, max_batch=4), prompts, policies, 32)
+    eager = decode(tiny_models, None, prompts, policies, 32)
+    assert [r.token_ids for r in static] == [r.token_ids for r in eager] == expected
+    assert [r.block_sizes for r in static] == [r.block_sizes for r in eager]
+    assert [r.acceptance_lengths for r in static] == [r.acceptance_lengths for r in eager]
+    assert len(set(static[0].block_sizes)) > 1, "a policy that never changes b would not test the per-step hook"
+
+
+def test_long_prompts_are_prefilled_a_chunk_a_step_beside_running_rows(tiny_models):
+    texts = ["Hi", "Count from 1 to 30: " + " ".join(map(str, range(1, 31))), "x y"]
+    prompts, expected = references(tiny_models, 24, texts)
+    assert len(prompts[1]) > 3 * 16
+    engine = StaticEngine(tiny_models, max_batch=2, prefill_chunk=16)
+    requests = [
+        GenerationRequest(p, GenerationConfig(max_new_tokens=24, stop_token_ids=tuple(tiny_models.stop_token_ids())))
+        for p in prompts
+    ]
+    ids = [engine.submit(r) for r in requests]
+    first = engine.step()
+    assert engine.prefilling is not None and {u.row_id for u in first} == {ids[0]}, "the short row decodes meanwhile"
+    out = {i: [] for i in ids}
+    for update in [*first, *engine.run()]:
+        out[update.row_id] += update.new_tokens
+    assert [out[i] for i in ids] == expected
+
+
+class Raises(BlockSizePolicy):
+    name = "raises"
+
+    def initial_block_size(self, prefill):
+        return 3
+
+    def next_block_size(self, cycle):
+        if cycle.cycle >= 1:
+            raise RuntimeError("the policy broke on this request")
+        return 3
+
+
+def test_a_faulty_row_ends_alone_a_cancelled_one_too_and_the_engine_goes_on(tiny_models):
+    """No stop tokens: every row runs its 24 tokens, so the faulty one reaches its fault and the cancelled one its
+    cancellation."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:3]]
+    expected = [greedy_reference(tiny_models.target, p, 24) for p in prompts]
+    engine = StaticEngine(tiny_models, max_batch=3)
+    config = GenerationConfig(max_new_tokens=24)
+    ids = [engine.submit(GenerationRequest(p, config, q)) for p, q in zip(prompts, [FixedBlockSize(3), Raises(), None])]
+    ends, tokens = {}, {i: [] for i in ids}
+    first = engine.step()
+    engine.cancel(ids[2])
+    for update in [*first, *engine.run()]:
+        tokens[update.row_id] += update.new_tokens
+        if update.result is not None:
+            ends[update.row_id] = (update.result.stop_reason, update.error)
+    assert ends[ids[1]][0] == "error" and "broke" in str(ends[ids[1]][1])
+    assert ends[ids[2]][0] == "cancelled"
+    assert ends[ids[0]] == ("length", None) and tokens[ids[0]] == expected[0]
+    again = generate_many(tiny_models, [GenerationRequest(prompts[0], config)], engine=engine)
+    assert again[0].token_ids == expected[0]
+
+
+def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models):
+    engine = StaticEngine(random_models, max_batch=1, capacity=64, sampling=False)
+    cases = [
+        (GenerationConfig(max_new_tokens=60), False, "need [0-9]+ cache slots"),
+        (GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection"), False, "match rule"),
+        (GenerationConfig(max_new_tokens=4, temperature=1.0), False, "sampling=True"),
+        (GenerationConfig(max_new_tokens=4), True, "records no features"),
+    ]
+    for config, record, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(GenerationRequest([1, 2, 3], config, None, record))
+    trim = DraftThenTrim(TrimCalibration(4, (0.5,) * 10, (1,) * 10))
+    with pytest.raises(ValueError, match="trims its drafts"):
+        engine.submit(GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4), trim))
+    with pytest.raises(ValueError, match="compile must be one of"):
+        StaticDecoder(random_models, rows=1, width=2, capacity=32, compile="fast")
+    assert "graph" in COMPILE_MODES
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            StaticDecoder(random_models, rows=1, width=2, capacity=32, compile="graph")
+    with pytest.raises(ValueError, match="block sizes in"):
+        StaticDecoder(random_models, rows=2, width=4, capacity=32).set_block_sizes([5, 1])
+
+
+def test_buckets_bound_the_compiled_variants():
+    assert row_buckets(1) == [1] and row_buckets(6) == [1, 2, 4, 6] and row_buckets(8) == [1, 2, 4, 8]
+    assert span_bucket(10, 2048) == 256 and span_bucket(257, 2048) == 512 and span_bucket(3000, 2048) == 2048
 
 
 def test_the_static_target_computes_the_targets_logits(tiny_models):
@@ -36,47 +167,3 @@ def test_the_static_target_computes_the_targets_logits(tiny_models):
         logits, _ = target(prompt, positions, positions, mask)
         expected = tiny_models.target(prompt).logits.float()
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.slow  # about 30 s of compiling on 2 cores
-def test_the_compiled_cycle_decodes_what_the_eager_one_does(random_models):
-    """torch.compile of the whole cycle (inductor, fullgraph) on the random zoo: greedy rows decode the target's
-    greedy output, sampled rows what eager sampling gives for their seeds."""
-    prompts, expected = references(random_models, 24)
-    settings = dict(block_sizes=[4, 2, 3, 4], stop_token_ids=random_models.stop_token_ids())
-    sampled = dict(settings, temperatures=[0.0, 0.8, 0.0, 1.2], seeds=[0, 1, 2, 3])
-    eager = StaticDecoder(random_models, rows=4, width=4, capacity=96, sampling=True)
-    compiled = StaticDecoder(random_models, rows=4, width=4, capacity=96, sampling=True, compile="compile")
-    assert compiled.generate(prompts, 24, **settings) == expected
-    assert compiled.compile_seconds is not None and compiled.compile_seconds > 0
-    assert compiled.generate(prompts, 24, **sampled) == eager.generate(prompts, 24, **sampled)
-
-
-def test_bad_settings_are_refused_naming_the_value(random_models):
-    with pytest.raises(ValueError, match="compile must be one of"):
-        StaticDecoder(random_models, rows=1, width=2, capacity=32, compile="fast")
-    assert "graph" in COMPILE_MODES
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs a CUDA device"):
-            StaticDecoder(random_models, rows=1, width=2, capacity=32, compile="graph")
-    decoder = StaticDecoder(random_models, rows=2, width=4, capacity=32)
-    with pytest.raises(ValueError, match="block sizes in"):
-        decoder.start([[1, 2], [3]], block_sizes=[5, 1])
-    with pytest.raises(ValueError, match="sampling=True"):
-        decoder.start([[1, 2], [3]], temperatures=[0.5, 0.0])
-    with pytest.raises(ValueError, match="do not fit 32 slots"):
-        decoder.start([[1] * 30, [3]])
-
-
-def test_rows_that_finish_early_hold_their_place_while_the_others_run(tiny_models):
-    """Rows that stop early keep cycling in place: the cache need only fit the longest prompt and the budget, however
-    long the other rows run, and every row still decodes its greedy output."""
-    prompts, expected = references(tiny_models, 60)
-    assert len({len(tokens) for tokens in expected}) > 1, "the rows should end at different lengths"
-    capacity = max(map(len, prompts)) + 60 + 8
-    decoder = StaticDecoder(tiny_models, rows=4, width=8, capacity=capacity)
-    assert decoder.generate(prompts, 60, stop_token_ids=tiny_models.stop_token_ids()) == expected
-    for prompt, tokens, length in zip(prompts, expected, decoder.length.tolist(), strict=True):
-        assert length < len(prompt) + len(tokens) + 8  # at most the finishing cycle's dropped tokens past its end
-    with pytest.raises(ValueError, match="do not fit"):
-        decoder.generate(prompts, 61)

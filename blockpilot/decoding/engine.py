@@ -104,7 +104,7 @@ class NonFiniteLogits(FloatingPointError):
 
 
 @dataclass
-class _Row:
+class Row:
     """A request inside the engine."""
 
     id: int
@@ -133,6 +133,32 @@ class _Row:
         if is_device_failure(error):
             raise error
         self.failure, self.stop_reason = error, "error"
+
+    def result(self, stop_reason: StopReason) -> GenerationResult:
+        """What the caller gets of this row once it ended."""
+        record = None
+        if self.record is not None and self.record["features"]:
+            record = GenerationRecord(
+                context_features=torch.cat(self.record["features"], dim=0),
+                entropy=torch.cat(self.record["entropy"], dim=0),
+                top_ids=torch.cat(self.record["top_ids"], dim=0),
+                top_probs=torch.cat(self.record["top_probs"], dim=0),
+            )
+        return GenerationResult(
+            token_ids=list(self.tokens),
+            prompt_length=self.prompt.numel(),
+            policy=self.policy.name,
+            block_size=self.chosen_block_size,
+            block_sizes=list(self.block_sizes),
+            acceptance_lengths=list(self.acceptance_lengths),
+            stop_reason=stop_reason,
+            prefill_time_s=self.prefill_time,
+            decode_time_s=self.decode_time,
+            target_forward_passes=(1 if self.tokens else 0) + len(self.block_sizes),
+            drafter_forward_passes=self.drafter_passes,
+            prefill=self.prefill_state,
+            record=record,
+        )
 
     @property
     def config(self) -> GenerationConfig:
@@ -191,7 +217,7 @@ def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
     return block_size
 
 
-def _cycle_state(row: _Row, committed: int, anchor_logits: torch.Tensor, batch_rows: int) -> CycleState:
+def cycle_state(row: Row, committed: int, anchor_logits: torch.Tensor, batch_rows: int) -> CycleState:
     """What the per-cycle hook sees of a row's last cycle, which committed `committed` tokens."""
     return CycleState(
         cycle=len(row.block_sizes) - 1,
@@ -208,13 +234,39 @@ def _cycle_state(row: _Row, committed: int, anchor_logits: torch.Tensor, batch_r
     )
 
 
-def _by_policy(rows: Sequence[_Row]) -> list[list[int]]:
+def rows_by_policy(rows: Sequence[Row]) -> list[list[int]]:
     """The indices of `rows` grouped by the policy object they share, so that a policy with a model is asked
     once for all its rows."""
     groups: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault(id(row.policy), []).append(index)
     return list(groups.values())
+
+
+def decide_block_sizes(pairs: list[tuple[Row, Any]], initial: bool) -> None:
+    """Each row's b from its policy: the first one from the prefill state (`initial`), else the next one from
+    its cycle state; one batched call per policy the rows share. A policy that raises or answers a bad value
+    for the group is asked row by row, so that only the rows it fails on fail, with its error."""
+    for group in rows_by_policy([row for row, _ in pairs]):
+        policy = pairs[group[0]][0].policy
+        hook = policy.initial_block_sizes if initial else policy.next_block_sizes
+        try:
+            sizes: list[int | None] = _checked_sizes(policy, hook([pairs[i][1] for i in group]), len(group))
+        except Exception:
+            sizes = []
+            for i in group:
+                try:
+                    sizes.append(_checked_sizes(policy, hook([pairs[i][1]]), 1)[0])
+                except Exception as error:
+                    pairs[i][0].fail(error)
+                    sizes.append(None)
+        for i, size in zip(group, sizes, strict=True):
+            if size is None:
+                continue
+            row = pairs[i][0]
+            row.block_size = size
+            if initial:
+                row.chosen_block_size = size
 
 
 class SpeculativeEngine:
@@ -242,7 +294,7 @@ class SpeculativeEngine:
         self.max_batch = positive_int(max_batch, "max_batch")
         # Prompts longer than this are prefilled a chunk a step, beside the running rows' cycles (None: whole).
         self.prefill_chunk = None if prefill_chunk is None else positive_int(prefill_chunk, "prefill_chunk")
-        self.prefilling: _Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
+        self.prefilling: Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
         self._prefilled = 0  # its prompt tokens already in the caches
         self._chunk_features: list[torch.Tensor] = []  # its recorded features, chunk by chunk
         self.cost = cost
@@ -264,8 +316,8 @@ class SpeculativeEngine:
         self.embed, self.head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
         self.vocab_size = int(self.embed.weight.shape[0])
         self.context_limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
-        self.rows: list[_Row] = []  # active rows; row i occupies cache row i
-        self.waiting: deque[_Row] = deque()
+        self.rows: list[Row] = []  # active rows; row i occupies cache row i
+        self.waiting: deque[Row] = deque()
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- requests
@@ -285,7 +337,7 @@ class SpeculativeEngine:
             policy: BlockSizePolicy = Autoregressive()
         else:
             policy = request.policy or FixedBlockSize(self.drafter.block_size)
-        row = _Row(
+        row = Row(
             id=next(self._ids),
             request=request,
             prompt=prompt.to(self.device),
@@ -344,13 +396,13 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- prefill
 
-    def _admit(self, joining: list[_Row], updates: list[RowUpdate]) -> None:
+    def _admit(self, joining: list[Row], updates: list[RowUpdate]) -> None:
         """Prefill the joining rows, a few target passes of prompts of similar length (`prefill_groups`)."""
         batch_rows = len(self.rows) + len(joining)
         for group in prefill_groups([row.prompt.numel() for row in joining]):
             self._prefill([joining[index] for index in group], updates, batch_rows)
 
-    def _prefill(self, joining: list[_Row], updates: list[RowUpdate], batch_rows: int) -> None:
+    def _prefill(self, joining: list[Row], updates: list[RowUpdate], batch_rows: int) -> None:
         """Prefill rows into the next free cache rows in one target pass; commit each one's first token.
 
         Prompts are right-padded to the longest: under causal attention a prompt's positions never see its
@@ -379,7 +431,7 @@ class SpeculativeEngine:
 
     def _join(
         self,
-        joining: list[_Row],
+        joining: list[Row],
         logits: torch.Tensor,  # (k, V) each row's next-token logits after its prompt
         features: list[torch.Tensor | None],  # each row's prompt features, for its record
         batch_rows: int,
@@ -396,7 +448,7 @@ class SpeculativeEngine:
             row.prefill_state = PrefillState(
                 logits[index], row.prompt, temperature, self.models.train_block_size, batch_rows, firsts[index]
             )
-        self._decide([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
+        decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         finished = []
         for index, (row, first) in enumerate(zip(joining, firsts, strict=True)):
             row.tokens, row.length = [first], row.prompt.numel()
@@ -416,7 +468,7 @@ class SpeculativeEngine:
         for slot in reversed(finished):
             self._retire(slot, updates)
 
-    def _chunked(self, row: _Row) -> bool:
+    def _chunked(self, row: Row) -> bool:
         return self.prefill_chunk is not None and row.prompt.numel() > self.prefill_chunk
 
     def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
@@ -426,7 +478,7 @@ class SpeculativeEngine:
         row, start, slot = self.prefilling, self._prefilled, self.max_batch
         if row.cancelled:
             self.prefilling = None
-            updates.append(RowUpdate(row.id, [], self._result(row, "cancelled")))
+            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
             return
         started = time.perf_counter()
         length = row.prompt.numel()
@@ -499,37 +551,12 @@ class SpeculativeEngine:
                 finished.append(index)
         # The hooks price the next cycle: the rows going on and the waiting ones that will join them.
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        self._decide([(row, _cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
+        decide_block_sizes([(row, cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
         finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
         for index in reversed(finished):
             self._retire(index, updates)
 
-    def _decide(self, pairs: list[tuple[_Row, Any]], initial: bool) -> None:
-        """Each row's b from its policy: the first one from the prefill state (`initial`), else the next one from
-        its cycle state; one batched call per policy the rows share. A policy that raises or answers a bad value
-        for the group is asked row by row, so that only the rows it fails on fail, with its error."""
-        for group in _by_policy([row for row, _ in pairs]):
-            policy = pairs[group[0]][0].policy
-            hook = policy.initial_block_sizes if initial else policy.next_block_sizes
-            try:
-                sizes: list[int | None] = _checked_sizes(policy, hook([pairs[i][1] for i in group]), len(group))
-            except Exception:
-                sizes = []
-                for i in group:
-                    try:
-                        sizes.append(_checked_sizes(policy, hook([pairs[i][1]]), 1)[0])
-                    except Exception as error:
-                        pairs[i][0].fail(error)
-                        sizes.append(None)
-            for i, size in zip(group, sizes, strict=True):
-                if size is None:
-                    continue
-                row = pairs[i][0]
-                row.block_size = size
-                if initial:
-                    row.chosen_block_size = size
-
-    def _first_token(self, row: _Row, logits: torch.Tensor, finite: bool) -> int:
+    def _first_token(self, row: Row, logits: torch.Tensor, finite: bool) -> int:
         """The row's first token from its prefill distribution; 0 (unused) for a row that fails here."""
         try:
             if not finite:
@@ -539,7 +566,7 @@ class SpeculativeEngine:
             row.fail(error)
             return 0
 
-    def _priced_sizes(self, rows: list[_Row], sizes: list[int]) -> list[int]:
+    def _priced_sizes(self, rows: list[Row], sizes: list[int]) -> list[int]:
         """Greedy rows capped at the width the cost curve prices best for this batch; rows sampled at T > 0 keep
         their b (their output for a seed must not depend on the batch) and set the narrowest width allowed."""
         if self.cost is None or len(rows) < 2:
@@ -551,7 +578,7 @@ class SpeculativeEngine:
         return [size if row.config.temperature > 0 else min(size, width) for row, size in zip(rows, sizes, strict=True)]
 
     def _draft(
-        self, rows: list[_Row], lengths: torch.Tensor, last_tokens: torch.Tensor, sizes: list[int], width: int
+        self, rows: list[Row], lengths: torch.Tensor, last_tokens: torch.Tensor, sizes: list[int], width: int
     ) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
         """Every row's drafts in one drafter call: (n, W - 1) tokens (padding past each row's b - 1), per row
         the drafter's probabilities where the `rejection` rule needs them, and the draft logits (n, W - 1, V)."""
@@ -587,7 +614,7 @@ class SpeculativeEngine:
                     drafts[index, : size - 1] = sample_tokens(probs[index], row.generator)
         return drafts, probs, draft_logits
 
-    def _trim(self, rows: list[_Row], sizes: list[int], draft_logits: torch.Tensor | None) -> list[int]:
+    def _trim(self, rows: list[Row], sizes: list[int], draft_logits: torch.Tensor | None) -> list[int]:
         """The block size each row verifies: its drafted b, or 1 + the drafts its policy's `verify_count`
         keeps, given the drafter's top probability in each drafted slot."""
         out = list(sizes)
@@ -646,7 +673,7 @@ class SpeculativeEngine:
 
     def _accept(
         self,
-        rows: list[_Row],
+        rows: list[Row],
         sizes: list[int],
         drafts: torch.Tensor,
         draft_probs: list[torch.Tensor | None],
@@ -688,7 +715,7 @@ class SpeculativeEngine:
 
     def _commit(
         self,
-        row: _Row,
+        row: Row,
         size: int,
         new_tokens: list[int],
         features: torch.Tensor | None,
@@ -725,7 +752,7 @@ class SpeculativeEngine:
         for layer, (keys, values) in enumerate(self.drafter.encode_context(kept.pack(features), kept_positions)):
             self.context.write(layer, rows, kept_positions, keys, values, token_rows=kept.rows)
 
-    def _record_distributions(self, row: _Row, logits: torch.Tensor) -> None:
+    def _record_distributions(self, row: Row, logits: torch.Tensor) -> None:
         entropy, top_ids, top_probs = distribution_summary(logits, RECORD_TOP_K)
         row.record["entropy"].append(entropy)
         row.record["top_ids"].append(top_ids)
@@ -736,7 +763,7 @@ class SpeculativeEngine:
     def _drop_cancelled(self, updates: list[RowUpdate]) -> None:
         for row in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(row)
-            updates.append(RowUpdate(row.id, [], self._result(row, "cancelled")))
+            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
         for index in reversed([i for i, r in enumerate(self.rows) if r.cancelled]):
             self.rows[index].stop_reason = "cancelled"
             self._retire(index, updates)
@@ -754,37 +781,12 @@ class SpeculativeEngine:
                 self.context.move_row(last, index, moved.length)
             self.rows[index] = moved
         self.rows.pop()
-        result = self._result(row, row.stop_reason)
+        result = row.result(row.stop_reason)
         mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
         if mine is None:
             updates.append(RowUpdate(row.id, [], result, row.failure))
         else:
             mine.result, mine.error = result, row.failure
-
-    def _result(self, row: _Row, stop_reason: StopReason) -> GenerationResult:
-        record = None
-        if row.record is not None and row.record["features"]:
-            record = GenerationRecord(
-                context_features=torch.cat(row.record["features"], dim=0),
-                entropy=torch.cat(row.record["entropy"], dim=0),
-                top_ids=torch.cat(row.record["top_ids"], dim=0),
-                top_probs=torch.cat(row.record["top_probs"], dim=0),
-            )
-        return GenerationResult(
-            token_ids=list(row.tokens),
-            prompt_length=row.prompt.numel(),
-            policy=row.policy.name,
-            block_size=row.chosen_block_size,
-            block_sizes=list(row.block_sizes),
-            acceptance_lengths=list(row.acceptance_lengths),
-            stop_reason=stop_reason,
-            prefill_time_s=row.prefill_time,
-            decode_time_s=row.decode_time,
-            target_forward_passes=(1 if row.tokens else 0) + len(row.block_sizes),
-            drafter_forward_passes=row.drafter_passes,
-            prefill=row.prefill_state,
-            record=record,
-        )
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -796,11 +798,13 @@ def generate_many(
     *,
     max_batch: int | None = None,
     cost: CyclePrice | None = None,
+    engine: Any | None = None,
 ) -> list[GenerationResult]:
     """Run `requests` through one engine (all at once by default; verify widths priced with `cost` when given)
-    and return their results in order. A row that fails raises its error here (the engine itself goes on with the
-    other rows: a server reads `RowUpdate.error`)."""
-    engine = SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)), cost=cost)
+    and return their results in order. `engine`: one already built (a `SpeculativeEngine`, or a `StaticEngine`
+    whose compiled cycles are reused across calls) instead of a new eager one. A row that fails raises its error
+    here (the engine itself goes on with the other rows: a server reads `RowUpdate.error`)."""
+    engine = engine or SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)), cost=cost)
     ids = [engine.submit(request) for request in requests]
     results: dict[int, GenerationResult] = {}
     for update in engine.run():

@@ -125,34 +125,37 @@ class _Layers(nn.Module):
         v = F.linear(x, a.v).view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def write(self, index: int, rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys and values (n, kv_heads, S, d) into the cache at `slots` (n, S) of `rows` (n, 1)."""
-        getattr(self, f"keys_{index}").index_put_((rows, slots), k.transpose(1, 2))
-        getattr(self, f"values_{index}").index_put_((rows, slots), v.transpose(1, 2))
+    def write(self, index: int, rows: slice, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values (n, kv_heads, S, d) into the cache rows `rows` (n of them) at `slots` (n, S)."""
+        row_ids = torch.arange(rows.start, rows.stop, device=slots.device)[:, None]
+        getattr(self, f"keys_{index}").index_put_((row_ids, slots), k.transpose(1, 2))
+        getattr(self, f"values_{index}").index_put_((row_ids, slots), v.transpose(1, 2))
 
-    def cached(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first n rows of layer `index`'s cache, as attention reads them: keys, values (n, kv_heads, slots, d)."""
-        return getattr(self, f"keys_{index}")[:n].transpose(1, 2), getattr(self, f"values_{index}")[:n].transpose(1, 2)
+    def cached(self, index: int, rows: slice, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [0, span) of cache rows `rows` of layer `index`, as attention reads them: keys, values
+        (n, kv_heads, span, d), views (nothing copied)."""
+        keys, values = getattr(self, f"keys_{index}"), getattr(self, f"values_{index}")
+        return keys[rows, :span].transpose(1, 2), values[rows, :span].transpose(1, 2)
 
     def attend(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: slice, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Queries of x (n, S, hidden) over the first n rows of the cache; mask (n, 1, S, capacity), True = seen."""
+        """Queries of x (n, S, hidden) over the first `span` slots of cache rows `rows`; mask (n, 1, S, span),
+        True = seen."""
         a = self.attention[index]
         n, s, _ = x.shape
         q = rms_norm(F.linear(x, a.q).view(n, s, self.heads, self.head_dim), a.q_norm, self.eps).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, *self.cached(index, n), attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-        )
+        keys, values = self.cached(index, rows, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         return F.linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), a.o)
 
-    def layer(self, index: int, x: torch.Tensor, cos, sin, rows, slots, mask) -> torch.Tensor:
+    def layer(self, index: int, x: torch.Tensor, cos, sin, rows: slice, slots, mask) -> torch.Tensor:
         """One whole decoder layer: its block's keys and values written at `slots`, then attention and MLP."""
         first, second = self.norms[index]
         normed = rms_norm(x, first, self.eps)
         self.write(index, rows, slots, *self.project_kv(index, normed, cos, sin))
-        x = x + self.attend(index, normed, cos, sin, mask)
+        x = x + self.attend(index, normed, cos, sin, rows, mask)
         gate, up, down = self.mlp[index]
         normed = rms_norm(x, second, self.eps)
         return x + F.linear(F.silu(F.linear(normed, gate)) * F.linear(normed, up), down)
@@ -179,10 +182,13 @@ class StaticTarget(nn.Module):
         ids: torch.Tensor,  # (n, S) token ids
         positions: torch.Tensor,  # (n, S) rotary positions
         slots: torch.Tensor,  # (n, S) cache slots the tokens' keys and values go to (== positions for a chain)
-        mask: torch.Tensor,  # (n, 1, S, capacity) bool: which slots each token sees (its own included)
+        mask: torch.Tensor,  # (n, 1, S, span) bool: which of the first `span` slots each token sees (itself too)
+        rows: slice | None = None,  # the n cache rows (default: the first n)
+        logits_at: torch.Tensor | None = None,  # (n,) the one entry of each row whose logits are wanted
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (n, S, V) in fp32 and features (n, S, len(layer_ids) * hidden) or None."""
-        rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        """Logits (n, S, V) in fp32, or (n, 1, V) at `logits_at`, and features (n, S, len(layer_ids) * hidden) or
+        None."""
+        rows = rows if rows is not None else slice(0, ids.shape[0])
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.embed.dtype)
         x = F.embedding(ids, self.embed)
         taps = {}
@@ -194,6 +200,8 @@ class StaticTarget(nn.Module):
         if self.last in self.layer_ids:
             taps[self.last] = x
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
         return F.linear(x, self.head).float(), features
 
 
@@ -209,18 +217,18 @@ class StaticDrafter(nn.Module):
         self.fc, self.hidden_norm, self.norm = drafter.fc.weight, drafter.hidden_norm.weight, drafter.norm.weight
         self.eps, self.theta, self.head_dim = config.rms_norm_eps, config.rope_theta, config.head_dim
 
-    def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S)."""
+    def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: slice) -> None:
+        """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S) of
+        cache rows `rows`."""
         context = rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
-        rows = torch.arange(features.shape[0], device=features.device)[:, None]
         for index in range(len(self.body.attention)):
             self.body.write(index, rows, slots, *self.body.project_kv(index, context, cos, sin))
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:
         """Hidden states (n, W, hidden) of blocks (embeds (n, W, hidden)) at `positions` (n, W), written at those
-        slots; mask (n, 1, 1 or W, capacity) True = seen (the context before the anchor and the block's own slots)."""
-        rows = torch.arange(embeds.shape[0], device=embeds.device)[:, None]
+        slots of cache rows `rows`; mask (n, 1, 1 or W, span) True = seen (the context before the anchor and the
+        block's own slots)."""
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
         x = embeds.to(self.fc.dtype)
         for index in range(len(self.body.attention)):
@@ -228,20 +236,38 @@ class StaticDrafter(nn.Module):
         return rms_norm(x, self.norm, self.eps)
 
 
+MIN_SPAN = 256
+
+
+def span_bucket(needed: int, capacity: int) -> int:
+    """The cache slots a cycle reads: `needed` rounded up to a power of two (at least `MIN_SPAN`), at most the
+    capacity. Attention reads every slot of its span, masked, so a short context must not pay for the capacity (at
+    4,096 slots a row the CPU cycle took 4.7 ms against 1.2 at 256); a few spans bound the compiled variants."""
+    span = MIN_SPAN
+    while span < needed:
+        span *= 2
+    return min(span, capacity)
+
+
 class StaticDecoder:
-    """Speculative decoding of `rows` rows at width `width` (each row its own b <= width) over
-    `capacity` cache slots a row, its cycle compiled or replayed per `compile` (`COMPILE_MODES`):
+    """Cache rows of `capacity` slots each (`rows` of them), each row's decoding state on the device, and the
+    draft/verify cycle at width `width` (each row its own b <= width) over the first n rows, run per `compile`
+    (`COMPILE_MODES`):
 
     - `off`: eager, the reference;
     - `compile`: `torch.compile(fullgraph=True)` of the whole cycle (inductor, CPU or GPU);
     - `graph` (CUDA): the eager cycle captured once as a CUDA graph and replayed;
     - `compile+graph` (CUDA): the compiled cycle, captured and replayed.
 
-    With `sampling`, rows may decode at T > 0 (each with its own temperature and seed); without it the cycle
-    takes argmaxes only and skips the sampler's work.
+    Each (rows, span) pair the cycle runs at is compiled or captured once (`compile_seconds` adds them up). With
+    `sampling`, rows may decode at T > 0 (each with its own temperature and seed); without it the cycle takes
+    argmaxes only and skips the sampler's work.
 
-    `start` prefills a batch (eager, its own shapes); `cycle` runs one cycle for every row on device buffers and
-    returns (tokens (rows, W), counts (rows,)): row i committed tokens[i, :counts[i]].
+    The caller (`static_engine.py`) keeps its rows in cache rows 0 .. n - 1: `prefill` writes prompts into given
+    rows, `place` starts a row decoding, `move` compacts, `free` stops one. `cycle(n, span)` returns device
+    views, overwritten by the next cycle: tokens (n, W), counts (n,) (row i committed tokens[i, :counts[i]]),
+    finite (n,) (whether the row's target distributions over its block were finite). `anchor_logits` (rows, V)
+    holds each row's logits at its new last token: the next block's anchor, for per-step policies.
     """
 
     def __init__(
@@ -260,6 +286,8 @@ class StaticDecoder:
             raise ValueError(f"compile={compile!r} replays CUDA graphs: it needs a CUDA device, got {models.device}")
         if width > 1 and models.drafter is None:
             raise ValueError(f"width {width} drafts: it needs a drafter (width 1 decodes autoregressively)")
+        if capacity < width + 1:
+            raise ValueError(f"capacity {capacity} must exceed the width {width}")
         self.models, self.rows, self.width, self.capacity, self.mode = models, rows, width, capacity, compile
         self.sampling = sampling  # rows may have T > 0 (else the cycle only takes argmaxes)
         self.device = models.device
@@ -273,55 +301,69 @@ class StaticDecoder:
         self.block_sizes = torch.ones(rows, **long)
         self.seeds = torch.zeros(rows, **long)
         self.temperatures = torch.zeros(rows, dtype=torch.float32, device=self.device)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=self.device)  # a free row stays at length 0
         self.tokens = torch.zeros(rows, width, **long)  # the last cycle's output
         self.counts = torch.zeros(rows, **long)
+        self.finite = torch.ones(rows, dtype=torch.bool, device=self.device)
+        self.anchor_logits = torch.zeros(rows, self.target.head.shape[0], dtype=torch.float32, device=self.device)
         self.offsets = torch.arange(width, device=self.device)
-        self.capacity_range = torch.arange(capacity, device=self.device)
+        self.slot_range = torch.arange(capacity, device=self.device)
         self.mask_token_id = models.mask_token_id if drafting else 0
-        self.compile_seconds: float | None = None
-        self._step: Callable[[], None] = self._cycle
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self.compile_seconds: float | None = None  # every build so far, added up
+        self._steps: dict[tuple[int, int], Callable[[], None]] = {}
+        self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive while their replays are in `_steps`
+        self._compiled: Callable[[int, int], None] | None = None
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
-    def _cycle(self) -> None:
-        positions = self.length[:, None] + self.offsets  # (n, W)
-        ids = self.last_token[:, None].expand(-1, self.width)
+    def _cycle(self, n: int, span: int) -> None:
+        length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
+        rows, window = slice(0, n), self.slot_range[:span]
+        positions = length[:, None] + self.offsets  # (n, W)
+        ids = last[:, None].expand(-1, self.width)
         if self.drafter is not None:
             block = torch.where(self.offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
-            sees = (self.capacity_range < (self.length + self.block_sizes)[:, None])[:, None, None, :]  # (n,1,1,C)
-            hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees)
+            sees = (window < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
+            hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees, rows)
             drafts = F.linear(hidden[:, 1:], self.target.head).argmax(dim=-1)  # (n, W - 1)
             ids = torch.cat([ids[:, :1], drafts], dim=1)
-        logits, features = self.target(ids, positions, positions, self._causal(positions))
-        picks = self._pick(logits, positions + 1)  # (n, W)
+        mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
+        logits, features = self.target(ids, positions, positions, mask, rows)
+        picks = self._pick(logits, positions + 1, rows)  # (n, W)
         if self.drafter is not None:
-            right = (ids[:, 1:] == picks[:, :-1]) & (self.offsets[1:] < self.block_sizes[:, None])
+            right = (ids[:, 1:] == picks[:, :-1]) & (self.offsets[1:] < sizes[:, None])
             accepted = right.long().cumprod(dim=1).sum(dim=1)  # (n,)
-            self.drafter.encode(features, positions, positions)
+            self.drafter.encode(features, positions, positions, rows)
         else:
-            accepted = torch.zeros_like(self.length)
-        self.tokens.copy_(picks)
-        self.counts.copy_(accepted + 1)
-        self.last_token.copy_(picks.gather(1, accepted[:, None])[:, 0])
-        self.length.add_(accepted + 1)
+            accepted = torch.zeros_like(length)
+        # A row's block is usable when every distribution it verifies has a finite largest logit (NaN and +inf
+        # propagate into the maximum; a token banned at -inf does not).
+        finite = torch.isfinite(logits.amax(dim=-1)) | (self.offsets >= sizes[:, None])
+        self.finite[:n].copy_(finite.all(dim=1))
+        self.tokens[:n].copy_(picks)
+        self.counts[:n].copy_(accepted + 1)
+        anchor = accepted[:, None, None].expand(-1, 1, logits.shape[-1])
+        self.anchor_logits[:n].copy_(logits.gather(1, anchor)[:, 0])
+        last.copy_(picks.gather(1, accepted[:, None])[:, 0])
+        length.add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
 
-    def _causal(self, positions: torch.Tensor) -> torch.Tensor:
-        """(n, 1, S, capacity): a token at position p sees the slots up to p (a chain's slot is its position)."""
-        return (self.capacity_range[None, None, :] <= positions[:, :, None])[:, None]
-
-    def _pick(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         if self.sampling:
-            return pick_tokens(logits, self.temperatures, self.seeds, positions)
+            return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions)
         return logits.argmax(dim=-1)
 
-    def _build(self) -> None:
-        """Compile and/or capture the cycle once, on the state `start` left (its outputs are then recomputed)."""
+    def _build(self, n: int, span: int) -> Callable[[], None]:
+        """Compile and/or capture the cycle at (n, span) once, on the rows' current state (restored after: the
+        warm-up's writes lie at or past each row's length, where the real cycle writes again)."""
         started = time.perf_counter()
-        step: Callable[[], None] = self._cycle
         state = [t.clone() for t in (self.length, self.last_token)]
-        if "compile" in self.mode:
-            step = torch.compile(self._cycle, fullgraph=True, dynamic=False)
+        if "compile" in self.mode and self._compiled is None:
+            # One compiled variant per (rows, span) pair the engine runs at: a few buckets, more than dynamo's
+            # default of 8 recompiles of one function.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(self._cycle, fullgraph=True, dynamic=False)
+        cycle = self._compiled if "compile" in self.mode else self._cycle
+        step: Callable[[], None] = lambda: cycle(n, span)  # noqa: E731
         if "graph" in self.mode:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -329,103 +371,95 @@ class StaticDecoder:
                 for _ in range(2):  # warm-up: compilation, allocator, kernels' first launch
                     step()
             torch.cuda.current_stream().wait_stream(stream)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 step()
-            step = self._graph.replay
+            self._graphs.append(graph)
+            step = graph.replay
         else:
             step()  # compiles
         self.length.copy_(state[0])
         self.last_token.copy_(state[1])
         synchronize(self.device)
-        self._step = step
-        self.compile_seconds = time.perf_counter() - started
+        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
+        return step
 
     @torch.inference_mode()
-    def cycle(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft/verify cycle for every row: (tokens (rows, W), counts (rows,)), device tensors (overwritten by
-        the next cycle)."""
-        if self.mode != "off" and self.compile_seconds is None:
-            self._build()
-        self._step()
-        return self.tokens, self.counts
+    def cycle(self, n: int, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft/verify cycle for rows 0 .. n - 1 reading `span` cache slots (default: what the longest
+        active row needs, `span_bucket`): device views tokens (n, W), counts (n,), finite (n,)."""
+        if span is None:
+            span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
+        if self.mode == "off":
+            self._cycle(n, span)
+        else:
+            step = self._steps.get((n, span))
+            if step is None:
+                step = self._steps[(n, span)] = self._build(n, span)
+            step()
+        return self.tokens[:n], self.counts[:n], self.finite[:n]
 
-    # ------------------------------------------------------------------ prefill and the host loop
+    # ------------------------------------------------------------------ rows: prefill, place, move, free
 
     @torch.inference_mode()
-    def start(
-        self,
-        prompts: Sequence[Sequence[int]],
-        block_sizes: Sequence[int] | None = None,
-        temperatures: Sequence[float] | None = None,
-        seeds: Sequence[int] | None = None,
-    ) -> list[int]:
-        """Prefill `rows` prompts (one target pass, right-padded) and commit each one's first token. Per row: its
-        block size (default: the width), temperature (default 0) and seed (default 0)."""
-        if len(prompts) != self.rows:
-            raise ValueError(f"this decoder runs {self.rows} rows; got {len(prompts)} prompts")
-        sizes = list(block_sizes) if block_sizes is not None else [self.width] * self.rows
-        if len(sizes) != self.rows or any(not 1 <= b <= self.width for b in sizes):
-            raise ValueError(f"expected {self.rows} block sizes in [1, {self.width}], got {sizes}")
-        temperatures = list(temperatures) if temperatures is not None else [0.0] * self.rows
-        if len(temperatures) != self.rows or any(not t >= 0 for t in temperatures):
-            raise ValueError(f"expected {self.rows} temperatures >= 0, got {temperatures}")
+    def prefill(self, first: int, prompts: Sequence[torch.Tensor], start: int = 0) -> torch.Tensor:
+        """Prompts (token tensors, right-padded to the longest) into cache rows first .. first + k - 1, their tokens
+        at positions start .. (a long prompt's chunk after `start` tokens already there), the drafter's context
+        too: one eager target pass. Returns each prompt's next-token logits after its last token, (k, V) fp32."""
+        k, lengths = len(prompts), [len(p) for p in prompts]
+        if start + max(lengths) + self.width > self.capacity:
+            raise ValueError(f"{start + max(lengths)} tokens leave no room for a block in {self.capacity} slots")
+        ids = torch.zeros(k, max(lengths), dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.as_tensor(prompt, device=self.device)
+        positions = start + torch.arange(max(lengths), device=self.device)[None].expand(k, -1)
+        span = start + max(lengths)
+        mask = (self.slot_range[:span][None, None, :] <= positions[:, :, None])[:, None]
+        rows = slice(first, first + k)
+        last = torch.tensor(lengths, device=self.device) - 1
+        logits, features = self.target(ids, positions, positions, mask, rows, logits_at=last)
+        if self.drafter is not None:
+            self.drafter.encode(features, positions, positions, rows)
+        return logits[:, 0]
+
+    def pick(self, logits: torch.Tensor, positions: Sequence[int], temperatures, seeds) -> list[int]:
+        """Tokens from next-token logits (k, V) for rows at temperatures and seeds, to sit at `positions`: the
+        same draw (`pick_tokens`) as every token the cycle commits."""
         if any(t > 0 for t in temperatures) and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
-        seeds = list(seeds) if seeds is not None else [0] * self.rows
-        if len(seeds) != self.rows:
-            raise ValueError(f"expected {self.rows} seeds, got {seeds}")
-        lengths = [len(p) for p in prompts]
-        if min(lengths) < 1 or max(lengths) + self.width > self.capacity:
-            raise ValueError(f"prompts of {min(lengths)}..{max(lengths)} tokens do not fit {self.capacity} slots")
-        span = max(lengths)
-        ids = torch.zeros(self.rows, span, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.as_tensor(list(prompt), device=self.device)
-        positions = torch.arange(span, device=self.device)[None].expand(self.rows, -1)
-        logits, features = self.target(ids, positions, positions, self._causal(positions))
-        self.block_sizes.copy_(torch.tensor(sizes, device=self.device))
-        self.temperatures.copy_(torch.tensor(temperatures, dtype=torch.float32, device=self.device))
-        self.seeds.copy_(torch.tensor(seeds, device=self.device))
-        last = torch.tensor(lengths, device=self.device) - 1
-        last_logits = logits[torch.arange(self.rows, device=self.device), last][:, None]  # (n, 1, V)
-        firsts = self._pick(last_logits, last[:, None] + 1)[:, 0]
-        if self.drafter is not None:
-            self.drafter.encode(features, positions, positions)
-        self.length.copy_(last + 1)
-        self.last_token.copy_(firsts)
-        return firsts.tolist()
+        device = self.device
+        tokens = pick_tokens(
+            logits[:, None],
+            torch.tensor(list(temperatures), dtype=torch.float32, device=device),
+            torch.tensor(list(seeds), dtype=torch.long, device=device),
+            torch.tensor(list(positions), device=device)[:, None],
+        )
+        return tokens[:, 0].tolist()
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        block_sizes: Sequence[int] | None = None,
-        stop_token_ids: Sequence[int] = (),
-        temperatures: Sequence[float] | None = None,
-        seeds: Sequence[int] | None = None,
-    ) -> list[list[int]]:
-        """Decode every prompt to `max_new_tokens` or a stop token. A row that finishes keeps cycling in place (its
-        length held where it ended, its tokens dropped) until every row has. One device-to-host copy per cycle."""
-        if max(len(p) for p in prompts) + max_new_tokens + self.width > self.capacity:
-            raise ValueError(f"{max_new_tokens} new tokens after these prompts do not fit {self.capacity} slots")
-        outputs = [[token] for token in self.start(prompts, block_sizes, temperatures, seeds)]
-        done = [out[-1] in stop_token_ids or len(out) >= max_new_tokens for out in outputs]
-        held, finished = self.length.clone(), torch.tensor(done, device=self.device)
-        while not all(done):
-            tokens, counts = self.cycle()
-            if any(done):
-                self.length.copy_(torch.where(finished, held, self.length))
-            host_tokens, host_counts = tokens.tolist(), counts.tolist()
-            for row, out in enumerate(outputs):
-                if done[row]:
-                    continue
-                for token in host_tokens[row][: host_counts[row]]:
-                    out.append(token)
-                    if token in stop_token_ids or len(out) >= max_new_tokens:
-                        done[row] = True
-                        break
-            if sum(done) > int(finished.sum()):  # rows that finished this cycle are held from the next one on
-                finished = torch.tensor(done, device=self.device)
-                held = torch.where(finished, self.length, held)
-        return outputs
+    def place(self, row: int, *, length: int, last_token: int, temperature: float, seed: int) -> None:
+        """Row `row`, whose cache holds `length` positions, decodes from `last_token` (at position `length`)."""
+        if temperature > 0 and not self.sampling:
+            raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
+        self.length[row], self.last_token[row] = length, last_token
+        self.temperatures[row], self.seeds[row] = temperature, seed
+        self.block_sizes[row], self.active[row] = 1, True
+
+    def set_block_sizes(self, sizes: Sequence[int]) -> None:
+        """The b of rows 0 .. len(sizes) - 1 for the next cycle, each in [1, width]."""
+        if any(not 1 <= b <= self.width for b in sizes):
+            raise ValueError(f"expected block sizes in [1, {self.width}], got {list(sizes)}")
+        self.block_sizes[: len(sizes)].copy_(torch.tensor(list(sizes), device=self.device))
+
+    def move(self, source: int, destination: int, length: int) -> None:
+        """Row `source`'s first `length` cache slots and state into row `destination` (compaction: the engine's
+        rows stay in rows 0 .. n - 1); the source row is freed."""
+        for body in (self.target.body, *([self.drafter.body] if self.drafter is not None else [])):
+            for buffer in body.buffers():
+                buffer[destination, :length].copy_(buffer[source, :length])
+        for state in (self.length, self.last_token, self.block_sizes, self.seeds, self.temperatures, self.active):
+            state[destination] = state[source]
+        self.free(source)
+
+    def free(self, row: int) -> None:
+        """Row `row` decodes nothing: it stays at length 0 (its cycles write its own first slots only)."""
+        self.active[row], self.length[row], self.block_sizes[row] = False, 0, 1

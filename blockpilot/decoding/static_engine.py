@@ -1,0 +1,344 @@
+"""Continuous batching on the static cycle (`static.py`): the same requests, policies, updates and results as the
+eager engine (`engine.py`), decoded by one compiled (or graph-replayed) cycle over preallocated caches.
+
+Rows live in cache rows 0 .. n - 1 of a `StaticDecoder` built for `max_batch` rows (and one more, where a long
+prompt is prefilled a chunk a step beside the running rows). A step: drop cancelled rows -> prefill joining rows
+into the next free cache rows (eager, a few passes of prompts of similar length) -> one cycle for the n rows at the
+smallest compiled row count >= n (powers of two: a handful of variants) and the span of cache their contexts need
+-> one device-to-host copy of what the rows committed -> stop tokens, budgets, per-step policies on the host ->
+finished rows leave, the last row moving into the hole.
+
+What differs from the eager engine, on purpose:
+- every row of a cycle computes the engine's `width` slots (a row's b <= width is where its acceptance stops), so a
+  policy's b is capped at the width, and a cost curve has nothing to price;
+- sampling is counter-based (`static.pick_tokens`): a row's output for a seed is a function of its prompt and seed
+  alone (any b, any batch), a different draw from the eager engine's generator for the same seed;
+- the `match` rule only (`rejection` needs the drafter's sampled drafts), no draft-then-trim (`verify_count`), and
+  no feature records (labeling's reference generations run on the eager engine).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from blockpilot.checks import check_fits_context, positive_int
+from blockpilot.decoding.engine import (
+    PREFILL_MAX_PADDING,
+    NonFiniteLogits,
+    Row,
+    RowUpdate,
+    cycle_state,
+    decide_block_sizes,
+    make_generator,
+    prefill_groups,
+    truncate_at_stop,
+)
+from blockpilot.decoding.request import GenerationRequest
+from blockpilot.decoding.static import StaticDecoder, span_bucket
+from blockpilot.home import blockpilot_home
+from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.policies.base import BlockSizePolicy, PrefillState
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
+
+ENGINES = ("eager", "static")  # `SpeculativeEngine` on transformers' modules; `StaticEngine` on the compiled cycle
+ENGINE_HELP = "eager: the engine on transformers' modules; static: the compiled cycle over preallocated caches"
+COMPILE_HELP = "with --engine static: torch.compile the cycle, replay it as a CUDA graph, or both (GPU for graphs)"
+# Cache slots a row holds by default: its prompt, its budget and one block must fit.
+DEFAULT_CAPACITY = 2048
+
+
+def keep_compiled_kernels() -> None:
+    """Inductor's compiled kernels go under $BLOCKPILOT_HOME/inductor, with everything else the project writes (a
+    second run of the same shapes loads them instead of compiling), unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(blockpilot_home() / "inductor"))
+
+
+def row_buckets(max_batch: int) -> list[int]:
+    """The row counts the cycle is compiled at: powers of two below `max_batch`, and `max_batch`."""
+    return sorted({*(1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch), max_batch})
+
+
+class StaticEngine:
+    """The eager engine's interface (`submit`, `cancel`, `busy`, `run`, `step`) on the static cycle.
+
+    `width`: the widest block a row drafts (default: the drafter's training block size B + 2, the widest candidate
+    the project's sweeps label; 1 without a drafter). `capacity`: cache slots a row holds (prompt, budget and one
+    block; default 2,048, at most the context). `compile`: `static.COMPILE_MODES`. `sampling`: whether rows may
+    decode at T > 0 (off, the cycle skips the sampler). `prefill_chunk`: prompts longer than this are prefilled a
+    chunk a step, beside the running rows' cycles.
+    """
+
+    def __init__(
+        self,
+        models: SpeculativeModels,
+        *,
+        max_batch: int = 1,
+        width: int | None = None,
+        capacity: int | None = None,
+        compile: str = "off",
+        sampling: bool = True,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        self.models = models
+        self.max_batch = positive_int(max_batch, "max_batch")
+        self.prefill_chunk = None if prefill_chunk is None else positive_int(prefill_chunk, "prefill_chunk")
+        if width is None:
+            width = models.train_block_size + 2 if models.drafter is not None else 1
+        self.width = positive_int(width, "width")
+        self.context_limit = getattr(models.target.config.get_text_config(), "max_position_embeddings", None)
+        capacity = capacity or min(DEFAULT_CAPACITY, self.context_limit or DEFAULT_CAPACITY)
+        self.decoder = StaticDecoder(
+            models, rows=self.max_batch + 1, width=self.width, capacity=capacity, compile=compile, sampling=sampling
+        )
+        self.device = models.device
+        self.cost = None  # every row of a static cycle pays the full width: no verify width to price
+        self.vocab_size = int(models.target.get_input_embeddings().weight.shape[0])
+        self.buckets = row_buckets(self.max_batch)
+        self.rows: list[Row] = []  # active rows; row i occupies cache row i
+        self.waiting: deque[Row] = deque()
+        self.prefilling: Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
+        self._prefilled = 0
+        self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
+        self._ids = itertools.count()
+
+    @property
+    def capacity(self) -> int:
+        return self.decoder.capacity
+
+    @property
+    def compile_seconds(self) -> float | None:
+        return self.decoder.compile_seconds
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, request: GenerationRequest) -> int:
+        """Check and queue a request; returns its row id. What this engine cannot decode fails here, naming it."""
+        prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long).flatten()
+        if prompt.numel() == 0:
+            raise ValueError("prompt is empty: expected at least one token id")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
+            raise ValueError(
+                f"prompt token ids must lie in [0, {self.vocab_size}), got min {int(prompt.min())}, "
+                f"max {int(prompt.max())}"
+            )
+        config = request.config
+        check_fits_context(prompt.numel(), config.max_new_tokens, self.context_limit)
+        need = prompt.numel() + config.max_new_tokens + self.width
+        if need > self.capacity:
+            raise ValueError(
+                f"a prompt of {prompt.numel()} tokens and max_new_tokens {config.max_new_tokens} need {need} cache "
+                f"slots with a block of {self.width}; this engine holds {self.capacity} a row"
+            )
+        if config.temperature > 0 and config.verify != "match":
+            raise ValueError(f"the static engine verifies with the match rule; got verify={config.verify!r}")
+        if config.temperature > 0 and not self.decoder.sampling:
+            raise ValueError(f"temperature {config.temperature} needs an engine built with sampling=True")
+        if request.record:
+            raise ValueError("the static engine records no features: record with the eager engine")
+        policy: BlockSizePolicy
+        if self.models.drafter is None:
+            policy = Autoregressive()
+        else:
+            policy = request.policy or FixedBlockSize(self.models.drafter.block_size)
+        if policy.trims:
+            raise ValueError(f"policy {policy.name!r} trims its drafts: the static cycle verifies whole blocks")
+        row = Row(
+            id=next(self._ids),
+            request=request,
+            prompt=prompt.to(self.device),
+            policy=policy,
+            generator=make_generator(torch.device("cpu"), config.seed),  # unused: draws are keyed on the seed
+        )
+        self._seeds[row.id] = config.seed if config.seed is not None else random.getrandbits(62)
+        self.waiting.append(row)
+        return row.id
+
+    def cancel(self, row_id: int) -> None:
+        """End a row before its next cycle (stop reason "cancelled"); unknown or finished ids are ignored."""
+        for row in itertools.chain(self.rows, self.waiting, [self.prefilling] if self.prefilling else []):
+            if row.id == row_id:
+                row.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting or self.prefilling)
+
+    def run(self) -> Iterator[RowUpdate]:
+        """Step until every submitted row is done, yielding each step's updates."""
+        while self.busy:
+            yield from self.step()
+
+    @torch.inference_mode()
+    def step(self) -> list[RowUpdate]:
+        updates: list[RowUpdate] = []
+        self._drop_cancelled(updates)
+        joining, passed = [], deque()
+        while self.waiting and len(self.rows) + len(joining) + (self.prefilling is not None) < self.max_batch:
+            row = self.waiting.popleft()
+            if self.prefill_chunk is None or row.prompt.numel() <= self.prefill_chunk:
+                joining.append(row)
+            elif self.prefilling is None:
+                self.prefilling, self._prefilled = row, 0
+            else:  # one long prompt is prefilled at a time; the short ones behind it need not wait for it
+                passed.append(row)
+        self.waiting.extendleft(reversed(passed))
+        batch_rows = len(self.rows) + len(joining)
+        for group in prefill_groups([row.prompt.numel() for row in joining], PREFILL_MAX_PADDING):
+            self._prefill([joining[i] for i in group], batch_rows, updates)
+        if self.prefilling is not None:
+            self._prefill_chunk(updates)
+        if self.rows:
+            self._cycle(updates)
+        return updates
+
+    # ---------------------------------------------------------------- prefill
+
+    def _prefill(self, joining: list[Row], batch_rows: int, updates: list[RowUpdate]) -> None:
+        """Prefill rows into the next free cache rows in one target pass; each one joins with its first token."""
+        started = time.perf_counter()
+        first = len(self.rows)
+        logits = self.decoder.prefill(first, [row.prompt for row in joining])
+        synchronize(self.device)
+        for row in joining:
+            row.prefill_time += time.perf_counter() - started
+        self._join(joining, logits, batch_rows, updates)
+
+    def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
+        """The next chunk of the long prompt, in cache row `max_batch`; after its last chunk the row moves to the
+        next free cache row and joins."""
+        row, start = self.prefilling, self._prefilled
+        if row.cancelled:
+            self.prefilling = None
+            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
+            return
+        started = time.perf_counter()
+        stop = min(start + self.prefill_chunk, row.prompt.numel())
+        logits = self.decoder.prefill(self.max_batch, [row.prompt[start:stop]], start=start)
+        synchronize(self.device)
+        row.prefill_time += time.perf_counter() - started
+        self._prefilled = stop
+        if stop < row.prompt.numel():
+            return
+        self.prefilling = None
+        self.decoder.move(self.max_batch, len(self.rows), stop)
+        self._join([row], logits, len(self.rows) + 1, updates)
+
+    def _join(self, joining: list[Row], logits: torch.Tensor, batch_rows: int, updates: list[RowUpdate]) -> None:
+        """Rows whose prompts are in cache rows len(rows) .. join: first token, first b, placed in the decoder."""
+        first_row = len(self.rows)
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+        seeds = [self._seeds[row.id] for row in joining]
+        temperatures = [row.config.temperature for row in joining]
+        firsts = self.decoder.pick(logits, [row.prompt.numel() for row in joining], temperatures, seeds)
+        for index, row in enumerate(joining):
+            if not finite[index]:
+                row.fail(NonFiniteLogits("the target's next-token distribution after the prompt is not finite"))
+            row.prefill_state = PrefillState(
+                logits[index],
+                row.prompt,
+                row.config.temperature,
+                self.models.train_block_size,
+                batch_rows,
+                firsts[index],
+            )
+        decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
+        finished = []
+        for index, row in enumerate(joining):
+            slot = first_row + index
+            row.tokens, row.length = [firsts[index]], row.prompt.numel()
+            self.rows.append(row)
+            self.decoder.place(
+                slot,
+                length=row.length,
+                last_token=firsts[index],
+                temperature=row.config.temperature,
+                seed=self._seeds[row.id],
+            )
+            if row.failure is None:
+                if firsts[index] in row.config.stop_token_ids:
+                    row.stop_reason = "stop"
+                elif row.config.max_new_tokens == 1:
+                    row.stop_reason = "length"
+                updates.append(RowUpdate(row.id, [firsts[index]]))
+            if row.stop_reason is not None:
+                finished.append(slot)
+        for slot in reversed(finished):
+            self._retire(slot, updates)
+
+    # ---------------------------------------------------------------- one cycle for the whole batch
+
+    def _cycle(self, updates: list[RowUpdate]) -> None:
+        started = time.perf_counter()
+        rows, n = self.rows, len(self.rows)
+        sizes = [min(row.block_size, self.width, row.config.max_new_tokens - len(row.tokens)) for row in rows]
+        self.decoder.set_block_sizes(sizes)
+        bucket = next(b for b in self.buckets if b >= n)
+        span = span_bucket(max(row.length for row in rows) + self.width, self.capacity)
+        tokens, counts, finite = self.decoder.cycle(bucket, span)
+        # One device-to-host copy for the batch: each row's tokens, count and whether its logits were finite.
+        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long()], dim=1).tolist()
+        elapsed = time.perf_counter() - started
+        finished, going_on = [], []
+        for index, (row, size, out) in enumerate(zip(rows, sizes, host, strict=True)):
+            if not out[-1]:
+                row.fail(NonFiniteLogits("the target's distribution over this request's block is not finite"))
+                finished.append(index)
+                continue
+            count = out[-2]
+            new_tokens = truncate_at_stop(out[:count], row.config.stop_token_ids)
+            row.length += count
+            row.tokens.extend(new_tokens)
+            row.block_sizes.append(size)
+            row.acceptance_lengths.append(len(new_tokens))
+            row.acceptance.add(size, count - 1)
+            row.drafter_passes += int(size > 1)
+            row.decode_time += elapsed
+            updates.append(RowUpdate(row.id, new_tokens))
+            if new_tokens[-1] in row.config.stop_token_ids:
+                row.stop_reason = "stop"
+            elif len(row.tokens) >= row.config.max_new_tokens:
+                row.stop_reason = "length"
+            if row.stop_reason is None:
+                going_on.append((row, len(new_tokens), self.decoder.anchor_logits[index]))
+            else:
+                finished.append(index)
+        next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
+        decide_block_sizes([(row, cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
+        finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
+        for index in reversed(finished):
+            self._retire(index, updates)
+
+    # ---------------------------------------------------------------- leaving
+
+    def _drop_cancelled(self, updates: list[RowUpdate]) -> None:
+        for row in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(row)
+            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
+        for index in reversed([i for i, r in enumerate(self.rows) if r.cancelled]):
+            self.rows[index].stop_reason = "cancelled"
+            self._retire(index, updates)
+
+    def _retire(self, index: int, updates: list[RowUpdate]) -> None:
+        """Finish row `index`; the last active row moves into its cache row."""
+        row, last = self.rows[index], len(self.rows) - 1
+        if index != last:
+            moved = self.rows[last]
+            self.decoder.move(last, index, moved.length + 1)
+            self.rows[index] = moved
+        else:
+            self.decoder.free(index)
+        self.rows.pop()
+        self._seeds.pop(row.id, None)
+        result = row.result(row.stop_reason)
+        mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
+        if mine is None:
+            updates.append(RowUpdate(row.id, [], result, row.failure))
+        else:
+            mine.result, mine.error = result, row.failure
