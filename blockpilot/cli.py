@@ -102,16 +102,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     engine, extra = None, {}
     if args.engine == "static":
-        from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
-        from blockpilot.policies.fixed import FixedBlockSize
+        from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels, shape_for
 
         keep_compiled_kernels()
+        width, tree_nodes = shape_for(policy)
         engine = StaticEngine(
             models,
-            width=policy.block_size if isinstance(policy, FixedBlockSize) else None,
-            capacity=len(prompt_ids) + args.max_new_tokens + 2 * (models.train_block_size or 1) + 8,
+            width=width,
+            capacity=len(prompt_ids) + args.max_new_tokens + max(width or 0, tree_nodes or 0, 2 * (models.train_block_size or 1)) + 8,
             compile=args.compile,
             sampling=args.temperature > 0,
+            tree_nodes=tree_nodes,
         )
     started = time.perf_counter()
     (result,) = generate_many(models, [GenerationRequest(prompt_ids, config, policy)], engine=engine)
@@ -260,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=None,
         help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, learned-step:STEP_MODEL, "
-        "learned+step:PREDICTOR,STEP_MODEL, trim:CALIBRATION, autoregressive (default fixed)",
+        "learned+step:PREDICTOR,STEP_MODEL, trim:CALIBRATION, tree:NODES (--engine static), autoregressive "
+        "(default fixed)",
     )
     gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")
     gen.add_argument("--predictor", default=None, help="shorthand for --policy learned:PREDICTOR (folder or models:/)")

@@ -30,7 +30,7 @@ from blockpilot.cost import CycleCost
 from blockpilot.decoding.calibration import serving_calibration
 from blockpilot.decoding.engine import CACHE_SCRATCH, SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
-from blockpilot.decoding.static_engine import ENGINES, StaticEngine, keep_compiled_kernels
+from blockpilot.decoding.static_engine import ENGINES, StaticEngine, keep_compiled_kernels, shape_for
 from blockpilot.models.loading import SpeculativeModels, cache_bytes_per_token
 from blockpilot.options import option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
@@ -256,19 +256,24 @@ class BatchedDecoder:
         self.tokenizer = SerializedTokenizer(models.tokenizer)
         self.limits = limits or ServeLimits()
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
+        if engine == "eager" and self.adaptive.tree_nodes is not None:
+            raise ValueError(f"policy {self.adaptive.name!r} drafts trees: serve it with the static engine")
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
         self.stop_token_ids = tuple(models.stop_token_ids())
         self._engine: SpeculativeEngine | StaticEngine
         if engine == "static":
             keep_compiled_kernels()
+            depth, tree_nodes = shape_for(self.adaptive)  # a tree policy's depth and budget shape the cycle
             width = self.limits.max_block_size or (models.train_block_size + 2 if models.drafter is not None else 1)
+            width = max(width, depth or 1) if tree_nodes else width
             self._engine = StaticEngine(
                 models,
                 max_batch=self.limits.max_batch,
                 width=width,
-                capacity=min(self.context, self.max_prompt_tokens + self.limits.max_tokens_cap + width),
+                capacity=min(self.context, self.max_prompt_tokens + self.limits.max_tokens_cap + width + (tree_nodes or 0)),
                 compile=compile,
                 prefill_chunk=self.limits.prefill_chunk_tokens,
+                tree_nodes=tree_nodes,
             )
         else:
             self._engine = SpeculativeEngine(

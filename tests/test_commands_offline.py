@@ -66,6 +66,8 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     # The compiled-cycle decoder behind the same command (uncompiled here: compiling takes the CPU a while).
     payload = json.loads(run(f"blockpilot {generate} --engine static --policy entropy --json", env))
     assert payload["token_ids"] == greedy and payload["engine"] == "static" and payload["policy"] == "entropy"
+    payload = json.loads(run(f"blockpilot {generate} --engine static --policy tree:8 --json", env))
+    assert payload["token_ids"] == greedy and payload["policy"] == "tree"
     printed = run(f"blockpilot {generate} --engine static --temperature 0.8 --seed 3", env)
     assert "engine static (off): " in printed and "mean tau:" in printed
     # Compiled (inductor, about 20 s here): the same sampled tokens as the eager cycle for the seed.

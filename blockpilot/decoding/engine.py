@@ -337,6 +337,8 @@ class SpeculativeEngine:
             policy: BlockSizePolicy = Autoregressive()
         else:
             policy = request.policy or FixedBlockSize(self.drafter.block_size)
+        if policy.tree_nodes is not None:
+            raise ValueError(f"policy {policy.name!r} drafts trees: they run on the static engine (--engine static)")
         row = Row(
             id=next(self._ids),
             request=request,

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockpilot.decoding.tree import DraftTree
 from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
 from blockpilot.models.loading import SpeculativeModels, synchronize
@@ -279,6 +280,8 @@ class StaticDecoder:
         capacity: int,
         compile: str = "off",
         sampling: bool = False,
+        tree_nodes: int | None = None,
+        top_k: int = 8,
     ) -> None:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -286,8 +289,12 @@ class StaticDecoder:
             raise ValueError(f"compile={compile!r} replays CUDA graphs: it needs a CUDA device, got {models.device}")
         if width > 1 and models.drafter is None:
             raise ValueError(f"width {width} drafts: it needs a drafter (width 1 decodes autoregressively)")
-        if capacity < width + 1:
-            raise ValueError(f"capacity {capacity} must exceed the width {width}")
+        if tree_nodes is not None and (width < 2 or tree_nodes < 1 or top_k < 1):
+            raise ValueError(f"a tree of {tree_nodes} nodes (top {top_k}) needs a drafter and width >= 2, got {width}")
+        self.tree_slots = tree_nodes + 1 if tree_nodes is not None else None  # the root and the drafted nodes
+        self.top_k = top_k
+        if capacity < max(width, self.tree_slots or 0) + 1:
+            raise ValueError(f"capacity {capacity} must exceed the width {width} and the tree's slots")
         self.models, self.rows, self.width, self.capacity, self.mode = models, rows, width, capacity, compile
         self.sampling = sampling  # rows may have T > 0 (else the cycle only takes argmaxes)
         self.device = models.device
@@ -309,10 +316,18 @@ class StaticDecoder:
         self.offsets = torch.arange(width, device=self.device)
         self.slot_range = torch.arange(capacity, device=self.device)
         self.mask_token_id = models.mask_token_id if drafting else 0
+        if self.tree_slots is not None:  # the drafted slots' top k (device -> host), the trees (host -> device)
+            k = min(top_k, self.target.head.shape[0])
+            self.top_logprobs = torch.zeros(rows, width - 1, k, dtype=torch.float32, device=self.device)
+            self.top_ids = torch.zeros(rows, width - 1, k, **long)
+            self.tree_tokens = torch.zeros(rows, self.tree_slots, **long)
+            self.tree_depths = torch.zeros(rows, self.tree_slots, **long)
+            self.tree_parents = torch.full((rows, self.tree_slots), -1, **long)
+            self.tree_ancestors = torch.zeros(rows, self.tree_slots, self.tree_slots, dtype=torch.bool, device=self.device)
         self.compile_seconds: float | None = None  # every build so far, added up
-        self._steps: dict[tuple[int, int], Callable[[], None]] = {}
+        self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
         self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive while their replays are in `_steps`
-        self._compiled: Callable[[int, int], None] | None = None
+        self._compiled: dict[str, Callable[[int, int], None]] = {}
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
@@ -347,23 +362,90 @@ class StaticDecoder:
         last.copy_(picks.gather(1, accepted[:, None])[:, 0])
         length.add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
 
+    def _draft_tree(self, n: int, span: int) -> None:
+        """The drafter over every row's block of depth b (its block size): the top k log-probabilities and tokens
+        of each drafted slot, -inf past the row's depth (a tree never grows there)."""
+        length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
+        window = self.slot_range[:span]
+        positions = length[:, None] + self.offsets  # (n, W)
+        ids = last[:, None].expand(-1, self.width)
+        block = torch.where(self.offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
+        sees = (window < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
+        hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees, slice(0, n))
+        logprobs = torch.log_softmax(F.linear(hidden[:, 1:], self.target.head).float(), dim=-1)  # (n, W - 1, V)
+        top_logprobs, top_ids = logprobs.topk(self.top_logprobs.shape[-1], dim=-1)
+        deep = (self.offsets[1:] >= sizes[:, None])[..., None]  # (n, W - 1, 1): slots past the row's b
+        self.top_logprobs[:n].copy_(top_logprobs.masked_fill(deep, float("-inf")))
+        self.top_ids[:n].copy_(top_ids)
+
+    def _verify_tree(self, n: int, span: int) -> None:
+        """The target over every row's tree in one pass (each node at position length + depth, in scratch slot
+        length + node, seeing the committed context and its ancestors), then the walk: from the root, follow the
+        child whose token is the target's pick at the current node; commit the path's tokens and the pick at its
+        end, move the path's keys and values to their positions and encode its features for the drafter."""
+        length, last = self.length[:n], self.last_token[:n]
+        rows, window, slots_n = slice(0, n), self.slot_range[:span], self.tree_slots
+        parents, depths = self.tree_parents[:n], self.tree_depths[:n]
+        nodes = torch.arange(slots_n, device=self.device)
+        tokens = torch.where(nodes == 0, last[:, None], self.tree_tokens[:n])  # (n, S): the root is the last token
+        positions = length[:, None] + depths
+        slots = length[:, None] + nodes
+        ancestors = self.tree_ancestors[:n]  # (n, S, S): node j is node i or one of its ancestors
+        offset = window[None, :] - length[:, None]  # (n, span): a slot's node, where it lies in the tree's slots
+        in_tree = (offset >= 0) & (offset < slots_n)
+        sees_tree = ancestors.gather(2, offset.clamp(0, slots_n - 1)[:, None, :].expand(-1, slots_n, -1))
+        mask = ((window[None, None, :] < length[:, None, None]) | (sees_tree & in_tree[:, None, :]))[:, None]
+        logits, features = self.target(tokens, positions, slots, mask, rows)  # (n, S, V), (n, S, F)
+        picks = self._pick(logits, positions + 1, rows)  # (n, S): the target's token after each node
+        # The walk down the tree, at once: a node is on the accepted path when its token is the target's pick after
+        # its parent, and so is every ancestor's (siblings hold distinct tokens, so those nodes form one path).
+        live = (parents >= 0) | (nodes == 0)
+        good = ((tokens == picks.gather(1, parents.clamp(min=0))) & (parents >= 0)) | (nodes == 0)
+        on_path = ~(ancestors & ~good[:, None, :]).any(dim=-1) & live  # (n, S)
+        at_depth = on_path[:, None, :] & (depths[:, None, :] == self.offsets[None, :, None])  # (n, W, S)
+        reached = at_depth.any(dim=-1)  # (n, W): the path reaches depth d
+        accepted = reached.long().sum(dim=1) - 1
+        current = at_depth.long().argmax(dim=-1).gather(1, accepted[:, None])[:, 0]  # the path's last node
+        path_nodes = torch.where(reached, at_depth.long().argmax(dim=-1), current[:, None])  # (n, W)
+        bonus = picks.gather(1, current[:, None])[:, 0]
+        path_tokens = tokens.gather(1, path_nodes)  # (n, W): the root's token first
+        out = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)
+        out = torch.where(self.offsets == accepted[:, None], bonus[:, None], out)
+        # The path's keys and values from their scratch slots to their positions (gathered first: they overlap).
+        row_ids = torch.arange(n, device=self.device)[:, None]
+        source, destination = length[:, None] + path_nodes, length[:, None] + self.offsets
+        for buffer in self.target.body.buffers():
+            buffer.index_put_((row_ids, destination), buffer[row_ids, source])
+        path_features = features.gather(1, path_nodes[..., None].expand(-1, -1, features.shape[-1]))
+        self.drafter.encode(path_features, destination, destination, rows)
+        self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | ~live).all(dim=1))
+        self.tokens[:n].copy_(out)
+        self.counts[:n].copy_(accepted + 1)
+        anchor = current[:, None, None].expand(-1, 1, logits.shape[-1])
+        self.anchor_logits[:n].copy_(logits.gather(1, anchor)[:, 0])
+        last.copy_(bonus)
+        length.add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
+
     def _pick(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         if self.sampling:
             return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions)
         return logits.argmax(dim=-1)
 
-    def _build(self, n: int, span: int) -> Callable[[], None]:
-        """Compile and/or capture the cycle at (n, span) once, on the rows' current state (restored after: the
-        warm-up's writes lie at or past each row's length, where the real cycle writes again)."""
+    def _build(self, name: str, n: int, span: int) -> Callable[[], None]:
+        """Compile and/or capture step `name` (`_cycle`, `_draft_tree`, `_verify_tree`) at (n, span) once, on the
+        rows' current state (restored after: the warm-up's writes lie at or past each row's length, where the real
+        step writes again)."""
         started = time.perf_counter()
         state = [t.clone() for t in (self.length, self.last_token)]
-        if "compile" in self.mode and self._compiled is None:
-            # One compiled variant per (rows, span) pair the engine runs at: a few buckets, more than dynamo's
-            # default of 8 recompiles of one function.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._compiled = torch.compile(self._cycle, fullgraph=True, dynamic=False)
-        cycle = self._compiled if "compile" in self.mode else self._cycle
-        step: Callable[[], None] = lambda: cycle(n, span)  # noqa: E731
+        function = getattr(self, name)
+        if "compile" in self.mode:
+            if name not in self._compiled:
+                # One compiled variant per (rows, span) pair the engine runs at: a few buckets, more than dynamo's
+                # default of 8 recompiles of one function.
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+                self._compiled[name] = torch.compile(function, fullgraph=True, dynamic=False)
+            function = self._compiled[name]
+        step: Callable[[], None] = lambda: function(n, span)  # noqa: E731
         if "graph" in self.mode:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -390,13 +472,38 @@ class StaticDecoder:
         active row needs, `span_bucket`): device views tokens (n, W), counts (n,), finite (n,)."""
         if span is None:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
+        self._run("_cycle", n, span)
+        return self.tokens[:n], self.counts[:n], self.finite[:n]
+
+    def _run(self, name: str, n: int, span: int) -> None:
         if self.mode == "off":
-            self._cycle(n, span)
-        else:
-            step = self._steps.get((n, span))
-            if step is None:
-                step = self._steps[(n, span)] = self._build(n, span)
-            step()
+            getattr(self, name)(n, span)
+            return
+        step = self._steps.get((name, n, span))
+        if step is None:
+            step = self._steps[(name, n, span)] = self._build(name, n, span)
+        step()
+
+    @torch.inference_mode()
+    def draft_tree(self, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's pass for rows 0 .. n - 1: device views of each drafted slot's top k, log-probabilities
+        and tokens (n, W - 1, k), -inf past a row's block size."""
+        self._run("_draft_tree", n, span)
+        return self.top_logprobs[:n], self.top_ids[:n]
+
+    def set_trees(self, trees: Sequence[DraftTree]) -> None:
+        """Rows 0 .. len(trees) - 1 verify these trees next (`tree.best_first_tree`, `tree_slots` nodes each)."""
+        k = len(trees)
+        as_tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
+        self.tree_tokens[:k].copy_(as_tensor([t.tokens for t in trees]))
+        self.tree_depths[:k].copy_(as_tensor([t.depths for t in trees]))
+        self.tree_parents[:k].copy_(as_tensor([t.parents for t in trees]))
+        self.tree_ancestors[:k].copy_(as_tensor([t.ancestors() for t in trees]))
+
+    @torch.inference_mode()
+    def verify_tree(self, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verify and commit rows 0 .. n - 1's trees: tokens (n, W), counts (n,), finite (n,), as `cycle`."""
+        self._run("_verify_tree", n, span)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     # ------------------------------------------------------------------ rows: prefill, place, move, free

@@ -42,14 +42,16 @@ from blockpilot.decoding.engine import (
 )
 from blockpilot.decoding.request import GenerationRequest
 from blockpilot.decoding.static import StaticDecoder, span_bucket
+from blockpilot.decoding.tree import best_first_tree
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
-from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize, FixedTree
 
 ENGINES = ("eager", "static")  # `SpeculativeEngine` on transformers' modules; `StaticEngine` on the compiled cycle
 ENGINE_HELP = "eager: the engine on transformers' modules; static: the compiled cycle over preallocated caches"
 COMPILE_HELP = "with --engine static: torch.compile the cycle, replay it as a CUDA graph, or both (GPU for graphs)"
+TREE_TOP_K = 8  # the tokens of each drafted slot a tree may branch into
 # Cache slots a row holds by default: its prompt, its budget and one block must fit.
 DEFAULT_CAPACITY = 2048
 
@@ -58,6 +60,16 @@ def keep_compiled_kernels() -> None:
     """Inductor's compiled kernels go under $BLOCKPILOT_HOME/inductor, with everything else the project writes (a
     second run of the same shapes loads them instead of compiling), unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(blockpilot_home() / "inductor"))
+
+
+def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
+    """(width, tree nodes) a static engine needs for rows of `policy` alone: a fixed b's own width, a fixed tree's
+    depth and budget; (None, None) (the defaults) for a policy that chooses."""
+    if isinstance(policy, FixedTree):
+        return policy.depth, policy.tree_nodes
+    if isinstance(policy, (FixedBlockSize, Autoregressive)):
+        return policy.initial_block_size(None), None
+    return None, None
 
 
 def row_buckets(max_batch: int) -> list[int]:
@@ -85,6 +97,8 @@ class StaticEngine:
         compile: str = "off",
         sampling: bool = True,
         prefill_chunk: int | None = None,
+        tree_nodes: int | None = None,
+        top_k: int = TREE_TOP_K,
     ) -> None:
         self.models = models
         self.max_batch = positive_int(max_batch, "max_batch")
@@ -95,8 +109,17 @@ class StaticEngine:
         self.context_limit = getattr(models.target.config.get_text_config(), "max_position_embeddings", None)
         capacity = capacity or min(DEFAULT_CAPACITY, self.context_limit or DEFAULT_CAPACITY)
         self.decoder = StaticDecoder(
-            models, rows=self.max_batch + 1, width=self.width, capacity=capacity, compile=compile, sampling=sampling
+            models,
+            rows=self.max_batch + 1,
+            width=self.width,
+            capacity=capacity,
+            compile=compile,
+            sampling=sampling,
+            tree_nodes=tree_nodes,
+            top_k=top_k,
         )
+        self.tree_nodes = tree_nodes  # every cycle verifies trees of this many slots past the root (None: chains)
+        self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
         self.device = models.device
         self.cost = None  # every row of a static cycle pays the full width: no verify width to price
         self.vocab_size = int(models.target.get_input_embeddings().weight.shape[0])
@@ -130,7 +153,7 @@ class StaticEngine:
             )
         config = request.config
         check_fits_context(prompt.numel(), config.max_new_tokens, self.context_limit)
-        need = prompt.numel() + config.max_new_tokens + self.width
+        need = prompt.numel() + config.max_new_tokens + self.reach
         if need > self.capacity:
             raise ValueError(
                 f"a prompt of {prompt.numel()} tokens and max_new_tokens {config.max_new_tokens} need {need} cache "
@@ -149,6 +172,8 @@ class StaticEngine:
             policy = request.policy or FixedBlockSize(self.models.drafter.block_size)
         if policy.trims:
             raise ValueError(f"policy {policy.name!r} trims its drafts: the static cycle verifies whole blocks")
+        if policy.tree_nodes is not None and self.tree_nodes is None:
+            raise ValueError(f"policy {policy.name!r} drafts trees: build the engine with tree_nodes")
         row = Row(
             id=next(self._ids),
             request=request,
@@ -280,8 +305,11 @@ class StaticEngine:
         sizes = [min(row.block_size, self.width, row.config.max_new_tokens - len(row.tokens)) for row in rows]
         self.decoder.set_block_sizes(sizes)
         bucket = next(b for b in self.buckets if b >= n)
-        span = span_bucket(max(row.length for row in rows) + self.width, self.capacity)
-        tokens, counts, finite = self.decoder.cycle(bucket, span)
+        span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
+        if self.tree_nodes is None:
+            tokens, counts, finite = self.decoder.cycle(bucket, span)
+        else:
+            tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span)
         # One device-to-host copy for the batch: each row's tokens, count and whether its logits were finite.
         host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long()], dim=1).tolist()
         elapsed = time.perf_counter() - started
@@ -314,6 +342,23 @@ class StaticEngine:
         finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
         for index in reversed(finished):
             self._retire(index, updates)
+
+    def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int):
+        """Draft, build every row's tree on the host from its slots' top k (a chain for a row without a tree
+        policy), verify and commit them: the device views `StaticDecoder.cycle` returns."""
+        top_logprobs, top_ids = self.decoder.draft_tree(bucket, span)
+        n, slots = len(rows), self.tree_nodes + 1
+        host_logprobs, host_ids = top_logprobs[:n].tolist(), top_ids[:n].tolist()
+        trees = []
+        for row, size, logprobs, ids in zip(rows, sizes, host_logprobs, host_ids, strict=True):
+            if row.policy.tree_nodes is None:  # a chain of b: one token a level
+                logprobs, ids, nodes = [p[:1] for p in logprobs], [t[:1] for t in ids], size - 1
+            else:
+                nodes = min(row.policy.tree_nodes, self.tree_nodes)
+            trees.append(best_first_tree(logprobs, ids, nodes, slots))
+        trees += [best_first_tree([], [], 0, slots)] * (bucket - n)
+        self.decoder.set_trees(trees)
+        return self.decoder.verify_tree(bucket, span)
 
     # ---------------------------------------------------------------- leaving
 

@@ -97,6 +97,9 @@ class BlockSizePolicy:
 
     name = "policy"
     trims = False  # whether `verify_count` may keep fewer drafts than were drafted
+    # The drafted nodes of a row's draft tree (`blockpilot.decoding.tree`), b levels deep; None: a chain of b (a
+    # tree of b - 1 nodes, one a level). Trees run on the static engine.
+    tree_nodes: int | None = None
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")

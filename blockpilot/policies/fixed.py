@@ -24,6 +24,28 @@ class FixedBlockSize(BlockSizePolicy):
 
 
 @dataclass(frozen=True)
+class FixedTree(BlockSizePolicy):
+    """A draft tree of `nodes` drafted nodes, `depth` - 1 levels deep, for every request (DDTree with a fixed budget):
+    the block size is the tree's depth."""
+
+    nodes: int
+    depth: int
+    name: str = field(default="tree", init=False)
+
+    def __post_init__(self) -> None:
+        positive_int(self.nodes, "nodes")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 2:
+            raise ValueError(f"a tree is at least 2 deep (its root and one level), got depth {self.depth!r}")
+
+    @property
+    def tree_nodes(self) -> int:
+        return self.nodes
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self.depth
+
+
+@dataclass(frozen=True)
 class Autoregressive(BlockSizePolicy):
     """One token per target pass: what runs without a drafter."""
 

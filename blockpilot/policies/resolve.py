@@ -14,9 +14,11 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
                       every later one (reading the predictor's choice when it was trained with it)
     trim:CALIBRATION  draft-then-trim (`blockpilot.policies.trim`): draft the calibration's block size, verify the
                       prefix whose calibrated survival pays for its priced cost (`blockpilot calibrate-trim`)
+    tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.decoding.tree`; the static
+                      engine only)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
-The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive") is what
+The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "tree", "autoregressive") is what
 every surface reports. `adaptive_spec` is the server's default: the most the models at hand allow.
 """
 
@@ -28,9 +30,18 @@ from typing import Any
 from blockpilot.blocks import candidates_around
 from blockpilot.checks import positive_int
 from blockpilot.policies.base import BlockSizePolicy
-from blockpilot.policies.fixed import Autoregressive, EntropyHeuristic, FixedBlockSize
+from blockpilot.policies.fixed import Autoregressive, EntropyHeuristic, FixedBlockSize, FixedTree
 
-POLICY_KINDS: tuple[str, ...] = ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "autoregressive")
+POLICY_KINDS: tuple[str, ...] = (
+    "fixed",
+    "entropy",
+    "learned",
+    "learned-step",
+    "learned+step",
+    "trim",
+    "tree",
+    "autoregressive",
+)
 # Kinds that take files: the spec fields their argument fills (comma-separated when several), and what is missing
 # when one is absent.
 _ARGUMENTS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -51,12 +62,15 @@ class PolicySpec:
     predictor: str | None = None  # learned, learned+step: the per-request predictor (folder or MLflow URI)
     step_model: str | None = None  # learned-step, learned+step: the per-step model (folder or MLflow URI)
     calibration: str | None = None  # trim: the calibration file
+    tree_nodes: int | None = None  # tree: the drafted nodes a tree holds
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
             raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.policies.resolve), got {self.kind!r}")
         if self.block_size is not None:
             positive_int(self.block_size, "the fixed policy's block size")
+        if self.kind == "tree":
+            positive_int(self.tree_nodes, "the tree policy's node budget (tree:N)")
         if self.kind in _ARGUMENTS:
             fields, needed = _ARGUMENTS[self.kind]
             if not all(getattr(self, name) for name in fields):
@@ -71,6 +85,11 @@ class PolicySpec:
                 return cls("fixed", block_size=int(argument))
             except ValueError:
                 raise ValueError(f"policy {text!r}: expected fixed:<integer block size>") from None
+        if kind == "tree":
+            try:
+                return cls("tree", tree_nodes=int(argument))
+            except ValueError:
+                raise ValueError(f"policy {text!r}: expected tree:<integer node budget>") from None
         if kind in _ARGUMENTS:
             fields, _ = _ARGUMENTS[kind]
             if len(fields) == 1:
@@ -86,6 +105,8 @@ class PolicySpec:
     def __str__(self) -> str:
         if self.kind == "fixed" and self.block_size is not None:
             return f"fixed:{self.block_size}"
+        if self.kind == "tree":
+            return f"tree:{self.tree_nodes}"
         if self.kind in _ARGUMENTS:
             return f"{self.kind}:" + ",".join(str(getattr(self, name)) for name in _ARGUMENTS[self.kind][0])
         return self.kind
@@ -114,6 +135,8 @@ def resolve_policy(
     train = models.train_block_size
     if spec.kind == "fixed":
         return FixedBlockSize(spec.block_size or train)
+    if spec.kind == "tree":
+        return FixedTree(spec.tree_nodes, train)
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))

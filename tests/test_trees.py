@@ -1,0 +1,141 @@
+"""Draft trees (`blockpilot.decoding.tree`, verified by the static engine): the best-first tree holds the most probable
+continuations; at T = 0 every tree policy decodes the target's greedy output, alone and beside chain rows; at T > 0
+a row's output for a seed is the autoregressive one whatever its tree (so it samples the target's distribution, as
+the static sampler's chi-square test shows); a larger budget commits at least as much a cycle on these prompts."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from support import greedy_reference
+
+from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
+from blockpilot.decoding.static_engine import StaticEngine
+from blockpilot.decoding.tree import DEAD, best_first_tree
+from blockpilot.policies.fixed import FixedBlockSize, FixedTree
+from blockpilot.policies.resolve import PolicySpec, resolve_policy
+from blockpilot.serving import BatchedDecoder, ServeLimits
+from pipelines.openai_protocol import CompletionRequest, decode_request, parse_request
+
+PROMPTS = ["Count from 3 to 14.", "Sort these numbers: 5 3 9 1", "def add(a, b):", "Write the numbers from 2 to 20."]
+
+
+def brute_force_best(logprobs, nodes):
+    """The `nodes` most probable continuations (as rank tuples) by enumerating every one."""
+    depth, k = len(logprobs), len(logprobs[0])
+    scored = []
+    for length in range(1, depth + 1):
+        for ranks in itertools.product(range(k), repeat=length):
+            scored.append((sum(logprobs[d][r] for d, r in enumerate(ranks)), ranks))
+    return sorted(scored, reverse=True)[:nodes]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_best_first_tree_holds_the_most_probable_continuations(seed):
+    generator = torch.Generator().manual_seed(seed)
+    depth, k, nodes = 4, 3, 12
+    logprobs = torch.log_softmax(torch.randn(depth, k, generator=generator) * 2, dim=-1).sort(descending=True).values
+    ids = torch.arange(depth * k).view(depth, k)  # token = d * k + rank: a node's ranks read back from its tokens
+    tree = best_first_tree(logprobs.tolist(), ids.tolist(), nodes, slots=nodes + 3)
+    assert tree.live == nodes and tree.parents[nodes + 1 :] == [DEAD, DEAD]
+    paths = []
+    for node in range(1, nodes + 1):
+        ranks, walk = [], node
+        while walk > 0:
+            ranks.append(tree.tokens[walk] % k)
+            assert tree.depths[walk] == tree.tokens[walk] // k + 1  # at the level of its slot
+            assert tree.parents[walk] < walk  # a parent comes before its children
+            walk = tree.parents[walk]
+        paths.append(sum(logprobs[d][r] for d, r in enumerate(reversed(ranks))).item())
+    expected = [score for score, _ in brute_force_best(logprobs.tolist(), nodes)]
+    assert sorted(paths, reverse=True) == pytest.approx(expected)
+    chain = best_first_tree([row[:1] for row in logprobs.tolist()], ids[:, :1].tolist(), 3, slots=4)
+    assert chain.parents == [DEAD, 0, 1, 2] and chain.depths == [0, 1, 2, 3]
+    cut = best_first_tree([[0.0], [-math.inf]], [[5], [6]], 4, slots=5)  # past the row's depth nothing grows
+    assert cut.live == 1
+
+
+def requests(models, prompts, policies, max_new_tokens, **config):
+    stop = tuple(models.stop_token_ids())
+    settings = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop, **config)
+    return [GenerationRequest(p, settings, q) for p, q in zip(prompts, policies, strict=True)]
+
+
+def test_greedy_tree_decoding_is_the_targets_greedy_output_beside_chain_rows(tiny_models):
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
+    stop = tiny_models.stop_token_ids()
+    expected = [greedy_reference(tiny_models.target, p, 40, stop) for p in prompts]
+    B = tiny_models.train_block_size
+    engine = StaticEngine(tiny_models, max_batch=3, tree_nodes=16)
+    policies = [FixedTree(16, B), FixedBlockSize(3), FixedTree(5, B), FixedTree(1, 2)]
+    results = generate_many(tiny_models, requests(tiny_models, prompts, policies, 40), engine=engine)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.policy == "tree" for r in results[::2]) and results[1].policy == "fixed"
+    tau = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in results]
+    chains = generate_many(
+        tiny_models, requests(tiny_models, prompts, [FixedBlockSize(B)] * 4, 40), engine=StaticEngine(tiny_models)
+    )
+    chain_tau = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in chains]
+    assert tau[0] >= chain_tau[0] and tau[3] <= 2.0  # 16 nodes B deep hold the chain of B; one node commits <= 2
+
+
+def test_a_sampled_rows_output_for_a_seed_does_not_depend_on_its_tree(tiny_models):
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:2]] * 2
+    B = tiny_models.train_block_size
+    sampled = dict(temperature=0.9)
+    config = [dict(sampled, seed=s) for s in (3, 4, 3, 4)]
+
+    def decode(engine, policies):
+        stop = tuple(tiny_models.stop_token_ids())
+        batch = [
+            GenerationRequest(p, GenerationConfig(max_new_tokens=30, stop_token_ids=stop, **c), q)
+            for p, c, q in zip(prompts, config, policies, strict=True)
+        ]
+        return [r.token_ids for r in generate_many(tiny_models, batch, engine=engine)]
+
+    alone = decode(StaticEngine(tiny_models, max_batch=1, width=1), [None] * 4)
+    trees = decode(StaticEngine(tiny_models, max_batch=4, tree_nodes=12), [FixedTree(12, B), FixedTree(3, B)] * 2)
+    assert trees == alone and alone[0] == alone[2] and alone[0] != alone[1]
+
+
+def test_tree_policies_resolve_and_are_refused_where_they_cannot_run(tiny_models):
+    policy = resolve_policy("tree:24", tiny_models)
+    assert isinstance(policy, FixedTree) and policy.tree_nodes == 24 and policy.name == "tree"
+    assert str(PolicySpec.parse("tree:24")) == "tree:24"
+    with pytest.raises(ValueError, match="tree:<integer node budget>"):
+        PolicySpec.parse("tree:many")
+    request = GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4), policy)
+    with pytest.raises(ValueError, match="run on the static engine"):
+        SpeculativeEngine(tiny_models).submit(request)
+    with pytest.raises(ValueError, match="build the engine with tree_nodes"):
+        StaticEngine(tiny_models).submit(request)
+    with pytest.raises(ValueError, match="at least 2 deep"):
+        FixedTree(8, 1)
+
+
+def test_the_serving_decoder_serves_trees_on_the_static_engine(tiny_models):
+    """The endpoint's decoder with `tree:8` as its adaptive policy: a tree request and a forced chain (block_size)
+    share the engine and each decodes the greedy output; the eager engine refuses a tree policy as it is built."""
+    limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=256)
+    with pytest.raises(ValueError, match="serve it with the static engine"):
+        BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits)
+    decoder = BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits, engine="static").start()
+    try:
+        bodies = [
+            {"prompt": "Count from 1 to 9.", "max_tokens": 40, "temperature": 0},
+            {"prompt": "Spell cat.", "max_tokens": 30, "block_size": 3, "temperature": 0},
+        ]
+        handles = [decoder.submit(decode_request(decoder, parse_request(b, CompletionRequest))) for b in bodies]
+        for body, handle in zip(bodies, handles, strict=True):
+            events = list(handle.events(timeout_s=120))
+            text = "".join(value for kind, value in events if kind == "delta")
+            stats = next(value for kind, value in events if kind == "done")
+            ids = decoder.encode_completion(body["prompt"])
+            expected = greedy_reference(tiny_models.target, ids, body["max_tokens"], tiny_models.stop_token_ids())
+            assert text == tiny_models.tokenizer.decode(expected, skip_special_tokens=True)
+            assert stats["blockpilot"]["policy"] == ("fixed" if "block_size" in body else "tree")
+    finally:
+        decoder.stop()
