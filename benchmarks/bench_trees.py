@@ -6,7 +6,8 @@
 On the zoo's held-out prompts, one at a time (and --batch N at a time), each decoder generating to a stop token or
 --max-new-tokens: tau (tokens a cycle commits, the target's own token included) and tokens/s over whole generations,
 prefill included, for the static engine's chains at every --widths (fixed b) and its trees of every --budgets nodes
-(`tree:N`, --depth deep, every slot's top 8). Each decoder's cycle is compiled (or not, per
+(`tree:N`, --depth deep, every slot's top 8), and the largest budget's trees cut each cycle to the size its measured
+cost prices best (`StaticEngine.calibrate_trees`). Each decoder's cycle is compiled (or not, per
 --compile) by a first pass, then timed in --repeats rounds over every decoder (the median of each); the figures
 are timings of this machine, so compare rows of one run only.
 """
@@ -72,6 +73,8 @@ def main() -> None:
     decoders = [(f"chain b = {b}", FixedBlockSize(b), dict(width=b)) for b in widths]
     depth = args.depth or B
     decoders += [(f"tree:{n} (depth {depth})", FixedTree(n, depth), dict(width=depth, tree_nodes=n)) for n in args.budgets]
+    largest = max(args.budgets)  # the same trees, each cycle cut to the size its cost curve prices best
+    decoders.append((f"tree:{largest} priced", FixedTree(largest, depth), dict(width=depth, tree_nodes=largest)))
     stop = tuple(models.stop_token_ids())
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         requests = [
@@ -84,7 +87,11 @@ def main() -> None:
                 models, max_batch=args.batch, capacity=capacity, compile=args.compile, sampling=temperature > 0, **shape
             )
             ours = [replace(r, policy=policy) for r in requests]
+            if name.endswith("priced"):
+                costs = engine.calibrate_trees()
+                say(f"  tree cycle ms by size: {', '.join(f'{k}: {v * 1000:.2f}' for k, v in costs.items())}")
             one_pass(models, engine, ours, args.batch)  # compiles every shape the pass meets
+            engine.verified_nodes.clear()
             engines.append((name, engine, ours))
         # Rounds over every decoder, so that the machine's drift falls on all of them alike.
         speeds: dict[str, list[float]] = {name: [] for name, *_ in engines}
@@ -97,7 +104,10 @@ def main() -> None:
         rows = [(name, taus[name], statistics.median(speeds[name])) for name, *_ in engines]
         for (name, tau, speed), (_, engine, _) in zip(rows, engines, strict=True):
             built = engine.compile_seconds or 0.0
-            say(f"  T = {temperature:g}  {name:<22} tau {tau:5.2f}  {speed:8.1f} tokens/s  (built in {built:.0f} s)")
+            sizes = ""
+            if name.endswith("priced"):
+                sizes = ", cycles by tree size " + str(dict(sorted(engine.verified_nodes.items())))
+            say(f"  T = {temperature:g}  {name:<22} tau {tau:5.2f}  {speed:8.1f} tokens/s  (built in {built:.0f} s{sizes})")
         chains = [r for r in rows if r[0].startswith("chain")]
         trees = [r for r in rows if r[0].startswith("tree")]
         best_chain_tau, best_chain_speed = max(chains, key=lambda r: r[1]), max(chains, key=lambda r: r[2])

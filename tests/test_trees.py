@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -139,3 +140,24 @@ def test_the_serving_decoder_serves_trees_on_the_static_engine(tiny_models):
             assert stats["blockpilot"]["policy"] == ("fixed" if "block_size" in body else "tree")
     finally:
         decoder.stop()
+
+
+def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_exact(tiny_models):
+    """With a cost by tree size, a cycle verifies the size bucket that commits the most expected tokens a second:
+    a cost that grows steeply makes the engine verify small trees, a flat one the largest; the output stays greedy."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
+    stop = tiny_models.stop_token_ids()
+    expected = [greedy_reference(tiny_models.target, p, 40, stop) for p in prompts]
+    B = tiny_models.train_block_size
+    engine = StaticEngine(tiny_models, max_batch=2, tree_nodes=16)
+    assert engine.tree_sizes == [4, 8, 16]
+    costs = engine.calibrate_trees(cycles=2)
+    assert set(costs) == {4, 8, 16} and all(seconds > 0 for seconds in costs.values())
+    used = {}
+    for name, cost in [("flat", {4: 1.0, 8: 1.0, 16: 1.0}), ("steep", {4: 1.0, 8: 10.0, 16: 100.0})]:
+        engine.tree_cost, engine.verified_nodes = cost, Counter()
+        results = generate_many(tiny_models, requests(tiny_models, prompts, [FixedTree(16, B)] * 4, 40), engine=engine)
+        assert [r.token_ids for r in results] == expected
+        used[name] = set(engine.verified_nodes)
+    # Flat: every cycle verifies the smallest bucket holding its largest tree (16, or less near a row's budget).
+    assert 16 in used["flat"] and used["steep"] == {4}

@@ -325,9 +325,9 @@ class StaticDecoder:
             self.tree_parents = torch.full((rows, self.tree_slots), -1, **long)
             self.tree_ancestors = torch.zeros(rows, self.tree_slots, self.tree_slots, dtype=torch.bool, device=self.device)
         self.compile_seconds: float | None = None  # every build so far, added up
-        self._steps: dict[tuple[str, int, int], Callable[[], None]] = {}
+        self._steps: dict[tuple, Callable[[], None]] = {}
         self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive while their replays are in `_steps`
-        self._compiled: dict[str, Callable[[int, int], None]] = {}
+        self._compiled: dict[str, Callable[..., None]] = {}
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
@@ -378,19 +378,20 @@ class StaticDecoder:
         self.top_logprobs[:n].copy_(top_logprobs.masked_fill(deep, float("-inf")))
         self.top_ids[:n].copy_(top_ids)
 
-    def _verify_tree(self, n: int, span: int) -> None:
+    def _verify_tree(self, n: int, span: int, slots_n: int) -> None:
         """The target over every row's tree in one pass (each node at position length + depth, in scratch slot
         length + node, seeing the committed context and its ancestors), then the walk: from the root, follow the
         child whose token is the target's pick at the current node; commit the path's tokens and the pick at its
-        end, move the path's keys and values to their positions and encode its features for the drafter."""
+        end, move the path's keys and values to their positions and encode its features for the drafter. The trees
+        are their first `slots_n` nodes (a parent comes before its children, so any prefix is a tree)."""
         length, last = self.length[:n], self.last_token[:n]
-        rows, window, slots_n = slice(0, n), self.slot_range[:span], self.tree_slots
-        parents, depths = self.tree_parents[:n], self.tree_depths[:n]
+        rows, window = slice(0, n), self.slot_range[:span]
+        parents, depths = self.tree_parents[:n, :slots_n], self.tree_depths[:n, :slots_n]
         nodes = torch.arange(slots_n, device=self.device)
-        tokens = torch.where(nodes == 0, last[:, None], self.tree_tokens[:n])  # (n, S): the root is the last token
+        tokens = torch.where(nodes == 0, last[:, None], self.tree_tokens[:n, :slots_n])  # (n, S): the root is the last token
         positions = length[:, None] + depths
         slots = length[:, None] + nodes
-        ancestors = self.tree_ancestors[:n]  # (n, S, S): node j is node i or one of its ancestors
+        ancestors = self.tree_ancestors[:n, :slots_n, :slots_n]  # (n, S, S): node j is node i or one of its ancestors
         offset = window[None, :] - length[:, None]  # (n, span): a slot's node, where it lies in the tree's slots
         in_tree = (offset >= 0) & (offset < slots_n)
         sees_tree = ancestors.gather(2, offset.clamp(0, slots_n - 1)[:, None, :].expand(-1, slots_n, -1))
@@ -431,7 +432,7 @@ class StaticDecoder:
             return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions)
         return logits.argmax(dim=-1)
 
-    def _build(self, name: str, n: int, span: int) -> Callable[[], None]:
+    def _build(self, name: str, *shape: int) -> Callable[[], None]:
         """Compile and/or capture step `name` (`_cycle`, `_draft_tree`, `_verify_tree`) at (n, span) once, on the
         rows' current state (restored after: the warm-up's writes lie at or past each row's length, where the real
         step writes again)."""
@@ -445,7 +446,7 @@ class StaticDecoder:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
                 self._compiled[name] = torch.compile(function, fullgraph=True, dynamic=False)
             function = self._compiled[name]
-        step: Callable[[], None] = lambda: function(n, span)  # noqa: E731
+        step: Callable[[], None] = lambda: function(*shape)  # noqa: E731
         if "graph" in self.mode:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -475,13 +476,14 @@ class StaticDecoder:
         self._run("_cycle", n, span)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
-    def _run(self, name: str, n: int, span: int) -> None:
+    def _run(self, name: str, *shape: int) -> None:
+        """Step `name` at `shape` (rows, span, and the tree's slots for a verify), built once per shape."""
         if self.mode == "off":
-            getattr(self, name)(n, span)
+            getattr(self, name)(*shape)
             return
-        step = self._steps.get((name, n, span))
+        step = self._steps.get((name, *shape))
         if step is None:
-            step = self._steps[(name, n, span)] = self._build(name, n, span)
+            step = self._steps[(name, *shape)] = self._build(name, *shape)
         step()
 
     @torch.inference_mode()
@@ -501,9 +503,12 @@ class StaticDecoder:
         self.tree_ancestors[:k].copy_(as_tensor([t.ancestors() for t in trees]))
 
     @torch.inference_mode()
-    def verify_tree(self, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Verify and commit rows 0 .. n - 1's trees: tokens (n, W), counts (n,), finite (n,), as `cycle`."""
-        self._run("_verify_tree", n, span)
+    def verify_tree(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verify and commit the first `slots` nodes of rows 0 .. n - 1's trees: tokens (n, W), counts (n,), finite
+        (n,), as `cycle`."""
+        if not 1 <= slots <= self.tree_slots:
+            raise ValueError(f"a verify of {slots} tree slots: expected 1 .. {self.tree_slots}")
+        self._run("_verify_tree", n, span, slots)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     # ------------------------------------------------------------------ rows: prefill, place, move, free

@@ -22,8 +22,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 
 import torch
@@ -42,7 +43,7 @@ from blockpilot.decoding.engine import (
 )
 from blockpilot.decoding.request import GenerationRequest
 from blockpilot.decoding.static import StaticDecoder, span_bucket
-from blockpilot.decoding.tree import best_first_tree
+from blockpilot.decoding.tree import DraftTree, best_first_tree, expected_commits
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
@@ -70,6 +71,12 @@ def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
     if isinstance(policy, (FixedBlockSize, Autoregressive)):
         return policy.initial_block_size(None), None
     return None, None
+
+
+def tree_sizes(nodes: int) -> list[int]:
+    """The tree sizes (nodes past the root) a cycle is compiled at: powers of two from 4 below `nodes`, and
+    `nodes`."""
+    return sorted({*(1 << i for i in range(2, nodes.bit_length()) if 1 << i < nodes), nodes})
 
 
 def row_buckets(max_batch: int) -> list[int]:
@@ -118,7 +125,10 @@ class StaticEngine:
             tree_nodes=tree_nodes,
             top_k=top_k,
         )
-        self.tree_nodes = tree_nodes  # every cycle verifies trees of this many slots past the root (None: chains)
+        self.tree_nodes = tree_nodes  # the largest tree a cycle verifies, in nodes past the root (None: chains)
+        self.tree_sizes = tree_sizes(tree_nodes) if tree_nodes is not None else []
+        self.tree_cost: dict[int, float] = {}  # seconds a tree cycle by size (`calibrate_trees`); empty: unpriced
+        self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
         self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
         self.device = models.device
         self.cost = None  # every row of a static cycle pays the full width: no verify width to price
@@ -345,7 +355,8 @@ class StaticEngine:
 
     def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int):
         """Draft, build every row's tree on the host from its slots' top k (a chain for a row without a tree
-        policy), verify and commit them: the device views `StaticDecoder.cycle` returns."""
+        policy), verify the batch's trees cut to the priced size (`tree_nodes_for`) and commit them: the device
+        views `StaticDecoder.cycle` returns."""
         top_logprobs, top_ids = self.decoder.draft_tree(bucket, span)
         n, slots = len(rows), self.tree_nodes + 1
         host_logprobs, host_ids = top_logprobs[:n].tolist(), top_ids[:n].tolist()
@@ -356,9 +367,51 @@ class StaticEngine:
             else:
                 nodes = min(row.policy.tree_nodes, self.tree_nodes)
             trees.append(best_first_tree(logprobs, ids, nodes, slots))
+        verified = self.tree_nodes_for(trees)
+        self.verified_nodes[verified] += 1
         trees += [best_first_tree([], [], 0, slots)] * (bucket - n)
         self.decoder.set_trees(trees)
-        return self.decoder.verify_tree(bucket, span)
+        return self.decoder.verify_tree(bucket, span, verified + 1)
+
+    def tree_nodes_for(self, trees: list[DraftTree]) -> int:
+        """How many nodes of every row's tree the cycle verifies: the smallest size bucket that holds the largest
+        tree, or, with `tree_cost` (seconds a cycle by size), the size up to that one that commits the most tokens
+        a second, as the drafter's probabilities expect (`tree.expected_commits`; CaDDTree's rule, per batch)."""
+        largest = max(tree.live for tree in trees)
+        fits = next(size for size in self.tree_sizes if size >= largest)
+        if not self.tree_cost:
+            return fits
+        expected = [expected_commits(tree) for tree in trees]
+        return max(
+            (size for size in self.tree_sizes if size <= fits),
+            key=lambda size: sum(e[min(size, len(e) - 1)] for e in expected) / self.tree_cost[size],
+        )
+
+    @torch.inference_mode()
+    def calibrate_trees(self, cycles: int = 20) -> dict[int, float]:
+        """Seconds a tree cycle costs at every size bucket (batch 1, on a row of its own; the engine must be idle),
+        measured with whatever compiling the engine does; kept as `tree_cost`, which prices each cycle's size."""
+        if self.tree_nodes is None or self.busy:
+            raise ValueError("calibrate_trees needs an idle engine built with tree_nodes")
+        decoder, slots = self.decoder, self.tree_nodes + 1
+        span = span_bucket(8 + self.reach, self.capacity)
+        decoder.prefill(0, [torch.arange(1, 9)])
+        costs = {}
+        for size in self.tree_sizes:
+            chain = best_first_tree([[0.0]] * (self.width - 1), [[1]] * (self.width - 1), size, slots)
+            samples = []
+            for _ in range(cycles + 1):  # the first builds the shape
+                decoder.place(0, length=8, last_token=1, temperature=0.0, seed=0)
+                decoder.set_block_sizes([self.width])
+                started = time.perf_counter()
+                decoder.draft_tree(1, span)[0].tolist()
+                decoder.set_trees([chain])
+                decoder.verify_tree(1, span, size + 1)[1].tolist()
+                samples.append(time.perf_counter() - started)
+            costs[size] = statistics.median(samples[1:])
+        decoder.free(0)
+        self.tree_cost = costs
+        return costs
 
     # ---------------------------------------------------------------- leaving
 

@@ -18,6 +18,7 @@ tree of fewer nodes than the batch's budget is padded with dead nodes (parent -1
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class DraftTree:
     tokens: list[int]
     depths: list[int]
     parents: list[int]
+    probabilities: list[float]  # each node's continuation's probability under the drafter (root 1, padding 0)
 
     def ancestors(self) -> list[list[bool]]:
         """(S, S): node j is node i or one of its ancestors (a dead node: itself only)."""
@@ -58,7 +60,7 @@ def best_first_tree(
     """The `nodes` most probable continuations (at most D - 1 deep, each token in its slot's top k), padded to `slots`
     entries (root included)."""
     depth_limit, k = len(top_logprobs), len(top_logprobs[0]) if top_logprobs else 0
-    tokens, depths, parents = [0], [0], [DEAD]
+    tokens, depths, parents, probabilities = [0], [0], [DEAD], [1.0]
     # (-log probability, depth, rank at that depth, parent node)
     frontier = [(-top_logprobs[0][0], 1, 0, 0)] if depth_limit and nodes and top_logprobs[0][0] > -math.inf else []
     while frontier and len(tokens) <= nodes:
@@ -67,6 +69,7 @@ def best_first_tree(
         tokens.append(int(top_ids[depth - 1][rank]))
         depths.append(depth)
         parents.append(parent)
+        probabilities.append(math.exp(-negative))
         # Its next sibling and its first child; a slot past the row's depth (-inf) grows nothing.
         if rank + 1 < k and top_logprobs[depth - 1][rank + 1] > -math.inf:
             step = top_logprobs[depth - 1][rank] - top_logprobs[depth - 1][rank + 1]
@@ -76,4 +79,13 @@ def best_first_tree(
     if len(tokens) > slots:
         raise ValueError(f"a tree of {len(tokens)} slots does not fit {slots}")
     padding = slots - len(tokens)
-    return DraftTree(tokens + [0] * padding, depths + [0] * padding, parents + [DEAD] * padding)
+    return DraftTree(
+        tokens + [0] * padding, depths + [0] * padding, parents + [DEAD] * padding, probabilities + [0.0] * padding
+    )
+
+
+def expected_commits(tree: DraftTree) -> list[float]:
+    """Tokens a cycle is expected to commit verifying the tree's first k slots, k = 1 .. len(slots), were the
+    drafter calibrated: the target's own token, and each node with the probability that its whole continuation is
+    right (nodes come in decreasing probability, so every prefix is the best tree of its size)."""
+    return list(itertools.accumulate(tree.probabilities))
