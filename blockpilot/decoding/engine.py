@@ -269,7 +269,112 @@ def decide_block_sizes(pairs: list[tuple[Row, Any]], initial: bool) -> None:
                 row.chosen_block_size = size
 
 
-class SpeculativeEngine:
+class RowScheduler:
+    """What both engines share: the queue of requests, their checks, cancel, admission into at most `max_batch`
+    rows (a long prompt prefilled a chunk a step in a spare row), and the end of a row. An engine adds the caches,
+    the prefill and the cycle (`step`), and how a leaving row's cache row is freed (`_free_row`)."""
+
+    def __init__(self, models: SpeculativeModels, max_batch: int, prefill_chunk: int | None) -> None:
+        self.models = models
+        self.max_batch = positive_int(max_batch, "max_batch")
+        # Prompts longer than this are prefilled a chunk a step, beside the running rows' cycles (None: whole).
+        self.prefill_chunk = None if prefill_chunk is None else positive_int(prefill_chunk, "prefill_chunk")
+        self.device = models.device
+        text_config = models.target.config.get_text_config()
+        self.context_limit = getattr(text_config, "max_position_embeddings", None)
+        self.vocab_size = int(models.target.get_input_embeddings().weight.shape[0])
+        self.rows: list[Row] = []  # active rows; row i occupies cache row i
+        self.waiting: deque[Row] = deque()
+        self.prefilling: Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
+        self._prefilled = 0  # its prompt tokens already in the caches
+        self._ids = itertools.count()
+
+    def _checked_prompt(self, request: GenerationRequest) -> torch.Tensor:
+        """The request's prompt as a tensor, or ValueError naming what is wrong with it."""
+        prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long).flatten()
+        if prompt.numel() == 0:
+            raise ValueError("prompt is empty: expected at least one token id")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
+            raise ValueError(
+                f"prompt token ids must lie in [0, {self.vocab_size}), got min {int(prompt.min())}, "
+                f"max {int(prompt.max())}"
+            )
+        check_fits_context(prompt.numel(), request.config.max_new_tokens, self.context_limit)
+        return prompt
+
+    def _policy_of(self, request: GenerationRequest) -> BlockSizePolicy:
+        if self.models.drafter is None:
+            return Autoregressive()
+        return request.policy or FixedBlockSize(self.models.drafter.block_size)
+
+    def _queue(self, row: Row) -> int:
+        self.waiting.append(row)
+        return row.id
+
+    def cancel(self, row_id: int) -> None:
+        """End a row before its next cycle (stop reason "cancelled"); unknown or finished ids are ignored."""
+        for row in itertools.chain(self.rows, self.waiting, [self.prefilling] if self.prefilling else []):
+            if row.id == row_id:
+                row.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting or self.prefilling)
+
+    def run(self) -> Iterator[RowUpdate]:
+        """Step until every submitted row is done, yielding each step's updates."""
+        while self.busy:
+            yield from self.step()
+
+    def step(self) -> list[RowUpdate]:
+        raise NotImplementedError
+
+    def _joining(self) -> list[Row]:
+        """Waiting rows that join the batch this step, in order; a long prompt starts its chunked prefill instead
+        (one at a time; the short ones behind it need not wait for it)."""
+        joining, passed = [], deque()
+        while self.waiting and len(self.rows) + len(joining) + (self.prefilling is not None) < self.max_batch:
+            row = self.waiting.popleft()
+            if self.prefill_chunk is None or row.prompt.numel() <= self.prefill_chunk:
+                joining.append(row)
+            elif self.prefilling is None:
+                self._start_chunked(row)
+            else:
+                passed.append(row)
+        self.waiting.extendleft(reversed(passed))
+        return joining
+
+    def _start_chunked(self, row: Row) -> None:
+        self.prefilling, self._prefilled = row, 0
+
+    def _drop_cancelled(self, updates: list[RowUpdate]) -> None:
+        for row in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(row)
+            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
+        for index in reversed([i for i, r in enumerate(self.rows) if r.cancelled]):
+            self.rows[index].stop_reason = "cancelled"
+            self._retire(index, updates)
+
+    def _retire(self, index: int, updates: list[RowUpdate]) -> None:
+        """Finish row `index`: the last active row takes over its cache row; its result joins this step's update."""
+        row = self.rows[index]
+        self._free_row(index, len(self.rows) - 1)
+        if index != len(self.rows) - 1:
+            self.rows[index] = self.rows[-1]
+        self.rows.pop()
+        result = row.result(row.stop_reason)
+        mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
+        if mine is None:
+            updates.append(RowUpdate(row.id, [], result, row.failure))
+        else:
+            mine.result, mine.error = result, row.failure
+
+    def _free_row(self, index: int, last: int) -> None:
+        """Cache row `index` is left: move cache row `last` (an active row's) into it, or free it if it is last."""
+        raise NotImplementedError
+
+
+class SpeculativeEngine(RowScheduler):
     """Continuous-batching speculative decoding over one set of models.
 
     `submit` queues a request and returns its row id; each `step` admits queued rows (prefill) while the
@@ -290,20 +395,14 @@ class SpeculativeEngine:
         cost: CyclePrice | None = None,
         prefill_chunk: int | None = None,
     ) -> None:
-        self.models = models
-        self.max_batch = positive_int(max_batch, "max_batch")
-        # Prompts longer than this are prefilled a chunk a step, beside the running rows' cycles (None: whole).
-        self.prefill_chunk = None if prefill_chunk is None else positive_int(prefill_chunk, "prefill_chunk")
-        self.prefilling: Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
-        self._prefilled = 0  # its prompt tokens already in the caches
-        self._chunk_features: list[torch.Tensor] = []  # its recorded features, chunk by chunk
+        super().__init__(models, max_batch, prefill_chunk)
+        self._chunk_features: list[torch.Tensor] = []  # the long prompt's recorded features, chunk by chunk
         self.cost = cost
         # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`); a target
         # loaded with another attention verifies every row padded to the widest block.
         attention = getattr(models.target.config, "_attn_implementation", None)
         self.packed_verify = attention == GROUPED_SDPA
         self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
-        self.device = models.device
         self.target, self.drafter = models.target, models.drafter
         self.cache_keyword = cache_keyword(self.target)
         num_layers = int(self.target.config.get_text_config().num_hidden_layers)
@@ -314,71 +413,31 @@ class SpeculativeEngine:
                 store.row_limit = self.max_batch + 1  # the batch's rows and the long prompt's prefill row
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else None
         self.embed, self.head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
-        self.vocab_size = int(self.embed.weight.shape[0])
-        self.context_limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
-        self.rows: list[Row] = []  # active rows; row i occupies cache row i
-        self.waiting: deque[Row] = deque()
-        self._ids = itertools.count()
 
     # ---------------------------------------------------------------- requests
 
     def submit(self, request: GenerationRequest) -> int:
         """Check and queue a request; returns its row id. Bad prompts fail here, naming the problem."""
-        prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long).flatten()
-        if prompt.numel() == 0:
-            raise ValueError("prompt is empty: expected at least one token id")
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
-            raise ValueError(
-                f"prompt token ids must lie in [0, {self.vocab_size}), got min {int(prompt.min())}, "
-                f"max {int(prompt.max())}"
-            )
-        check_fits_context(prompt.numel(), request.config.max_new_tokens, self.context_limit)
-        if self.drafter is None:
-            policy: BlockSizePolicy = Autoregressive()
-        else:
-            policy = request.policy or FixedBlockSize(self.drafter.block_size)
+        prompt = self._checked_prompt(request)
+        policy = self._policy_of(request)
         if policy.tree_nodes is not None:
             raise ValueError(f"policy {policy.name!r} drafts trees: they run on the static engine (--engine static)")
-        row = Row(
-            id=next(self._ids),
-            request=request,
-            prompt=prompt.to(self.device),
-            policy=policy,
-            generator=make_generator(self.device, request.config.seed),
-            record={"features": [], "entropy": [], "top_ids": [], "top_probs": []} if request.record else None,
+        return self._queue(
+            Row(
+                id=next(self._ids),
+                request=request,
+                prompt=prompt.to(self.device),
+                policy=policy,
+                generator=make_generator(self.device, request.config.seed),
+                record={"features": [], "entropy": [], "top_ids": [], "top_probs": []} if request.record else None,
+            )
         )
-        self.waiting.append(row)
-        return row.id
-
-    def cancel(self, row_id: int) -> None:
-        """End a row before its next cycle (stop reason "cancelled"); unknown or finished ids are ignored."""
-        for row in itertools.chain(self.rows, self.waiting, [self.prefilling] if self.prefilling else []):
-            if row.id == row_id:
-                row.cancelled = True
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.rows or self.waiting or self.prefilling)
-
-    def run(self) -> Iterator[RowUpdate]:
-        """Step until every submitted row is done, yielding each step's updates."""
-        while self.busy:
-            yield from self.step()
 
     @torch.inference_mode()
     def step(self) -> list[RowUpdate]:
         updates: list[RowUpdate] = []
         self._drop_cancelled(updates)
-        joining, passed = [], deque()
-        while self.waiting and len(self.rows) + len(joining) + (self.prefilling is not None) < self.max_batch:
-            row = self.waiting.popleft()
-            if not self._chunked(row):
-                joining.append(row)
-            elif self.prefilling is None:
-                self.prefilling, self._prefilled, self._chunk_features = row, 0, []
-            else:  # one long prompt is prefilled at a time; the short ones behind it need not wait for it
-                passed.append(row)
-        self.waiting.extendleft(reversed(passed))
+        joining = self._joining()
         # Caches grow to what the rows can need (prompt, budget, the widest block's scratch), never doubled past it.
         pending = [*self.rows, *joining, *([self.prefilling] if self.prefilling else [])]
         needs = [row.prompt.numel() + row.config.max_new_tokens for row in pending]
@@ -470,8 +529,9 @@ class SpeculativeEngine:
         for slot in reversed(finished):
             self._retire(slot, updates)
 
-    def _chunked(self, row: Row) -> bool:
-        return self.prefill_chunk is not None and row.prompt.numel() > self.prefill_chunk
+    def _start_chunked(self, row: Row) -> None:
+        super()._start_chunked(row)
+        self._chunk_features = []
 
     def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
         """The next `prefill_chunk` tokens of the long prompt being prefilled, in its own cache row (`max_batch`,
@@ -762,33 +822,14 @@ class SpeculativeEngine:
 
     # ---------------------------------------------------------------- leaving
 
-    def _drop_cancelled(self, updates: list[RowUpdate]) -> None:
-        for row in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(row)
-            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
-        for index in reversed([i for i, r in enumerate(self.rows) if r.cancelled]):
-            self.rows[index].stop_reason = "cancelled"
-            self._retire(index, updates)
-
-    def _retire(self, index: int, updates: list[RowUpdate]) -> None:
-        """Finish row `index`; the last active row takes over its cache row."""
-        row = self.rows[index]
-        last = len(self.rows) - 1
+    def _free_row(self, index: int, last: int) -> None:
         if index != last:
-            moved = self.rows[last]
             # Slots up to the moved row's last verify may be read by nobody, but copying `length` is enough:
             # everything past it is rewritten before it is read.
-            self.target_cache.store.move_row(last, index, moved.length)
+            length = self.rows[last].length
+            self.target_cache.store.move_row(last, index, length)
             if self.context is not None:
-                self.context.move_row(last, index, moved.length)
-            self.rows[index] = moved
-        self.rows.pop()
-        result = row.result(row.stop_reason)
-        mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
-        if mine is None:
-            updates.append(RowUpdate(row.id, [], result, row.failure))
-        else:
-            mine.result, mine.error = result, row.failure
+                self.context.move_row(last, index, length)
 
 
 # ----------------------------------------------------------------------------- entry points

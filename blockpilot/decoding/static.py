@@ -22,6 +22,9 @@ and a row's output for a seed is a function of its prompt and seed alone: the sa
 and equal to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
 output does too).
 
+A tree cycle (`_draft_tree`, then `_verify_tree` over trees the host built in between) is the same with the
+verify's block a tree: see `tree.py`.
+
 Stale entries (a rejected draft's slot, a short prompt's padding) always lie at or past `length`, are invisible to
 every query that could read them, and are rewritten before `length` passes them. `width == 1` is autoregressive
 decoding: no drafter, one verify slot.
@@ -494,13 +497,14 @@ class StaticDecoder:
         return self.top_logprobs[:n], self.top_ids[:n]
 
     def set_trees(self, trees: Sequence[DraftTree]) -> None:
-        """Rows 0 .. len(trees) - 1 verify these trees next (`tree.best_first_tree`, `tree_slots` nodes each)."""
-        k = len(trees)
+        """Rows 0 .. len(trees) - 1 verify these trees next (`tree.best_first_tree`, the same number of slots each,
+        at most `tree_slots`)."""
+        k, slots = len(trees), len(trees[0].parents)
         as_tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
-        self.tree_tokens[:k].copy_(as_tensor([t.tokens for t in trees]))
-        self.tree_depths[:k].copy_(as_tensor([t.depths for t in trees]))
-        self.tree_parents[:k].copy_(as_tensor([t.parents for t in trees]))
-        self.tree_ancestors[:k].copy_(as_tensor([t.ancestors() for t in trees]))
+        self.tree_tokens[:k, :slots].copy_(as_tensor([t.tokens for t in trees]))
+        self.tree_depths[:k, :slots].copy_(as_tensor([t.depths for t in trees]))
+        self.tree_parents[:k, :slots].copy_(as_tensor([t.parents for t in trees]))
+        self.tree_ancestors[:k, :slots, :slots].copy_(as_tensor([t.ancestors() for t in trees]))
 
     @torch.inference_mode()
     def verify_tree(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,26 +14,27 @@ What differs from the eager engine, on purpose:
 - sampling is counter-based (`static.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch), a different draw from the eager engine's generator for the same seed;
 - the `match` rule only (`rejection` needs the drafter's sampled drafts), no draft-then-trim (`verify_count`), and
-  no feature records (labeling's reference generations run on the eager engine).
+  no feature records (labeling's reference generations run on the eager engine);
+- draft trees (`tree.py`, policy `tree:N`) run here only: an engine built with `tree_nodes` drafts, builds every
+  row's tree on the host (one round trip a cycle), and verifies the batch's trees in one target pass.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import statistics
 import time
-from collections import Counter, deque
-from collections.abc import Iterator
+from collections import Counter
 
 import torch
 
-from blockpilot.checks import check_fits_context, positive_int
+from blockpilot.checks import positive_int
 from blockpilot.decoding.engine import (
     PREFILL_MAX_PADDING,
     NonFiniteLogits,
     Row,
+    RowScheduler,
     RowUpdate,
     cycle_state,
     decide_block_sizes,
@@ -73,25 +74,22 @@ def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
     return None, None
 
 
-def tree_sizes(nodes: int) -> list[int]:
-    """The tree sizes (nodes past the root) a cycle is compiled at: powers of two from 4 below `nodes`, and
-    `nodes`."""
-    return sorted({*(1 << i for i in range(2, nodes.bit_length()) if 1 << i < nodes), nodes})
+def power_buckets(limit: int, smallest: int = 1) -> list[int]:
+    """The sizes a shape is compiled at, up to `limit`: powers of two from `smallest` below it, and `limit` (row
+    counts; tree sizes in nodes, from 4)."""
+    return sorted({*(1 << i for i in range(limit.bit_length()) if smallest <= 1 << i < limit), limit})
 
 
-def row_buckets(max_batch: int) -> list[int]:
-    """The row counts the cycle is compiled at: powers of two below `max_batch`, and `max_batch`."""
-    return sorted({*(1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch), max_batch})
-
-
-class StaticEngine:
+class StaticEngine(RowScheduler):
     """The eager engine's interface (`submit`, `cancel`, `busy`, `run`, `step`) on the static cycle.
 
     `width`: the widest block a row drafts (default: the drafter's training block size B + 2, the widest candidate
     the project's sweeps label; 1 without a drafter). `capacity`: cache slots a row holds (prompt, budget and one
     block; default 2,048, at most the context). `compile`: `static.COMPILE_MODES`. `sampling`: whether rows may
     decode at T > 0 (off, the cycle skips the sampler). `prefill_chunk`: prompts longer than this are prefilled a
-    chunk a step, beside the running rows' cycles.
+    chunk a step, beside the running rows' cycles. `tree_nodes`: every cycle verifies draft trees of up to this
+    many nodes (`tree.py`; a row without a tree policy as the chain of its b), branching into each slot's `top_k`
+    tokens; cut to the size `tree_cost` prices best once `calibrate_trees` has measured it.
     """
 
     def __init__(
@@ -107,13 +105,10 @@ class StaticEngine:
         tree_nodes: int | None = None,
         top_k: int = TREE_TOP_K,
     ) -> None:
-        self.models = models
-        self.max_batch = positive_int(max_batch, "max_batch")
-        self.prefill_chunk = None if prefill_chunk is None else positive_int(prefill_chunk, "prefill_chunk")
+        super().__init__(models, max_batch, prefill_chunk)
         if width is None:
             width = models.train_block_size + 2 if models.drafter is not None else 1
         self.width = positive_int(width, "width")
-        self.context_limit = getattr(models.target.config.get_text_config(), "max_position_embeddings", None)
         capacity = capacity or min(DEFAULT_CAPACITY, self.context_limit or DEFAULT_CAPACITY)
         self.decoder = StaticDecoder(
             models,
@@ -126,20 +121,13 @@ class StaticEngine:
             top_k=top_k,
         )
         self.tree_nodes = tree_nodes  # the largest tree a cycle verifies, in nodes past the root (None: chains)
-        self.tree_sizes = tree_sizes(tree_nodes) if tree_nodes is not None else []
+        self.tree_sizes = power_buckets(tree_nodes, smallest=4) if tree_nodes is not None else []
         self.tree_cost: dict[int, float] = {}  # seconds a tree cycle by size (`calibrate_trees`); empty: unpriced
         self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
         self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
-        self.device = models.device
         self.cost = None  # every row of a static cycle pays the full width: no verify width to price
-        self.vocab_size = int(models.target.get_input_embeddings().weight.shape[0])
-        self.buckets = row_buckets(self.max_batch)
-        self.rows: list[Row] = []  # active rows; row i occupies cache row i
-        self.waiting: deque[Row] = deque()
-        self.prefilling: Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
-        self._prefilled = 0
+        self.buckets = power_buckets(self.max_batch)
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
-        self._ids = itertools.count()
 
     @property
     def capacity(self) -> int:
@@ -153,16 +141,8 @@ class StaticEngine:
 
     def submit(self, request: GenerationRequest) -> int:
         """Check and queue a request; returns its row id. What this engine cannot decode fails here, naming it."""
-        prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long).flatten()
-        if prompt.numel() == 0:
-            raise ValueError("prompt is empty: expected at least one token id")
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size:
-            raise ValueError(
-                f"prompt token ids must lie in [0, {self.vocab_size}), got min {int(prompt.min())}, "
-                f"max {int(prompt.max())}"
-            )
+        prompt = self._checked_prompt(request)
         config = request.config
-        check_fits_context(prompt.numel(), config.max_new_tokens, self.context_limit)
         need = prompt.numel() + config.max_new_tokens + self.reach
         if need > self.capacity:
             raise ValueError(
@@ -175,11 +155,7 @@ class StaticEngine:
             raise ValueError(f"temperature {config.temperature} needs an engine built with sampling=True")
         if request.record:
             raise ValueError("the static engine records no features: record with the eager engine")
-        policy: BlockSizePolicy
-        if self.models.drafter is None:
-            policy = Autoregressive()
-        else:
-            policy = request.policy or FixedBlockSize(self.models.drafter.block_size)
+        policy = self._policy_of(request)
         if policy.trims:
             raise ValueError(f"policy {policy.name!r} trims its drafts: the static cycle verifies whole blocks")
         if policy.tree_nodes is not None and self.tree_nodes is None:
@@ -192,38 +168,13 @@ class StaticEngine:
             generator=make_generator(torch.device("cpu"), config.seed),  # unused: draws are keyed on the seed
         )
         self._seeds[row.id] = config.seed if config.seed is not None else random.getrandbits(62)
-        self.waiting.append(row)
-        return row.id
-
-    def cancel(self, row_id: int) -> None:
-        """End a row before its next cycle (stop reason "cancelled"); unknown or finished ids are ignored."""
-        for row in itertools.chain(self.rows, self.waiting, [self.prefilling] if self.prefilling else []):
-            if row.id == row_id:
-                row.cancelled = True
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.rows or self.waiting or self.prefilling)
-
-    def run(self) -> Iterator[RowUpdate]:
-        """Step until every submitted row is done, yielding each step's updates."""
-        while self.busy:
-            yield from self.step()
+        return self._queue(row)
 
     @torch.inference_mode()
     def step(self) -> list[RowUpdate]:
         updates: list[RowUpdate] = []
         self._drop_cancelled(updates)
-        joining, passed = [], deque()
-        while self.waiting and len(self.rows) + len(joining) + (self.prefilling is not None) < self.max_batch:
-            row = self.waiting.popleft()
-            if self.prefill_chunk is None or row.prompt.numel() <= self.prefill_chunk:
-                joining.append(row)
-            elif self.prefilling is None:
-                self.prefilling, self._prefilled = row, 0
-            else:  # one long prompt is prefilled at a time; the short ones behind it need not wait for it
-                passed.append(row)
-        self.waiting.extendleft(reversed(passed))
+        joining = self._joining()
         batch_rows = len(self.rows) + len(joining)
         for group in prefill_groups([row.prompt.numel() for row in joining], PREFILL_MAX_PADDING):
             self._prefill([joining[i] for i in group], batch_rows, updates)
@@ -370,7 +321,7 @@ class StaticEngine:
         verified = self.tree_nodes_for(trees)
         self.verified_nodes[verified] += 1
         trees += [best_first_tree([], [], 0, slots)] * (bucket - n)
-        self.decoder.set_trees(trees)
+        self.decoder.set_trees([tree.cut(verified + 1) for tree in trees])
         return self.decoder.verify_tree(bucket, span, verified + 1)
 
     def tree_nodes_for(self, trees: list[DraftTree]) -> int:
@@ -405,7 +356,7 @@ class StaticEngine:
                 decoder.set_block_sizes([self.width])
                 started = time.perf_counter()
                 decoder.draft_tree(1, span)[0].tolist()
-                decoder.set_trees([chain])
+                decoder.set_trees([chain.cut(size + 1)])
                 decoder.verify_tree(1, span, size + 1)[1].tolist()
                 samples.append(time.perf_counter() - started)
             costs[size] = statistics.median(samples[1:])
@@ -415,28 +366,9 @@ class StaticEngine:
 
     # ---------------------------------------------------------------- leaving
 
-    def _drop_cancelled(self, updates: list[RowUpdate]) -> None:
-        for row in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(row)
-            updates.append(RowUpdate(row.id, [], row.result("cancelled")))
-        for index in reversed([i for i, r in enumerate(self.rows) if r.cancelled]):
-            self.rows[index].stop_reason = "cancelled"
-            self._retire(index, updates)
-
-    def _retire(self, index: int, updates: list[RowUpdate]) -> None:
-        """Finish row `index`; the last active row moves into its cache row."""
-        row, last = self.rows[index], len(self.rows) - 1
+    def _free_row(self, index: int, last: int) -> None:
         if index != last:
-            moved = self.rows[last]
-            self.decoder.move(last, index, moved.length + 1)
-            self.rows[index] = moved
+            self.decoder.move(last, index, self.rows[last].length + 1)
         else:
             self.decoder.free(index)
-        self.rows.pop()
-        self._seeds.pop(row.id, None)
-        result = row.result(row.stop_reason)
-        mine = next((u for u in reversed(updates) if u.row_id == row.id), None)
-        if mine is None:
-            updates.append(RowUpdate(row.id, [], result, row.failure))
-        else:
-            mine.result, mine.error = result, row.failure
+        self._seeds.pop(self.rows[index].id, None)
