@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cycle.py [--drafter-config tests/fixtures/zlab_qwen3_4b_dflash_b16_config.json] \\
         [--batches 1,8,32,64] [--widths 1,8,16] [--modes graph] [--compile-points 1x1,1x16] \\
-        [--tree-nodes 16,32,64,128,256] [--capacity 1024] [--out results.json]
+        [--tree-nodes 16,32,64,128,256] [--tree-points 1x16,1x64,8x64] [--capacity 1024] [--out results.json]
 
 Builds the target and drafter the config names (z-lab's Qwen3-4B b16 drafter by default: a 36-layer, 2560-wide
 target), random weights, bf16 on a GPU (timing does not depend on weight values), and prints, in one run:
@@ -14,7 +14,9 @@ target), random weights, bf16 on a GPU (timing does not depend on weight values)
 3. the engine's cycle (`blockpilot.cost.seconds_per_cycle`, transformers' modules, eager) at each width, batch 1;
 4. the static cycle (`blockpilot.decoding.static`) at every batch x width, per --modes; --compile-points
    (BATCHxWIDTH) lists the points also run `compile+graph` (each shape compiles on its own);
-5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph.
+5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph;
+6. with --tree-points (BATCHxNODES), the static engine's whole tree cycle: draft, host-built best-first trees,
+   verify, walk and commit (`--tree-mode`, compile+graph on a GPU).
 
 Every figure is a median of CUDA-event (or synchronised wall) timings after warm-up. Random weights accept no
 draft, so a cycle commits one token: these are costs, not speedups.
@@ -33,6 +35,7 @@ import torch
 
 from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
 from blockpilot.decoding.static import StaticDecoder, StaticTarget
+from blockpilot.decoding.tree import best_first_tree
 from blockpilot.models.drafter import DFlashConfig
 from blockpilot.models.loading import cache_keyword
 from blockpilot.options import block_size_list
@@ -161,6 +164,32 @@ def static_cycle(
     return seconds, decoder.compile_seconds or 0.0
 
 
+def tree_cycle(models, batch: int, nodes: int, mode: str, capacity: int, cycles: int) -> tuple[float, float]:
+    """(seconds per cycle, build seconds) of the static engine's whole tree cycle at (batch, nodes) in `mode`: the
+    drafter's pass B deep, its top k to the host, every row's best-first tree built there and copied back, the
+    verify over the N + 1 nodes, the walk and the commit, and the host's read of the outcome."""
+    width = models.train_block_size
+    decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode, tree_nodes=nodes)
+    decoder.prefill(0, random_prompts(models, batch, 64, torch.Generator().manual_seed(batch * 1000 + nodes)))
+    for row in range(batch):
+        decoder.place(row, length=64, last_token=1, temperature=0.0, seed=row)
+    decoder.set_block_sizes([width] * batch)
+
+    def cycle() -> None:
+        top_logprobs, top_ids = decoder.draft_tree(batch, capacity)
+        trees = [
+            best_first_tree(logprobs, ids, nodes, nodes + 1)
+            for logprobs, ids in zip(top_logprobs.tolist(), top_ids.tolist(), strict=True)
+        ]
+        decoder.set_trees(trees)
+        decoder.verify_tree(batch, capacity, nodes + 1)[1].tolist()
+
+    cycle()  # builds (compiles, captures) both steps
+    repeats = max(1, (capacity - 64 - nodes - 2 * width) // cycles - 1)  # random weights: one token a cycle
+    seconds = timed(lambda: [cycle() for _ in range(cycles)], min(5, repeats), models.device) / cycles
+    return seconds, decoder.compile_seconds or 0.0
+
+
 def tree_verify(models, batch: int, nodes: int, capacity: int) -> float:
     """Seconds of one target pass over `nodes` tree nodes a row, as a CUDA graph (eager elsewhere)."""
     device = models.device
@@ -208,6 +237,10 @@ def main() -> None:
     parser.add_argument("--compile-points", type=points, default=[], help="BATCHxWIDTH,... also run compile+graph")
     parser.add_argument("--sampled-points", type=points, default=[], help="BATCHxWIDTH,... compile+graph at T = 1")
     parser.add_argument("--tree-nodes", type=block_size_list, default=(16, 32, 64, 128, 256))
+    parser.add_argument(
+        "--tree-points", type=points, default=[], help="BATCHxNODES,... the static engine's whole tree cycle"
+    )
+    parser.add_argument("--tree-mode", default=None, help="its mode (default: compile+graph on a GPU, else off)")
     parser.add_argument("--capacity", type=int, default=1024, help="cache slots a row")
     parser.add_argument("--cycles", type=int, default=8, help="cycles per timed run")
     parser.add_argument("--hf-steps", type=int, default=32)
@@ -299,6 +332,17 @@ def main() -> None:
                 cells.append(f"N={nodes}: {seconds * 1000:.2f}")
                 RESULTS.setdefault("tree_verify_s", {}).setdefault(batch, {})[nodes] = seconds
             say(f"  batch {batch}: " + ", ".join(cells))
+
+        tree_mode = args.tree_mode or ("compile+graph" if device.type == "cuda" else "off")
+        for batch, nodes in args.tree_points:
+            seconds, build = tree_cycle(models, batch, nodes, tree_mode, args.capacity, args.cycles)
+            release(device)
+            say(
+                f"tree cycle ({tree_mode}, host-built trees), batch {batch}, {nodes} nodes "
+                f"{models.train_block_size} deep: {seconds * 1000:.2f} ms (built in {build:.0f} s; x floor "
+                f"{seconds / floor:.2f})"
+            )
+            RESULTS.setdefault("tree_cycle_s", {})[f"{batch}x{nodes}"] = [seconds, build]
 
         if args.hf_compile:
             models.target.set_attn_implementation("sdpa")
