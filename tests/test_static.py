@@ -49,6 +49,18 @@ def test_greedy_static_decoding_is_the_targets_greedy_output_rows_joining_and_le
     assert not engine.busy and not engine.decoder.active.any(), "every cache row is free again"
 
 
+def test_a_cycle_runs_at_the_width_bucket_of_its_widest_block(tiny_models):
+    """Rows at b = 2 and 3 in an engine of width 8 cycle at width 4 (the bucket of 3), not 8."""
+    prompts, expected = references(tiny_models, 24, PROMPTS[:3])
+    engine = StaticEngine(tiny_models, max_batch=2, width=8)
+    assert engine.widths == [1, 2, 4, 8]
+    widths, cycle = [], engine.decoder.cycle
+    engine.decoder.cycle = lambda n, span=None, width=None: widths.append(width) or cycle(n, span, width)
+    results = decode(tiny_models, engine, prompts, [FixedBlockSize(2), FixedBlockSize(3), Autoregressive()], 24)
+    assert [r.token_ids for r in results] == expected
+    assert set(widths) <= {1, 2, 4} and 4 in widths  # 2 or 1 once the wider rows have left
+
+
 def test_autoregressive_and_a_target_without_drafter(tiny_models):
     prompts, expected = references(tiny_models, 24, PROMPTS[:3])
     engine = StaticEngine(tiny_models, max_batch=2)

@@ -334,13 +334,13 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
-    def _cycle(self, n: int, span: int) -> None:
+    def _cycle(self, n: int, span: int, width: int) -> None:
         length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
-        rows, window = slice(0, n), self.slot_range[:span]
-        positions = length[:, None] + self.offsets  # (n, W)
-        ids = last[:, None].expand(-1, self.width)
-        if self.drafter is not None:
-            block = torch.where(self.offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
+        rows, window, offsets = slice(0, n), self.slot_range[:span], self.offsets[:width]
+        positions = length[:, None] + offsets  # (n, W)
+        ids = last[:, None].expand(-1, width)
+        if width > 1:
+            block = torch.where(offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
             sees = (window < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
             hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees, rows)
             drafts = F.linear(hidden[:, 1:], self.target.head).argmax(dim=-1)  # (n, W - 1)
@@ -348,17 +348,18 @@ class StaticDecoder:
         mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
         logits, features = self.target(ids, positions, positions, mask, rows)
         picks = self._pick(logits, positions + 1, rows)  # (n, W)
-        if self.drafter is not None:
-            right = (ids[:, 1:] == picks[:, :-1]) & (self.offsets[1:] < sizes[:, None])
+        if width > 1:
+            right = (ids[:, 1:] == picks[:, :-1]) & (offsets[1:] < sizes[:, None])
             accepted = right.long().cumprod(dim=1).sum(dim=1)  # (n,)
-            self.drafter.encode(features, positions, positions, rows)
         else:
             accepted = torch.zeros_like(length)
+        if self.drafter is not None:  # the drafter's context grows at every width, 1 included
+            self.drafter.encode(features, positions, positions, rows)
         # A row's block is usable when every distribution it verifies has a finite largest logit (NaN and +inf
         # propagate into the maximum; a token banned at -inf does not).
-        finite = torch.isfinite(logits.amax(dim=-1)) | (self.offsets >= sizes[:, None])
+        finite = torch.isfinite(logits.amax(dim=-1)) | (offsets >= sizes[:, None])
         self.finite[:n].copy_(finite.all(dim=1))
-        self.tokens[:n].copy_(picks)
+        self.tokens[:n, :width].copy_(picks)
         self.counts[:n].copy_(accepted + 1)
         anchor = accepted[:, None, None].expand(-1, 1, logits.shape[-1])
         self.anchor_logits[:n].copy_(logits.gather(1, anchor)[:, 0])
@@ -471,16 +472,23 @@ class StaticDecoder:
         return step
 
     @torch.inference_mode()
-    def cycle(self, n: int, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One draft/verify cycle for rows 0 .. n - 1 reading `span` cache slots (default: what the longest
-        active row needs, `span_bucket`): device views tokens (n, W), counts (n,), finite (n,)."""
+    def cycle(
+        self, n: int, span: int | None = None, width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft/verify cycle for rows 0 .. n - 1 at `width` (default the decoder's; every row's b at most it)
+        reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
+        tokens (n, width), counts (n,), finite (n,)."""
+        width = width or self.width
+        if not 1 <= width <= self.width:
+            raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
         if span is None:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
-        self._run("_cycle", n, span)
-        return self.tokens[:n], self.counts[:n], self.finite[:n]
+        self._run("_cycle", n, span, width)
+        return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
 
     def _run(self, name: str, *shape: int) -> None:
-        """Step `name` at `shape` (rows, span, and the tree's slots for a verify), built once per shape."""
+        """Step `name` at `shape` (rows, span, and the width of a cycle or the tree's slots of a verify), built
+        once per shape."""
         if self.mode == "off":
             getattr(self, name)(*shape)
             return

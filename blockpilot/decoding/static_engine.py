@@ -127,6 +127,7 @@ class StaticEngine(RowScheduler):
         self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
         self.cost = None  # every row of a static cycle pays the full width: no verify width to price
         self.buckets = power_buckets(self.max_batch)
+        self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
 
     @property
@@ -263,12 +264,16 @@ class StaticEngine(RowScheduler):
     def _cycle(self, updates: list[RowUpdate]) -> None:
         started = time.perf_counter()
         rows, n = self.rows, len(self.rows)
-        sizes = [min(row.block_size, self.width, row.config.max_new_tokens - len(row.tokens)) for row in rows]
+        chosen = [min(row.block_size, self.width) for row in rows]
+        sizes = [min(b, row.config.max_new_tokens - len(row.tokens)) for b, row in zip(chosen, rows, strict=True)]
         self.decoder.set_block_sizes(sizes)
+        # The cycle's width: the bucket of the widest chosen b (not cut to the rows' budgets, which only stop
+        # acceptance: a generation's last cycles need no narrower shape compiled).
+        width = next(w for w in self.widths if w >= max(chosen))
         bucket = next(b for b in self.buckets if b >= n)
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
         if self.tree_nodes is None:
-            tokens, counts, finite = self.decoder.cycle(bucket, span)
+            tokens, counts, finite = self.decoder.cycle(bucket, span, width)
         else:
             tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span)
         # One device-to-host copy for the batch: each row's tokens, count and whether its logits were finite.
