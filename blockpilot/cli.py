@@ -146,8 +146,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ValueError("--drafter is required: a cycle drafts a block")
     default_top = args.drafted or 2 * models.train_block_size
     block_sizes = args.block_sizes or tuple(range(1, default_top + 1))
+    static = args.engine == "static"
+    if static:
+        from blockpilot.decoding.static_engine import keep_compiled_kernels
+
+        keep_compiled_kernels()
     cost = calibrate(
-        models, block_sizes, args.batch_sizes, repeats=args.repeats, cycles=args.cycles, drafted=args.drafted
+        models,
+        block_sizes,
+        args.batch_sizes,
+        repeats=args.repeats,
+        cycles=args.cycles,
+        drafted=args.drafted,
+        compile=args.compile if static else None,
     )
     cost.save(args.out)
     print(f"cost curve -> {args.out}")
@@ -291,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="time draft-then-trim's cycles: draft this many slots, verify each block size (default: 1 .. this)",
     )
+    cal.add_argument("--engine", choices=ENGINES, default="eager", help="the engine whose cycle is timed")
+    cal.add_argument("--compile", choices=COMPILE_MODES, default="off", help=COMPILE_HELP)
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")
     cal.add_argument("--device", default=None)
     cal.add_argument("--dtype", default=None)

@@ -12,8 +12,9 @@ import torch
 
 from blockpilot.checks import distinct_block_sizes
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, round_relative_medians
-from blockpilot.decoding.engine import SpeculativeEngine
+from blockpilot.decoding.engine import RowScheduler, SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.decoding.static_engine import StaticEngine
 from blockpilot.models.loading import synchronize
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import FixedBlockSize
@@ -44,16 +45,19 @@ def seconds_per_cycle(
     block_sizes: Sequence[int],
     cycles: int,
     drafted: int | None = None,
+    engine: RowScheduler | None = None,
 ) -> float:
     """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
-    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle).
+    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle). `engine`:
+    an idle one to time (a `StaticEngine`, whose compiled shapes then serve every measurement), else a new eager
+    one.
 
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
     may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
     """
     if len(prompts) != len(block_sizes) or not prompts:
         raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
-    engine = SpeculativeEngine(models, max_batch=len(prompts))
+    engine = engine or SpeculativeEngine(models, max_batch=len(prompts))
     for prompt, b in zip(prompts, block_sizes, strict=True):
         config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
         policy = FixedBlockSize(b) if drafted is None else _DraftThenVerify(drafted, b)
@@ -65,7 +69,10 @@ def seconds_per_cycle(
         engine.step()
         ran += 1
     synchronize(models.device)
-    return (time.perf_counter() - started) / max(ran, 1)
+    seconds = (time.perf_counter() - started) / max(ran, 1)
+    for _ in engine.run():  # leaves the engine idle for the next measurement
+        pass
+    return seconds
 
 
 def random_prompts(models: Any, count: int, length: int, generator: Any) -> list[list[int]]:
@@ -84,6 +91,7 @@ def calibrate(
     repeats: int = 5,
     warmup: int = 2,
     drafted: int | None = None,
+    compile: str | None = None,
 ) -> CycleCost:
     """Median wall time of one engine cycle at each (batch, b), on the models' device; with `drafted`, of a
     cycle that drafts that many slots and verifies b (draft-then-trim's price, `CycleCost.drafted`).
@@ -95,18 +103,30 @@ def calibrate(
     its times relative to its round (`round_relative_medians`): the drift moves the curve's level, not its
     shape, which is what choosing b reads. The medians at each batch are then fitted non-decreasing in b
     (`nondecreasing_in_block_size`); the raw ones are kept as `measured`.
+
+    With `compile` (`static.COMPILE_MODES`), the cycle timed is the static engine's (`static_engine.py`) run that
+    way, one engine per batch size: its cost steps with the width bucket of b, which is what that engine pays.
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
     if drafted is not None and max(block_sizes) > drafted:
         raise ValueError(f"cycles that draft {drafted} verify at most {drafted} positions, not b = {max(block_sizes)}")
+    if compile is not None and drafted is not None:
+        raise ValueError("the static engine verifies whole blocks: calibrate draft-then-trim on the eager engine")
     generator = torch.Generator().manual_seed(0)
     measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
+        engine = None
+        if compile is not None:
+            width = max(block_sizes)
+            capacity = prompt_tokens + (cycles + 3) * width + 1 + width
+            engine = StaticEngine(models, max_batch=batch, width=width, capacity=capacity, compile=compile)
         rounds = []
         for attempt in range(warmup + repeats):
-            timed = {b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, drafted) for b in block_sizes}
+            timed = {
+                b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, drafted, engine) for b in block_sizes
+            }
             if attempt >= warmup:
                 rounds.append(timed)
         measured[batch] = round_relative_medians(rounds)
