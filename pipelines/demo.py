@@ -159,20 +159,29 @@ def pick_example(
 
 
 def policy_table(
-    label_metrics: dict[str, float], live: dict[str, PolicySpeed], specs: dict[str, str], prompts: int
+    label_metrics: dict[str, float],
+    live: dict[str, PolicySpeed],
+    specs: dict[str, str],
+    prompts: int,
+    baseline: PolicySpeed | None = None,
 ) -> str:
-    """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live."""
+    """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live, and
+    each live speed over `baseline`'s (transformers' plain loop), which closes the table."""
     lines = [
         f"policies on the held-out prompts at T = 0: tau and modeled throughput (tokens per unit of calibrated "
-        f"cost) walked on their acceptance tables; tau and tokens/s decoded live, {prompts} prompts one at a time",
-        f"  {'policy':<28} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9}",
+        f"cost) walked on their acceptance tables; tau and tokens/s decoded live, {prompts} prompts one at a time, "
+        "and the speed over transformers' plain greedy loop of the target",
+        f"  {'policy':<28} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9} {'x loop':>7}",
     ]
-    for key, name in specs.items():
+    rows = [(key, name, live.get(key)) for key, name in specs.items()]
+    if baseline is not None:
+        rows.append((None, baseline.policy, baseline))
+    for key, name, speed in rows:
         tau, modeled = label_metrics.get(f"T0/tau_{key}", math.nan), label_metrics.get(f"T0/throughput_{key}", math.nan)
-        speed = live.get(key)
         live_tau = f"{speed.tau:>9.2f}" if speed else f"{'-':>9}"
         rate = f"{speed.tokens_per_s:>9.1f}" if speed else f"{'-':>9}"
-        lines.append(f"  {name:<28} {tau:>6.2f} {modeled:>9.1f} {live_tau} {rate}")
+        over = f"{speed.tokens_per_s / baseline.tokens_per_s:>7.2f}" if speed and baseline else f"{'-':>7}"
+        lines.append(f"  {name:<28} {tau:>6.2f} {modeled:>9.1f} {live_tau} {rate} {over}")
     return "\n".join(lines)
 
 
@@ -183,7 +192,7 @@ def run_demo(job: DemoJob) -> int:
         os.environ[HOME_ENV] = str(job.home)
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.calibration import calibrate
-    from blockpilot.decoding.speed import measure_speed
+    from blockpilot.decoding.speed import measure_plain_loop, measure_speed
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
@@ -284,6 +293,7 @@ def run_demo(job: DemoJob) -> int:
         "best_fixed": (f"fixed:{best_fixed}", f"best fixed b = {best_fixed}"),
         "request": (f"learned:{predictor}", "learned (per request)"),
         "step": (adaptive, "learned+step (per step)"),
+        "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
     }
     specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
@@ -294,7 +304,8 @@ def run_demo(job: DemoJob) -> int:
         for key, (spec, _) in specs.items()
         if spec is not None
     }
-    print(policy_table(step.metrics, live, {key: name for key, (_, name) in specs.items()}, len(prompts_ids)))
+    loop = measure_plain_loop(models, prompts_ids, config)
+    print(policy_table(step.metrics, live, {key: name for key, (_, name) in specs.items()}, len(prompts_ids), loop))
 
     clock.start("endpoint", f"the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")
     loader = ModelLoader(

@@ -69,12 +69,14 @@ def test_the_references_are_the_zoo_corpus_answers_to_its_heldout_prompts(tiny_z
 def test_policy_table_has_a_row_per_policy_and_dashes_where_nothing_ran():
     metrics = {"T0/tau_B": 2.5, "T0/throughput_B": 100.0, "T0/tau_step_oracle": 3.0, "T0/throughput_step_oracle": 130.0}
     live = {"B": PolicySpeed("fixed", tokens=50, seconds=0.5, tau=2.4)}
-    text = policy_table(metrics, live, {"B": "fixed B = 6", "step_oracle": "per-step oracle", "request": "learned"}, 4)
+    loop = PolicySpeed("transformers loop", tokens=50, seconds=1.0, tau=1.0)
+    text = policy_table(metrics, live, {"B": "fixed B = 6", "step_oracle": "per-step oracle", "request": "learned"}, 4, loop)
     rows = {line.split("  ")[1].strip(): line for line in text.splitlines()[2:]}
-    assert set(rows) == {"fixed B = 6", "per-step oracle", "learned"}
-    assert rows["fixed B = 6"].split()[-4:] == ["2.50", "100.0", "2.40", "100.0"]
-    assert rows["per-step oracle"].split()[-4:] == ["3.00", "130.0", "-", "-"]
-    assert rows["learned"].split()[-4:] == ["nan", "nan", "-", "-"]  # not evaluated on the tables
+    assert set(rows) == {"fixed B = 6", "per-step oracle", "learned", "transformers loop"}
+    assert rows["fixed B = 6"].split()[-5:] == ["2.50", "100.0", "2.40", "100.0", "2.00"]
+    assert rows["per-step oracle"].split()[-5:] == ["3.00", "130.0", "-", "-", "-"]
+    assert rows["learned"].split()[-5:] == ["nan", "nan", "-", "-", "-"]  # not evaluated on the tables
+    assert rows["transformers loop"].split()[-5:] == ["nan", "nan", "1.00", "50.0", "1.00"]
 
 
 def test_stage_clock_keeps_every_stage_in_order(capsys):
@@ -96,3 +98,15 @@ def test_demo_paths_follow_the_size_variable(monkeypatch, tmp_path):
     monkeypatch.setenv(SIZE_ENV, "tiny")
     paths = DemoPaths.from_environment()
     assert paths.size == "tiny" and paths.run == tmp_path / "demo" / "tiny"
+
+
+def test_the_plain_loop_baseline_decodes_the_targets_greedy_output(random_models):
+    from support import greedy_reference
+
+    from blockpilot.decoding.speed import PLAIN_LOOP, measure_plain_loop
+
+    prompts = [[1, 2, 3], [4, 5]]
+    config = GenerationConfig(max_new_tokens=6, stop_token_ids=tuple(random_models.stop_token_ids()))
+    speed = measure_plain_loop(random_models, prompts, config)
+    expected = [greedy_reference(random_models.target, p, 6, config.stop_token_ids) for p in prompts]
+    assert speed.policy == PLAIN_LOOP and speed.tokens == sum(map(len, expected)) and speed.tokens_per_s > 0

@@ -1,5 +1,6 @@
 """Measured decode speed of a policy over a set of prompts: the one measurement that the decoding benchmark,
-the demo's policy table and the predictors notebook print."""
+the demo's policy table and the predictors notebook print; and of the baseline every user knows, transformers'
+plain greedy loop on the same target."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from blockpilot.decoding.engine import generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.width import CyclePrice
-from blockpilot.models.loading import SpeculativeModels
+from blockpilot.models.loading import SpeculativeModels, cache_keyword
 from blockpilot.policies.base import BlockSizePolicy
 
 
@@ -57,3 +60,31 @@ def measure_speed(
         seconds=seconds,
         tau=statistics.fmean(taus) if taus else math.nan,
     )
+
+
+PLAIN_LOOP = "transformers loop"
+
+
+@torch.inference_mode()
+def measure_plain_loop(
+    models: SpeculativeModels, prompts_ids: Sequence[Sequence[int]], config: GenerationConfig
+) -> PolicySpeed:
+    """The target alone in transformers' plain greedy loop (its `DynamicCache`, one token a forward pass), over
+    every prompt one after another, to `config`'s budget and stop tokens: the speed speculative decoding is
+    measured against."""
+    from transformers import DynamicCache
+
+    if not prompts_ids:
+        raise ValueError("measure_plain_loop needs at least one prompt; got none")
+    keyword, device, tokens = cache_keyword(models.target), models.device, 0
+    started = time.perf_counter()
+    for ids in prompts_ids:
+        cache = {keyword: DynamicCache()}
+        logits = models.target(input_ids=torch.tensor([list(ids)], device=device), **cache, use_cache=True).logits
+        for produced in range(1, config.max_new_tokens + 1):
+            token = int(logits[0, -1].argmax())
+            if token in config.stop_token_ids or produced == config.max_new_tokens:
+                break
+            logits = models.target(input_ids=torch.tensor([[token]], device=device), **cache, use_cache=True).logits
+        tokens += produced
+    return PolicySpeed(policy=PLAIN_LOOP, tokens=tokens, seconds=time.perf_counter() - started, tau=1.0)
