@@ -26,7 +26,6 @@ import random
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
@@ -73,23 +72,6 @@ def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
     if isinstance(policy, (FixedBlockSize, Autoregressive)):
         return policy.initial_block_size(None), None
     return None, None
-
-
-@dataclass
-class ExpectationScale:
-    """Drafts committed over drafts the drafter's probabilities expected, pooled over cycles, starting from 1 as if
-    `prior` drafts had been expected and committed."""
-
-    expected: float = 0.0
-    committed: float = 0.0
-    prior: float = 8.0
-
-    def add(self, expected: float, committed: int) -> None:
-        self.expected += expected
-        self.committed += committed
-
-    def rate(self) -> float:
-        return (self.committed + self.prior) / (self.expected + self.prior)
 
 
 def power_buckets(limit: int, smallest: int = 1) -> list[int]:
@@ -142,8 +124,6 @@ class StaticEngine(RowScheduler):
         self.tree_sizes = power_buckets(tree_nodes, smallest=4) if tree_nodes is not None else []
         self.tree_cost: dict[int, float] = {}  # seconds a tree cycle by size (`calibrate_trees`); empty: unpriced
         self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
-        self.drafts_right = ExpectationScale()  # committed drafts over the drafter's expectation, priced cycles
-        self._expected: list[float] = []  # the last priced cycle's expected drafts a row
         self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
         self.cost = None  # every row of a static cycle pays the full width: no verify width to price
         self.buckets = power_buckets(self.max_batch)
@@ -306,8 +286,6 @@ class StaticEngine(RowScheduler):
                 finished.append(index)
                 continue
             count = out[-2]
-            if self._expected:
-                self.drafts_right.add(self._expected[index], count - 1)
             new_tokens = truncate_at_stop(out[:count], row.config.stop_token_ids)
             row.length += count
             row.tokens.extend(new_tokens)
@@ -354,22 +332,16 @@ class StaticEngine(RowScheduler):
     def tree_nodes_for(self, trees: list[DraftTree]) -> int:
         """How many nodes of every row's tree the cycle verifies: the smallest size bucket that holds the largest
         tree, or, with `tree_cost` (seconds a cycle by size), the size up to that one that commits the most tokens
-        a second, as the drafter's probabilities expect (`tree.expected_commits`; CaDDTree's rule, per batch),
-        scaled by how many of the drafts they expected the engine's cycles have committed so far (`drafts_right`):
-        the drafter's probabilities are not acceptance probabilities."""
+        a second, as the drafter's probabilities expect (`tree.expected_commits`; CaDDTree's rule, per batch)."""
         largest = max(tree.live for tree in trees)
         fits = next(size for size in self.tree_sizes if size >= largest)
         if not self.tree_cost:
             return fits
         expected = [expected_commits(tree) for tree in trees]
-        scale = self.drafts_right.rate()
-
-        def rate(size: int) -> float:  # tokens a second the batch commits verifying `size` nodes
-            return sum(1 + scale * (e[min(size, len(e) - 1)] - 1) for e in expected) / self.tree_cost[size]
-
-        chosen = max((size for size in self.tree_sizes if size <= fits), key=rate)
-        self._expected = [e[min(chosen, len(e) - 1)] - 1 for e in expected]
-        return chosen
+        return max(
+            (size for size in self.tree_sizes if size <= fits),
+            key=lambda size: sum(e[min(size, len(e) - 1)] for e in expected) / self.tree_cost[size],
+        )
 
     @torch.inference_mode()
     def calibrate_trees(self, cycles: int = 20) -> dict[int, float]:
