@@ -105,3 +105,14 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
     results = json.loads(out.read_text())
     assert set(results["static_cycle_s"]["off"]) == {"1", "4"} and results["floor_s"] > 0
     assert "static cycle" in printed and "tree verify" in printed and "2x6" in results["tree_cycle_s"]
+
+
+def test_the_tree_benchmark_runs_on_the_tiny_zoo(tiny_zoo, tmp_path):
+    """`benchmarks/bench_trees.py` end to end, eager and short: chains, trees and the priced tree, with its summary."""
+    printed = run(
+        f"python benchmarks/bench_trees.py --zoo {tiny_zoo} --prompts 2 --max-new-tokens 8 --budgets 4,8 --widths 3 "
+        "--temperatures 0 --compile off --repeats 1",
+        user_env(tmp_path / "home"),
+    )
+    assert "chain b = 3" in printed and "tree:8 priced" in printed and "cycles by tree size" in printed
+    assert "T = 0: tau, best tree" in printed
