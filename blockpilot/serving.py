@@ -639,6 +639,7 @@ class BatchedDecoder:
                 "block_size": result.block_size,
                 "block_sizes": result.block_sizes,
                 "acceptance_lengths": result.acceptance_lengths,
+                "tree_nodes": result.tree_nodes,
                 "tau": None if math.isnan(result.tau) else round(result.tau, 4),
                 "cycles": result.cycles,
                 "queue_time_s": round((handle.started_at or handle.submitted_at) - handle.submitted_at, 6),

@@ -137,7 +137,11 @@ def test_the_serving_decoder_serves_trees_on_the_static_engine(tiny_models):
             ids = decoder.encode_completion(body["prompt"])
             expected = greedy_reference(tiny_models.target, ids, body["max_tokens"], tiny_models.stop_token_ids())
             assert text == tiny_models.tokenizer.decode(expected, skip_special_tokens=True)
-            assert stats["blockpilot"]["policy"] == ("fixed" if "block_size" in body else "tree")
+            bp = stats["blockpilot"]
+            assert bp["policy"] == ("fixed" if "block_size" in body else "tree")
+            assert len(bp["tree_nodes"]) == len(bp["acceptance_lengths"]) and max(bp["tree_nodes"], default=0) <= 8
+            if "block_size" in body:  # a chain of 3 is a tree of 2 nodes (fewer near the budget's end)
+                assert set(bp["tree_nodes"]) <= {0, 1, 2} and 2 in bp["tree_nodes"]
     finally:
         decoder.stop()
 

@@ -118,6 +118,7 @@ class Row:
     chosen_block_size: int = 1  # its choice after prefill
     block_sizes: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
+    tree_nodes: list[int] = field(default_factory=list)  # per cycle, where trees ran (the static engine)
     acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
     drafter_passes: int = 0
     prefill_time: float = 0.0
@@ -151,6 +152,7 @@ class Row:
             block_size=self.chosen_block_size,
             block_sizes=list(self.block_sizes),
             acceptance_lengths=list(self.acceptance_lengths),
+            tree_nodes=list(self.tree_nodes),
             stop_reason=stop_reason,
             prefill_time_s=self.prefill_time,
             decode_time_s=self.decode_time,

@@ -83,6 +83,8 @@ class GenerationResult:
     decode_time_s: float  # engine time of the cycles this generation took part in, nothing else
     target_forward_passes: int
     drafter_forward_passes: int
+    # Per cycle, the drafted nodes its tree verified (a chain of b counts b - 1); empty where no trees ran.
+    tree_nodes: list[int] = field(default_factory=list)
     prefill: PrefillState | None = field(default=None, repr=False)
     record: GenerationRecord | None = field(default=None, repr=False)
 
@@ -114,6 +116,7 @@ class GenerationResult:
             f"block size:          {self.block_size}",
             f"block sizes:         {self.block_sizes}",
             f"acceptance lengths:  {self.acceptance_lengths}",
+            *([f"tree nodes:          {self.tree_nodes}"] if self.tree_nodes else []),
             f"new tokens:          {len(self.token_ids)} ({self.stop_reason})",
             f"cycles:              {self.cycles}",
             f"mean tau:            {tau}",

@@ -325,6 +325,8 @@ class StaticEngine(RowScheduler):
             trees.append(best_first_tree(logprobs, ids, nodes, slots))
         verified = self.tree_nodes_for(trees)
         self.verified_nodes[verified] += 1
+        for row, tree in zip(rows, trees, strict=True):
+            row.tree_nodes.append(min(tree.live, verified))
         trees += [best_first_tree([], [], 0, slots)] * (bucket - n)
         self.decoder.set_trees([tree.cut(verified + 1) for tree in trees])
         return self.decoder.verify_tree(bucket, span, verified + 1)
