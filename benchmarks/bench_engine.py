@@ -29,6 +29,7 @@ import torch
 
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.speed import plain_loop
 from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
 from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
@@ -37,19 +38,6 @@ from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-@torch.inference_mode()
-def hf_plain(models, prompt: list[int], max_new_tokens: int, stop: Sequence[int]) -> list[int]:
-    from transformers import DynamicCache
-
-    cache, tokens = {cache_keyword(models.target): DynamicCache()}, []
-    logits = models.target(input_ids=torch.tensor([prompt]), **cache, use_cache=True).logits
-    while True:
-        tokens.append(int(logits[0, -1].argmax()))
-        if tokens[-1] in stop or len(tokens) == max_new_tokens:
-            return tokens
-        logits = models.target(input_ids=torch.tensor([[tokens[-1]]]), **cache, use_cache=True).logits
 
 
 class HFCompiled:
@@ -164,7 +152,8 @@ def main() -> None:
             say(f"  T = {temperature:g}  {name:<36} {speed:9.1f} tokens/s  ({mean:.1f} tokens a prompt)")
 
         if temperature == 0:
-            add("transformers, plain loop", lambda p: hf_plain(models, p, args.max_new_tokens, stop))
+            greedy = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
+            add("transformers, plain loop", lambda p: plain_loop(models, p, greedy))
             add("transformers, static cache + compile", lambda p: hf_compiled(p, args.max_new_tokens, stop))
         add("engine, autoregressive", engine_decode(models, Autoregressive(), temperature, args.max_new_tokens, stop))
         for width in widths:

@@ -57,6 +57,7 @@ def seconds_per_cycle(
     """
     if len(prompts) != len(block_sizes) or not prompts:
         raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
+    given = engine is not None
     engine = engine or SpeculativeEngine(models, max_batch=len(prompts))
     for prompt, b in zip(prompts, block_sizes, strict=True):
         config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
@@ -70,8 +71,9 @@ def seconds_per_cycle(
         ran += 1
     synchronize(models.device)
     seconds = (time.perf_counter() - started) / max(ran, 1)
-    for _ in engine.run():  # leaves the engine idle for the next measurement
-        pass
+    if given:  # an engine the caller keeps goes back idle; a new one is dropped with its rows
+        for _ in engine.run():
+            pass
     return seconds
 
 

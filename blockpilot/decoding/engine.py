@@ -111,7 +111,7 @@ class Row:
     request: GenerationRequest
     prompt: torch.Tensor  # (P,)
     policy: BlockSizePolicy
-    generator: torch.Generator
+    generator: torch.Generator | None  # the eager engine's draws (the static engine's are keyed on the seed)
     tokens: list[int] = field(default_factory=list)
     length: int = 0  # positions in the caches == position of the last committed token
     block_size: int = 1  # the policy's current choice

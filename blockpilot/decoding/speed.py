@@ -66,25 +66,26 @@ PLAIN_LOOP = "transformers loop"
 
 
 @torch.inference_mode()
+def plain_loop(models: SpeculativeModels, prompt_ids: Sequence[int], config: GenerationConfig) -> list[int]:
+    """The target alone in transformers' plain greedy loop (its `DynamicCache`, one token a forward pass), to
+    `config`'s budget and stop tokens: the baseline every user knows."""
+    from transformers import DynamicCache
+
+    cache, device, tokens = {cache_keyword(models.target): DynamicCache()}, models.device, []
+    logits = models.target(input_ids=torch.tensor([list(prompt_ids)], device=device), **cache, use_cache=True).logits
+    while True:
+        tokens.append(int(logits[0, -1].argmax()))
+        if tokens[-1] in config.stop_token_ids or len(tokens) == config.max_new_tokens:
+            return tokens
+        logits = models.target(input_ids=torch.tensor([[tokens[-1]]], device=device), **cache, use_cache=True).logits
+
+
 def measure_plain_loop(
     models: SpeculativeModels, prompts_ids: Sequence[Sequence[int]], config: GenerationConfig
 ) -> PolicySpeed:
-    """The target alone in transformers' plain greedy loop (its `DynamicCache`, one token a forward pass), over
-    every prompt one after another, to `config`'s budget and stop tokens: the speed speculative decoding is
-    measured against."""
-    from transformers import DynamicCache
-
+    """`plain_loop` over every prompt one after another: the speed speculative decoding is measured against."""
     if not prompts_ids:
         raise ValueError("measure_plain_loop needs at least one prompt; got none")
-    keyword, device, tokens = cache_keyword(models.target), models.device, 0
     started = time.perf_counter()
-    for ids in prompts_ids:
-        cache = {keyword: DynamicCache()}
-        logits = models.target(input_ids=torch.tensor([list(ids)], device=device), **cache, use_cache=True).logits
-        for produced in range(1, config.max_new_tokens + 1):
-            token = int(logits[0, -1].argmax())
-            if token in config.stop_token_ids or produced == config.max_new_tokens:
-                break
-            logits = models.target(input_ids=torch.tensor([[token]], device=device), **cache, use_cache=True).logits
-        tokens += produced
+    tokens = sum(len(plain_loop(models, ids, config)) for ids in prompts_ids)
     return PolicySpeed(policy=PLAIN_LOOP, tokens=tokens, seconds=time.perf_counter() - started, tau=1.0)

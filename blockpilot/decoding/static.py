@@ -295,7 +295,6 @@ class StaticDecoder:
         if tree_nodes is not None and (width < 2 or tree_nodes < 1 or top_k < 1):
             raise ValueError(f"a tree of {tree_nodes} nodes (top {top_k}) needs a drafter and width >= 2, got {width}")
         self.tree_slots = tree_nodes + 1 if tree_nodes is not None else None  # the root and the drafted nodes
-        self.top_k = top_k
         if capacity < max(width, self.tree_slots or 0) + 1:
             raise ValueError(f"capacity {capacity} must exceed the width {width} and the tree's slots")
         self.models, self.rows, self.width, self.capacity, self.mode = models, rows, width, capacity, compile
@@ -340,10 +339,7 @@ class StaticDecoder:
         positions = length[:, None] + offsets  # (n, W)
         ids = last[:, None].expand(-1, width)
         if width > 1:
-            block = torch.where(offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
-            sees = (window < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
-            hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees, rows)
-            drafts = F.linear(hidden[:, 1:], self.target.head).argmax(dim=-1)  # (n, W - 1)
+            drafts = self._draft_logits(n, span, width).argmax(dim=-1)  # (n, W - 1)
             ids = torch.cat([ids[:, :1], drafts], dim=1)
         mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
         logits, features = self.target(ids, positions, positions, mask, rows)
@@ -355,30 +351,44 @@ class StaticDecoder:
             accepted = torch.zeros_like(length)
         if self.drafter is not None:  # the drafter's context grows at every width, 1 included
             self.drafter.encode(features, positions, positions, rows)
-        # A row's block is usable when every distribution it verifies has a finite largest logit (NaN and +inf
-        # propagate into the maximum; a token banned at -inf does not).
-        finite = torch.isfinite(logits.amax(dim=-1)) | (offsets >= sizes[:, None])
-        self.finite[:n].copy_(finite.all(dim=1))
-        self.tokens[:n, :width].copy_(picks)
+        self._commit(n, logits, picks, accepted, accepted, offsets >= sizes[:, None])
+
+    def _draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
+        """The drafter over rows 0 .. n - 1's blocks [last token, MASK x (width - 1)] at their next positions, each
+        seeing its context and its own first b slots: the target head's logits of the drafted slots (n, W - 1, V)."""
+        length, sizes, offsets = self.length[:n], self.block_sizes[:n], self.offsets[:width]
+        ids = self.last_token[:n, None].expand(-1, width)
+        block = torch.where(offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
+        sees = (self.slot_range[:span] < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
+        hidden = self.drafter(F.embedding(block, self.target.embed), length[:, None] + offsets, sees, slice(0, n))
+        return F.linear(hidden[:, 1:], self.target.head)
+
+    def _commit(
+        self,
+        n: int,
+        logits: torch.Tensor,  # (n, S, V) the verify's
+        out: torch.Tensor,  # (n, W') the committed tokens, slot by slot (the first accepted + 1 count)
+        accepted: torch.Tensor,  # (n,) accepted drafts
+        last_index: torch.Tensor,  # (n,) where in `logits` the new last token was picked
+        unused: torch.Tensor,  # (n, S) bool: entries of `logits` that verify nothing (padding)
+    ) -> None:
+        """What every cycle ends with: the rows' outputs, their new last tokens and lengths (free rows stay at 0).
+        A row's block is usable when every distribution it verifies has a finite largest logit (NaN and +inf
+        propagate into the maximum; a token banned at -inf does not)."""
+        self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1))
+        self.tokens[:n, : out.shape[1]].copy_(out)
         self.counts[:n].copy_(accepted + 1)
-        anchor = accepted[:, None, None].expand(-1, 1, logits.shape[-1])
+        anchor = last_index[:, None, None].expand(-1, 1, logits.shape[-1])
         self.anchor_logits[:n].copy_(logits.gather(1, anchor)[:, 0])
-        last.copy_(picks.gather(1, accepted[:, None])[:, 0])
-        length.add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
+        self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
+        self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
 
     def _draft_tree(self, n: int, span: int) -> None:
         """The drafter over every row's block of depth b (its block size): the top k log-probabilities and tokens
         of each drafted slot, -inf past the row's depth (a tree never grows there)."""
-        length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
-        window = self.slot_range[:span]
-        positions = length[:, None] + self.offsets  # (n, W)
-        ids = last[:, None].expand(-1, self.width)
-        block = torch.where(self.offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
-        sees = (window < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
-        hidden = self.drafter(F.embedding(block, self.target.embed), positions, sees, slice(0, n))
-        logprobs = torch.log_softmax(F.linear(hidden[:, 1:], self.target.head).float(), dim=-1)  # (n, W - 1, V)
+        logprobs = torch.log_softmax(self._draft_logits(n, span, self.width).float(), dim=-1)  # (n, W - 1, V)
         top_logprobs, top_ids = logprobs.topk(self.top_logprobs.shape[-1], dim=-1)
-        deep = (self.offsets[1:] >= sizes[:, None])[..., None]  # (n, W - 1, 1): slots past the row's b
+        deep = (self.offsets[1:] >= self.block_sizes[:n, None])[..., None]  # (n, W - 1, 1): slots past the row's b
         self.top_logprobs[:n].copy_(top_logprobs.masked_fill(deep, float("-inf")))
         self.top_ids[:n].copy_(top_ids)
 
@@ -423,13 +433,7 @@ class StaticDecoder:
             buffer.index_put_((row_ids, destination), buffer[row_ids, source])
         path_features = features.gather(1, path_nodes[..., None].expand(-1, -1, features.shape[-1]))
         self.drafter.encode(path_features, destination, destination, rows)
-        self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | ~live).all(dim=1))
-        self.tokens[:n].copy_(out)
-        self.counts[:n].copy_(accepted + 1)
-        anchor = current[:, None, None].expand(-1, 1, logits.shape[-1])
-        self.anchor_logits[:n].copy_(logits.gather(1, anchor)[:, 0])
-        last.copy_(bonus)
-        length.add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
+        self._commit(n, logits, out, accepted, current, ~live)
 
     def _pick(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
         if self.sampling:
@@ -437,7 +441,7 @@ class StaticDecoder:
         return logits.argmax(dim=-1)
 
     def _build(self, name: str, *shape: int) -> Callable[[], None]:
-        """Compile and/or capture step `name` (`_cycle`, `_draft_tree`, `_verify_tree`) at (n, span) once, on the
+        """Compile and/or capture step `name` (`_cycle`, `_draft_tree`, `_verify_tree`) at `shape` once, on the
         rows' current state (restored after: the warm-up's writes lie at or past each row's length, where the real
         step writes again)."""
         started = time.perf_counter()
@@ -445,8 +449,8 @@ class StaticDecoder:
         function = getattr(self, name)
         if "compile" in self.mode:
             if name not in self._compiled:
-                # One compiled variant per (rows, span) pair the engine runs at: a few buckets, more than dynamo's
-                # default of 8 recompiles of one function.
+                # One compiled variant per shape the engine runs at (rows, span, width or tree slots): a few
+                # buckets each, more than dynamo's default of 8 recompiles of one function.
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
                 self._compiled[name] = torch.compile(function, fullgraph=True, dynamic=False)
             function = self._compiled[name]

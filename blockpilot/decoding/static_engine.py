@@ -38,7 +38,6 @@ from blockpilot.decoding.engine import (
     RowUpdate,
     cycle_state,
     decide_block_sizes,
-    make_generator,
     prefill_groups,
     truncate_at_stop,
 )
@@ -166,7 +165,7 @@ class StaticEngine(RowScheduler):
             request=request,
             prompt=prompt.to(self.device),
             policy=policy,
-            generator=make_generator(torch.device("cpu"), config.seed),  # unused: draws are keyed on the seed
+            generator=None,
         )
         self._seeds[row.id] = config.seed if config.seed is not None else random.getrandbits(62)
         return self._queue(row)
