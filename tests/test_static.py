@@ -37,26 +37,36 @@ def decode(models, engine, prompts, policies, max_new_tokens, **config):
 
 @pytest.mark.parametrize("max_batch", [1, 3, 6])
 def test_greedy_static_decoding_is_the_targets_greedy_output_rows_joining_and_leaving(tiny_models, max_batch):
-    """Six requests of mixed b (1 to the width, and one past it, capped) through 1, 3 or 6 rows: rows finish at
-    different cycles, the last row moves into the hole, waiting rows join mid-run."""
-    prompts, expected = references(tiny_models, 40)
-    assert len({len(tokens) for tokens in expected}) > 1, "the rows should end at different lengths"
+    """Six requests of mixed b (1 to the width, and one past it, capped) and budgets (so that rows end at different
+    cycles whatever the weights) through 1, 3 or 6 rows: the last row moves into each hole, waiting rows join mid-run."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
+    budgets = [40, 12, 33, 7, 25, 18]
+    stop = tuple(tiny_models.stop_token_ids())
+    expected = [greedy_reference(tiny_models.target, p, m, stop) for p, m in zip(prompts, budgets)]
     engine = StaticEngine(tiny_models, max_batch=max_batch)
     policies = [FixedBlockSize(b) for b in (1, 3, engine.width, 2, engine.width + 4, 5)]
-    results = decode(tiny_models, engine, prompts, policies, 40)
+    requests = [
+        GenerationRequest(p, GenerationConfig(max_new_tokens=m, stop_token_ids=stop), q)
+        for p, m, q in zip(prompts, budgets, policies, strict=True)
+    ]
+    results = generate_many(tiny_models, requests, engine=engine)
     assert [r.token_ids for r in results] == expected
     assert max(b for r in results for b in r.block_sizes) <= engine.width
     assert not engine.busy and not engine.decoder.active.any(), "every cache row is free again"
 
 
 def test_a_cycle_runs_at_the_width_bucket_of_its_widest_block(tiny_models):
-    """Rows at b = 2 and 3 in an engine of width 8 cycle at width 4 (the bucket of 3), not 8."""
-    prompts, expected = references(tiny_models, 24, PROMPTS[:3])
+    """Rows at b = 2 and 3 in an engine of width 8 cycle at width 4 (the bucket of 3), not 8. No stop tokens: every
+    row runs its 24 tokens, whatever the weights."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:3]]
+    expected = [greedy_reference(tiny_models.target, p, 24) for p in prompts]
     engine = StaticEngine(tiny_models, max_batch=2, width=8)
     assert engine.widths == [1, 2, 4, 8]
     widths, cycle = [], engine.decoder.cycle
     engine.decoder.cycle = lambda n, span=None, width=None: widths.append(width) or cycle(n, span, width)
-    results = decode(tiny_models, engine, prompts, [FixedBlockSize(2), FixedBlockSize(3), Autoregressive()], 24)
+    policies = [FixedBlockSize(2), FixedBlockSize(3), Autoregressive()]
+    requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=24), q) for p, q in zip(prompts, policies)]
+    results = generate_many(tiny_models, requests, engine=engine)
     assert [r.token_ids for r in results] == expected
     assert set(widths) <= {1, 2, 4} and 4 in widths  # 2 or 1 once the wider rows have left
 
@@ -72,8 +82,10 @@ def test_autoregressive_and_a_target_without_drafter(tiny_models):
 
 def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_eager_one(tiny_models):
     """The engine asks a policy with the same states (prefill, cycle, anchor logits) as the eager engine does: at
-    T = 0 every choice, and so every cycle's block size and acceptance, is the same."""
-    prompts, expected = references(tiny_models, 32, PROMPTS[:4])
+    T = 0 every choice, and so every cycle's block size and acceptance, is the same. No stop tokens: every row runs
+    its 32 tokens, so the growing model changes b whatever the weights."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:4]]
+    expected = [greedy_reference(tiny_models.target, p, 32) for p in prompts]
     vocab = vocab_of(tiny_models)
     policies = [
         StepPolicy(growing_step_model(vocab)),
@@ -81,8 +93,9 @@ def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_e
         StepPolicy(random_step_model(3, vocab=vocab)),
         StepPolicy(random_step_model(4, vocab=vocab)),
     ]
-    static = decode(tiny_models, StaticEngine(tiny_models, max_batch=4), prompts, policies, 32)
-    eager = decode(tiny_models, None, prompts, policies, 32)
+    requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=32), q) for p, q in zip(prompts, policies)]
+    static = generate_many(tiny_models, requests, engine=StaticEngine(tiny_models, max_batch=4))
+    eager = generate_many(tiny_models, requests)
     assert [r.token_ids for r in static] == [r.token_ids for r in eager] == expected
     assert [r.block_sizes for r in static] == [r.block_sizes for r in eager]
     assert [r.acceptance_lengths for r in static] == [r.acceptance_lengths for r in eager]
