@@ -35,10 +35,10 @@ import torch
 
 from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
 from blockpilot.decoding.static import StaticDecoder, StaticTarget
-from blockpilot.decoding.tree import best_first_tree
 from blockpilot.models.drafter import DFlashConfig
 from blockpilot.models.loading import cache_keyword
 from blockpilot.options import block_size_list
+from blockpilot.tree import best_first_tree
 from blockpilot.zoo.random_models import random_models_like
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json"

@@ -25,7 +25,7 @@ from blockpilot.checks import check_fits_context, distinct_block_sizes, positive
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
 from blockpilot.decoding.engine import is_device_failure as engine_device_failure
-from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list
+from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list, tree_budget_list
 from blockpilot.sweep import SWEEP_MODES
 
 if TYPE_CHECKING:
@@ -42,6 +42,12 @@ class LabelSettings:
         type=block_size_list,
         help="block sizes, e.g. 6,7,8,9,10 (default: B-2..B+2 around the drafter's training block size)",
     )
+    tree_budgets: tuple[int, ...] = option(
+        (8, 16, 32, 64),
+        type=tree_budget_list,
+        help="draft-tree budgets in nodes whose commits the tables keep too, trees as deep as the largest candidate "
+        "(replay only; none: no trees)",
+    )
     temperatures: tuple[float, ...] = option((0.0,), type=temperature_list, help="e.g. 0,1")
     mode: str = option("replay", choices=SWEEP_MODES, help="replay: acceptance tables; live: one run per b")
     max_new_tokens: int = option(128, type=positive_int_arg, help="tokens generated per prompt")
@@ -55,6 +61,8 @@ class LabelSettings:
     def __post_init__(self) -> None:
         if self.candidates is not None:
             object.__setattr__(self, "candidates", distinct_block_sizes(self.candidates))
+        if self.tree_budgets:
+            object.__setattr__(self, "tree_budgets", distinct_block_sizes(self.tree_budgets, "tree_budgets"))
         if not self.temperatures:
             raise ValueError("temperatures is empty: expected at least one")
         for t in self.temperatures:
@@ -237,6 +245,7 @@ class Labeler:
                 stop_token_ids=tuple(self.models.stop_token_ids()),
                 mode=self.settings.mode,
                 samples=self.settings.samples,
+                tree_budgets=self.settings.tree_budgets,
             )
             prompts = [items[i][1] for i in group]
             seeds = [items[i][0].base["seed"] for i in group]

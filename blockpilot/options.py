@@ -91,6 +91,11 @@ def block_size_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def tree_budget_list(text: str) -> tuple[int, ...]:
+    """Comma-separated distinct integers >= 1, or `none` (no trees)."""
+    return () if text.strip().lower() == "none" else block_size_list(text)
+
+
 def temperature_list(text: str) -> tuple[float, ...]:
     """Comma-separated finite numbers >= 0."""
     values = _comma_list(text, float, "numbers")

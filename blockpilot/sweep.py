@@ -49,9 +49,12 @@ class SweepConfig:
     mode: SweepMode = "replay"
     verify: VerifyRule = "match"
     samples: int = 1  # at T > 0: generations pooled per prompt (seeds seed, seed + 1, ...); T = 0 runs one
+    tree_budgets: tuple[int, ...] = ()  # replay: draft trees walked too, max(candidates) deep (`blockpilot.table`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", distinct_block_sizes(self.candidates))
+        if self.tree_budgets:
+            object.__setattr__(self, "tree_budgets", distinct_block_sizes(self.tree_budgets, "tree_budgets"))
         if self.mode not in SWEEP_MODES:
             raise ValueError(f"mode must be one of {SWEEP_MODES}, got {self.mode!r}")
         if self.verify not in VERIFY_RULES:
@@ -154,6 +157,7 @@ def sweep_prompts(
                     config.candidates,
                     config.max_new_tokens,
                     slot_hits,
+                    config.tree_budgets,
                 )
                 for r in mine
             ]

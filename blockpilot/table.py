@@ -18,6 +18,12 @@ block at every cursor: what draft-then-trim (`blockpilot.trim`) decides with. It
 verifies the prefix its rule picks from those confidences and commits min(a(i, D), verified): a prefix of the same
 drafts, so the walk is as exact as a fixed-b walk.
 
+The table also holds draft trees (`blockpilot.tree`) of every budget N in `tree_budgets`, D deep: t(i, N) =
+1 + the nodes of the path of the best-first tree of N nodes, drafted from the D block's slots at cursor i, that spells
+g_i, g_{i+1}, ...; capped at n - i. A live tree cycle commits the longest prefix of the target's picks that is a path
+of its tree, and those picks are the sequence itself (greedy at T = 0; at T > 0 the engine's sample at each position,
+which is the target's sample whatever the tree), so tree walks are exact as the chains' are.
+
 With a cost per cycle c(b) (`blockpilot.cost`), the per-step oracle is the cheapest way from cursor 1 to n
 when b may change at every cycle: J(n) = 0, J(i) = min_b c(b) + J(i + a(i, b)), right to left.
 """
@@ -34,6 +40,7 @@ from blockpilot.checks import distinct_block_sizes, mean_or_nan
 from blockpilot.models.drafter import Blocks, DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import draft_confidence
+from blockpilot.tree import TOP_K, best_first_tree, path_nodes
 
 # Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.
 LOGITS_BUDGET = 1 << 26
@@ -60,6 +67,9 @@ class AcceptanceTable:
     # (n - 1, D - 1) float32 for D = max(candidates): the drafter's top probability in slot j of the D block at
     # cursor i is confidences[i - 1, j - 1]; NaN in the slots a block cut to the generation budget lacks.
     confidences: np.ndarray | None = None
+    # Draft trees of each budget (drafted nodes), max(candidates) deep: `tree_commits[j, i - 1]` = t(i, N_j).
+    tree_budgets: tuple[int, ...] = ()
+    tree_commits: np.ndarray | None = None  # (len(tree_budgets), n - 1) int16
 
     def __post_init__(self) -> None:
         if self.tokens is not None and len(self.tokens) != self.n:
@@ -67,6 +77,10 @@ class AcceptanceTable:
         expected = (self.n - 1, max(self.candidates) - 1)
         if self.confidences is not None and self.confidences.shape != expected:
             raise ValueError(f"confidences of shape {self.confidences.shape} for a table that needs {expected}")
+        trees = (len(self.tree_budgets), self.n - 1)
+        if self.tree_budgets and (self.tree_commits is None or self.tree_commits.shape != trees):
+            found = None if self.tree_commits is None else self.tree_commits.shape
+            raise ValueError(f"tree commits of shape {found} for a table of tree budgets {self.tree_budgets}: expected {trees}")
 
     @property
     def n(self) -> int:
@@ -86,12 +100,13 @@ class AcceptanceTable:
         stop = self.n if stop is None else min(stop, self.n)
         if not 1 <= start <= max(stop, 1):
             raise ValueError(f"a walk starts at a cursor within [1, {stop}], got {start}")
-        row, lengths, cursor = self.row(block_size), [], start
-        while cursor < stop:
-            step = int(row[cursor - 1])
-            lengths.append(step)
-            cursor += step
-        return lengths
+        return _chase(self.row(block_size), start, stop)
+
+    def walk_tree(self, nodes: int) -> list[int]:
+        """Acceptance lengths of a run verifying the best-first tree of `nodes` nodes every cycle."""
+        if nodes not in self.tree_budgets:
+            raise ValueError(f"this table has trees of {list(self.tree_budgets)} nodes, not {nodes}: relabel with it")
+        return _chase(self.tree_commits[self.tree_budgets.index(nodes)], 1, self.n)
 
     def walk_policy(self, choose: Callable[[int, int | None, int | None], int]) -> tuple[list[int], list[int]]:
         """(block sizes, acceptance lengths) of a per-step policy: `choose(cursor, previous b, previous
@@ -156,6 +171,16 @@ class AcceptanceTable:
         return self.walk_policy(lambda cursor, *_: self.candidates[int(np.argmin(q[:, cursor - 1]))])
 
 
+def _chase(commits: np.ndarray, start: int, stop: int) -> list[int]:
+    """The acceptance lengths of cycles from cursor `start` until `stop`, each committing `commits[cursor - 1]`."""
+    lengths, cursor = [], start
+    while cursor < stop:
+        step = int(commits[cursor - 1])
+        lengths.append(step)
+        cursor += step
+    return lengths
+
+
 @torch.inference_mode()
 def acceptance_table(
     models: SpeculativeModels,
@@ -165,9 +190,12 @@ def acceptance_table(
     candidates: Sequence[int],
     max_new_tokens: int,
     slot_hits: np.ndarray | None = None,  # (K, max b - 1, 2): per candidate and draft slot, [right, drafted] += ...
+    tree_budgets: Sequence[int] = (),
+    top_k: int = TOP_K,
 ) -> AcceptanceTable:
-    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked), and the
-    largest candidate's draft confidences in every slot.
+    """a(i, b) for every cursor and candidate: one drafting-primitive call per candidate (chunked), the largest
+    candidate's draft confidences in every slot, and t(i, N) for every tree budget N, from trees branching into the
+    `top_k` tokens of each of that block's slots.
 
     A block's drafts past its first wrong one change nothing to a(i, b), so the last layer's per-token part and the
     head run only on the slots blocks reach (`_accepted_drafts`), except for the largest candidate, whose every slot's
@@ -180,12 +208,23 @@ def acceptance_table(
     context_length = prompt_length + n - 1
     if features.shape[0] < context_length:
         raise ValueError(f"features cover {features.shape[0]} positions; the table needs {context_length}")
+    tree_budgets = distinct_block_sizes(tree_budgets, "tree_budgets") if tree_budgets else ()
     commits = np.ones((len(candidates), max(n - 1, 0)), dtype=np.int16)
     generated = np.asarray(tokens, dtype=np.int64)
     largest = max(candidates)
     confidences = torch.full((max(n - 1, 0), largest - 1), torch.nan)
+    # The largest block's top k log-probabilities (-inf past a block cut to the budget) and tokens per slot.
+    top_logprobs = torch.full((max(n - 1, 0), largest - 1, top_k), -torch.inf)
+    top_ids = torch.zeros((max(n - 1, 0), largest - 1, top_k), dtype=torch.int64)
+
+    def table() -> AcceptanceTable:
+        trees = tree_commit_rows(top_logprobs.numpy(), top_ids.numpy(), generated, tree_budgets) if tree_budgets else None
+        return AcceptanceTable(
+            candidates, commits, max_new_tokens, generated, confidences.numpy(), tree_budgets, trees
+        )
+
     if n < 2:
-        return AcceptanceTable(candidates, commits, max_new_tokens, generated, confidences.numpy())
+        return table()
     sequence = torch.as_tensor(list(tokens), device=device)
     context = features[:context_length].to(device)[None]
     context_kv = drafter.encode_context(context, torch.arange(context_length, device=device)[None])
@@ -208,7 +247,7 @@ def acceptance_table(
                 models.mask_token_id,
                 defer_last_layer=True,
             )
-            accepted, confidence = _accepted_drafts(
+            accepted, logits = _accepted_drafts(
                 blocks,
                 head,
                 padded,
@@ -221,8 +260,32 @@ def acceptance_table(
             on_host = rows.cpu()
             commits[column, on_host.numpy()] = step.cpu().numpy()
             if b == largest:
-                confidences[on_host, : width - 1] = confidence.cpu()
-    return AcceptanceTable(candidates, commits, max_new_tokens, generated, confidences.numpy())
+                in_block = (torch.arange(1, width, device=device)[None, :] < sizes[rows][:, None])[..., None]
+                confidences[on_host, : width - 1] = torch.where(in_block[..., 0], draft_confidence(logits), torch.nan).cpu()
+                if tree_budgets:
+                    logprobs, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(top_k, vocab), dim=-1)
+                    top_logprobs[on_host, : width - 1, : ids.shape[-1]] = logprobs.masked_fill(~in_block, -torch.inf).cpu()
+                    top_ids[on_host, : width - 1, : ids.shape[-1]] = ids.cpu()
+    return table()
+
+
+def tree_commit_rows(
+    top_logprobs: np.ndarray,  # (n - 1, D - 1, k) per cursor and slot, most likely first, -inf where not drafted
+    top_ids: np.ndarray,  # (n - 1, D - 1, k)
+    sequence: np.ndarray,  # (n,) g_0..g_{n-1}
+    budgets: Sequence[int],
+) -> np.ndarray:
+    """(len(budgets), n - 1) t(i, N): the tokens a verify of the best-first tree of N nodes at cursor i commits when
+    the target's picks are the sequence (one tree of the largest budget per cursor: the smaller ones are its
+    first N nodes)."""
+    n, largest = len(sequence), max(budgets)
+    commits = np.ones((len(budgets), max(n - 1, 0)), dtype=np.int16)
+    for cursor in range(1, n):
+        tree = best_first_tree(top_logprobs[cursor - 1].tolist(), top_ids[cursor - 1].tolist(), largest, largest + 1)
+        path = np.asarray(path_nodes(tree, sequence[cursor:]))
+        for j, nodes in enumerate(budgets):
+            commits[j, cursor - 1] = min(int((path <= nodes).sum()) + 1, n - cursor)
+    return commits
 
 
 def _accepted_drafts(
@@ -234,15 +297,15 @@ def _accepted_drafts(
     slot_hits: np.ndarray | None,  # (>= W - 1, 2) of this candidate: every slot computed and counted
     every_slot: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """((m,) drafts of each block that match the sequence before its first wrong one, and with `every_slot` the
-    drafter's confidence in every slot, (m, W - 1), NaN past a block's size). Slots are computed `SLOTS_PER_STAGE`
-    at a time, each stage only for the blocks whose drafts were all right before it, unless every slot is asked
-    for (`every_slot`, `slot_hits`)."""
+    """((m,) drafts of each block that match the sequence before its first wrong one, and the drafted slots'
+    logits (m, W - 1, V) when every slot is computed). Slots are computed `SLOTS_PER_STAGE` at a time, each stage
+    only for the blocks whose drafts were all right before it, unless every slot is asked for (`every_slot`,
+    `slot_hits`)."""
     width = blocks.residual.shape[1]
     every_slot = every_slot or slot_hits is not None
     stage = width if every_slot else SLOTS_PER_STAGE
     accepted = torch.zeros(cursors.shape[0], dtype=torch.int64, device=cursors.device)
-    confidences = None
+    every_logits = None
     alive = torch.arange(cursors.shape[0], device=cursors.device)
     for start in range(1, width, stage):
         stop = min(width, start + stage)
@@ -257,11 +320,11 @@ def _accepted_drafts(
             slot_hits[start - 1 : stop - 1, 0] += right.sum(dim=0).cpu().numpy()
             slot_hits[start - 1 : stop - 1, 1] += in_block.sum(dim=0).cpu().numpy()
         if every_slot:
-            confidences = torch.where(in_block, draft_confidence(draft_logits), torch.nan)
+            every_logits = draft_logits
         alive = alive[run[:, -1] > 0]
         if alive.numel() == 0:
             break
-    return accepted, confidences
+    return accepted, every_logits
 
 
 # ----------------------------------------------------------------------------- in label rows
@@ -271,12 +334,27 @@ def table_columns(tables: Sequence[AcceptanceTable]) -> dict[str, list]:
     """The tables of one label row (one per pooled sample) as the row's `table_commits` (per candidate, every
     sample's a(i, b) concatenated), `table_anchors` (cursors per sample), `table_tokens` (every sample's
     sequence g_0..g_{n-1} concatenated, n = cursors + 1) and `table_confidences` (every sample's (n - 1, D - 1)
-    confidences, row-major, concatenated) columns; the last two are null unless every table knows them."""
+    confidences, row-major, concatenated) columns; the last two are null unless every table knows them. With tree
+    budgets, `tree_budgets` and `table_tree_commits` (per budget, every sample's t(i, N) concatenated)."""
     if not tables:
-        return {"table_commits": None, "table_anchors": None, "table_tokens": None, "table_confidences": None}
+        return {
+            "table_commits": None,
+            "table_anchors": None,
+            "table_tokens": None,
+            "table_confidences": None,
+            "tree_budgets": None,
+            "table_tree_commits": None,
+        }
     known = all(table.tokens is not None for table in tables)
     confident = all(table.confidences is not None for table in tables)
+    budgets = tables[0].tree_budgets
     return {
+        "tree_budgets": list(budgets) if budgets else None,
+        "table_tree_commits": [
+            [int(v) for table in tables for v in table.tree_commits[j]] for j in range(len(budgets))
+        ]
+        if budgets
+        else None,
         "table_commits": [
             [int(v) for table in tables for v in table.commits[k]] for k in range(len(tables[0].candidates))
         ],
@@ -310,7 +388,17 @@ def tables_from_row(row: dict) -> list[AcceptanceTable]:
                 f"row {row.get('prompt_id')!r}: {len(values)} confidences for {bounds[-1]} cursors of {slots} slots"
             )
         confidences = [values[start * slots : stop * slots].reshape(-1, slots) for start, stop in zip(bounds, bounds[1:])]
+    budgets = tuple(int(nodes) for nodes in row.get("tree_budgets") or ())
+    trees = np.asarray(row["table_tree_commits"], dtype=np.int16).reshape(len(budgets), -1) if budgets else None
     return [
-        AcceptanceTable(candidates, matrix[:, start:stop], int(row["max_new_tokens"]), sequence, confidence)
+        AcceptanceTable(
+            candidates,
+            matrix[:, start:stop],
+            int(row["max_new_tokens"]),
+            sequence,
+            confidence,
+            budgets,
+            trees[:, start:stop] if trees is not None else None,
+        )
         for start, stop, sequence, confidence in zip(bounds[:-1], bounds[1:], sequences, confidences, strict=True)
     ]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from blockpilot.data.labels import LABEL_SCHEMA_VERSION
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.home import HOME_ENV, blockpilot_home
 from blockpilot.options import option, positive_int_arg
@@ -60,7 +61,8 @@ class DemoPaths:
 
     @property
     def labels(self) -> Path:
-        return self.run / "labels"
+        """Versioned: a run of a newer label schema labels afresh beside an older run's rows, which it cannot read."""
+        return self.run / f"labels-v{LABEL_SCHEMA_VERSION}"
 
     @property
     def predictor(self) -> Path:

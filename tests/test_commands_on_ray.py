@@ -10,7 +10,7 @@ import subprocess
 
 import psutil
 import pytest
-from commands import check_quiet, BIN, PROMPT, ROOT, check_endpoint, free_port, run, user_env, wait_healthy
+from commands import BIN, PROMPT, ROOT, check_endpoint, check_quiet, free_port, run, user_env, wait_healthy
 from support import greedy_reference
 
 from blockpilot.data.labels import read_labels

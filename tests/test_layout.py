@@ -85,8 +85,16 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     # rules every module shares: value checks, candidates and B*, files, the home folder, option fields
     ("blockpilot.checks", "blockpilot.blocks", "blockpilot.files", "blockpilot.home", "blockpilot.options"),
-    # data and models: label schema and sources, MLflow calls, the cost curve, the models, the policy contract
-    ("blockpilot.data", "blockpilot.tracking", "blockpilot.cost", "blockpilot.models", "blockpilot.policies"),
+    # data and models: label schema and sources, MLflow calls, the cost curve, the models, the policy contract, the
+    # draft tree's shape (pure: the tables build trees as the engine does)
+    (
+        "blockpilot.data",
+        "blockpilot.tracking",
+        "blockpilot.cost",
+        "blockpilot.models",
+        "blockpilot.policies",
+        "blockpilot.tree",
+    ),
     # acceptance tables and what is learned and measured on them
     ("blockpilot.table", "blockpilot.walks", "blockpilot.scoring", "blockpilot.predictor"),
     # the policy families and their resolver

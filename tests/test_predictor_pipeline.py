@@ -224,6 +224,7 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     # MLflow's own loader: the pyfunc picks, per row of step features, the block size the model picks.
     import numpy as np
     import pandas as pd
+
     from blockpilot.predictor.step_features import NO_TOKEN, CycleView
     from blockpilot.predictor.step_model import StepModel
 

@@ -1,4 +1,4 @@
-"""Draft trees (`blockpilot.decoding.tree`, verified by the static engine): the best-first tree holds the most probable
+"""Draft trees (`blockpilot.tree`, verified by the static engine): the best-first tree holds the most probable
 continuations; at T = 0 every tree policy decodes the target's greedy output, alone and beside chain rows; at T > 0
 a row's output for a seed is the autoregressive one whatever its tree (so it samples the target's distribution, as
 the static sampler's chi-square test shows); a larger budget commits at least as much a cycle on these prompts."""
@@ -9,16 +9,19 @@ import itertools
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from support import greedy_reference
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
 from blockpilot.decoding.static_engine import StaticEngine
-from blockpilot.decoding.tree import DEAD, best_first_tree
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
 from blockpilot.serving import BatchedDecoder, ServeLimits
+from blockpilot.sweep import SweepConfig, sweep_prompt
+from blockpilot.table import acceptance_table, table_columns, tables_from_row
+from blockpilot.tree import DEAD, best_first_tree
 from pipelines.openai_protocol import CompletionRequest, decode_request, parse_request
 
 PROMPTS = ["Count from 3 to 14.", "Sort these numbers: 5 3 9 1", "def add(a, b):", "Write the numbers from 2 to 20."]
@@ -170,3 +173,44 @@ def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_e
         used[name] = set(engine.verified_nodes)
     # Flat: every cycle verifies the smallest bucket holding its largest tree (16, or less near a row's budget).
     assert 16 in used["flat"] and used["steep"] == {4}
+
+
+def test_tree_walks_on_the_labels_equal_live_tree_runs_at_temperature_0(tiny_models):
+    """The label's t(i, N), walked, is cycle by cycle what a live run of the tree of N nodes commits (trees of
+    several budgets sharing a batch); the tables are as deep as the largest candidate, and so are the live trees."""
+    B = tiny_models.train_block_size
+    candidates, budgets = (B - 1, B + 1), (3, 8, 16)
+    stop = tuple(tiny_models.stop_token_ids())
+    config = SweepConfig(candidates, max_new_tokens=40, stop_token_ids=stop, tree_budgets=budgets)
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[::3]]
+    tables = [sweep_prompt(tiny_models, p, config).tables[0] for p in prompts]
+    policies = [FixedTree(nodes, B + 1) for nodes in budgets]
+    batch = requests(tiny_models, [p for p in prompts for _ in budgets], policies * len(prompts), 40)
+    live = generate_many(tiny_models, batch, engine=StaticEngine(tiny_models, max_batch=4, tree_nodes=16))
+    walks = [table.walk_tree(nodes) for table in tables for nodes in budgets]
+    assert [r.acceptance_lengths for r in live] == walks
+    assert [r.token_ids for r in live] == [table.tokens.tolist() for table in tables for _ in budgets]
+
+
+def test_tree_labels_grow_with_the_budget_and_a_top_1_tree_is_the_chain(tiny_models):
+    """Whatever the weights: a tree is its larger budget's first nodes, so it commits no more at any cursor; branching
+    into each slot's top 1, a tree of D - 1 nodes is the chain of D. Rows carry the trees' commits and read back."""
+    B = tiny_models.train_block_size
+    candidates = (B - 1, B + 1)
+    prompt = tiny_models.encode_prompt(PROMPTS[0])
+    (reference,) = generate_many(tiny_models, [GenerationRequest(prompt, GenerationConfig(max_new_tokens=40), FixedBlockSize(B), record=True)])
+    features = reference.record.context_features
+
+    def table(budgets, top_k):
+        return acceptance_table(tiny_models, len(prompt), reference.token_ids, features, candidates, 40, tree_budgets=budgets, top_k=top_k)
+
+    wide = table((2, 5, 30), 8)
+    assert (np.diff(wide.tree_commits.astype(int), axis=0) >= 0).all()
+    assert (wide.tree_commits >= 1).all() and (wide.tree_commits <= 31).all()
+    narrow = table((B,), 1)
+    assert narrow.tree_commits[0].tolist() == narrow.row(B + 1).tolist()
+    (back,) = tables_from_row({**table_columns([wide]), "candidates": list(candidates), "max_new_tokens": 40})
+    assert back.tree_budgets == (2, 5, 30) and (back.tree_commits == wide.tree_commits).all()
+    assert [back.walk_tree(n) for n in (2, 5, 30)] == [wide.walk_tree(n) for n in (2, 5, 30)]
+    with pytest.raises(ValueError, match="trees of \\[2, 5, 30\\] nodes, not 4"):
+        back.walk_tree(4)

@@ -17,6 +17,9 @@ Columns (lists follow `candidates`):
                                               candidate D's block at every cursor of every sample: cursors x
                                               (D - 1) values per sample, row-major, NaN in the slots of a block
                                               cut to the generation budget (what draft-then-trim decides with)
+    tree_budgets, table_tree_commits          draft trees (`blockpilot.table`): the budgets in drafted nodes, and
+                                              per budget t(i, N) at every cursor of every sample, concatenated
+                                              (trees as deep as the largest candidate)
     anchor_entropy, anchor_top_probs          per cursor of the table, the target distribution at the
                                               anchor (T = 1): entropy in nats and top-k probabilities
     topk_ids, topk_probs, entropy             the prefill distribution (T = 1), top k + entropy in nats
@@ -49,8 +52,8 @@ ANCHOR_TOP_K = 4
 
 # The version of the label schema, kept in every label file's Parquet metadata. Raise it when a column is added or
 # changes meaning; a file of another version is refused with what to rerun, never read in part.
-# 1: every column above, the acceptance table with sequences and confidences included.
-LABEL_SCHEMA_VERSION = 1
+# 1: the acceptance table with sequences and confidences. 2: draft trees' commits (tree_budgets, table_tree_commits).
+LABEL_SCHEMA_VERSION = 2
 _VERSION_KEY = b"blockpilot.label_schema_version"
 
 LABEL_SCHEMA = pa.schema(
@@ -73,6 +76,8 @@ LABEL_SCHEMA = pa.schema(
         pa.field("table_anchors", pa.list_(pa.int32())),
         pa.field("table_tokens", pa.list_(pa.int32())),
         pa.field("table_confidences", pa.list_(pa.float32())),
+        pa.field("tree_budgets", pa.list_(pa.int32())),
+        pa.field("table_tree_commits", pa.list_(pa.list_(pa.int16()))),
         pa.field("anchor_entropy", pa.list_(pa.float16())),
         pa.field("anchor_top_probs", pa.list_(pa.list_(pa.float16()))),
         pa.field("topk_ids", pa.list_(pa.int32())),

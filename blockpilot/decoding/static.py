@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockpilot.decoding.tree import DraftTree
 from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
 from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.tree import TOP_K, DraftTree
 
 COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
 
@@ -284,7 +284,7 @@ class StaticDecoder:
         compile: str = "off",
         sampling: bool = False,
         tree_nodes: int | None = None,
-        top_k: int = 8,
+        top_k: int = TOP_K,
     ) -> None:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")

@@ -43,16 +43,15 @@ from blockpilot.decoding.engine import (
 )
 from blockpilot.decoding.request import GenerationRequest
 from blockpilot.decoding.static import StaticDecoder, span_bucket
-from blockpilot.decoding.tree import DraftTree, best_first_tree, expected_commits
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize, FixedTree
+from blockpilot.tree import TOP_K, DraftTree, best_first_tree, expected_commits
 
 ENGINES = ("eager", "static")  # `SpeculativeEngine` on transformers' modules; `StaticEngine` on the compiled cycle
 ENGINE_HELP = "eager: the engine on transformers' modules; static: the compiled cycle over preallocated caches"
 COMPILE_HELP = "with --engine static: torch.compile the cycle, replay it as a CUDA graph, or both (GPU for graphs)"
-TREE_TOP_K = 8  # the tokens of each drafted slot a tree may branch into
 # Cache slots a row holds by default: its prompt, its budget and one block must fit.
 DEFAULT_CAPACITY = 2048
 
@@ -102,7 +101,7 @@ class StaticEngine(RowScheduler):
         sampling: bool = True,
         prefill_chunk: int | None = None,
         tree_nodes: int | None = None,
-        top_k: int = TREE_TOP_K,
+        top_k: int = TOP_K,
     ) -> None:
         super().__init__(models, max_batch, prefill_chunk)
         if width is None:

@@ -97,7 +97,7 @@ class BlockSizePolicy:
 
     name = "policy"
     trims = False  # whether `verify_count` may keep fewer drafts than were drafted
-    # The drafted nodes of a row's draft tree (`blockpilot.decoding.tree`), b levels deep; None: a chain of b (a
+    # The drafted nodes of a row's draft tree (`blockpilot.tree`), b levels deep; None: a chain of b (a
     # tree of b - 1 nodes, one a level). Trees run on the static engine.
     tree_nodes: int | None = None
 

@@ -14,7 +14,7 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
                       every later one (reading the predictor's choice when it was trained with it)
     trim:CALIBRATION  draft-then-trim (`blockpilot.policies.trim`): draft the calibration's block size, verify the
                       prefix whose calibrated survival pays for its priced cost (`blockpilot calibrate-trim`)
-    tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.decoding.tree`; the static
+    tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.tree`; the static
                       engine only)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 

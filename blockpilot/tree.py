@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEAD = -1  # the parent of a padding node
+TOP_K = 8  # the tokens of each drafted slot a tree may branch into
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,18 @@ def expected_commits(tree: DraftTree) -> list[float]:
     drafter calibrated: the target's own token, and each node with the probability that its whole continuation is
     right (nodes come in decreasing probability, so every prefix is the best tree of its size)."""
     return list(itertools.accumulate(tree.probabilities))
+
+
+def path_nodes(tree: DraftTree, continuation: Sequence[int]) -> list[int]:
+    """The nodes (root excluded, shallowest first) of the tree's path that spells the longest prefix of
+    `continuation`: what a verify commits past the root when the target's picks are `continuation`. Node indices
+    grow along a path (a parent is chosen before its children), so the tree cut to its first N nodes keeps the path's
+    nodes numbered up to N."""
+    children = {(parent, token): node for node, (parent, token) in enumerate(zip(tree.parents, tree.tokens)) if parent != DEAD}
+    path, node = [], 0
+    for token in continuation:
+        node = children.get((node, int(token)), DEAD)
+        if node == DEAD:
+            break
+        path.append(node)
+    return path
