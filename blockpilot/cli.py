@@ -20,6 +20,7 @@ from blockpilot.options import (
     model_ref,
     non_negative_float_arg,
     positive_int_arg,
+    tree_budget_list,
 )
 
 
@@ -159,6 +160,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cycles=args.cycles,
         drafted=args.drafted,
         compile=args.compile if static else None,
+        tree_nodes=args.tree_nodes,
     )
     cost.save(args.out)
     print(f"cost curve -> {args.out}")
@@ -168,6 +170,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raw = {b: f" [{value * 1000:.2f}]" for b, value in measured.items() if value != by_b.get(b)}
         points = [f"b={b} {seconds * 1000:.2f}{raw.get(b, '')}" for b, seconds in by_b.items()]
         print(f"batch {batch}: " + ", ".join(points))
+    for batch, by_nodes in cost.trees.items():
+        print(f"batch {batch}, trees {cost.tree_depth} deep: " + ", ".join(f"{n} nodes {s * 1000:.2f}" for n, s in by_nodes.items()))
     return 0
 
 
@@ -303,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="time draft-then-trim's cycles: draft this many slots, verify each block size (default: 1 .. this)",
     )
     cal.add_argument("--engine", choices=ENGINES, default="eager", help="the engine whose cycle is timed")
+    cal.add_argument(
+        "--tree-nodes",
+        type=tree_budget_list,
+        default=(),
+        help="also time draft trees of these budgets, as deep as the largest block size (--engine static), e.g. 8,16,32,64",
+    )
     cal.add_argument("--compile", choices=COMPILE_MODES, default="off", help=COMPILE_HELP)
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")
     cal.add_argument("--device", default=None)

@@ -46,6 +46,10 @@ class CycleCost:
     measured: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> b -> raw median seconds
     # Draft-then-trim's cycles: every cycle drafted this many slots and b is what it verified (None: it drafted b).
     drafted: int | None = None
+    # Tree cycles (`blockpilot.tree`): batch -> drafted nodes -> seconds, the trees `tree_depth` deep (none measured:
+    # empty, and trees have no price).
+    trees: dict[int, dict[int, float]] = field(default_factory=dict)
+    tree_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -55,7 +59,9 @@ class CycleCost:
             wider = sorted(b for by_b in self.seconds.values() for b in by_b if b > self.drafted)
             if wider:
                 raise ValueError(f"a curve of cycles that draft {self.drafted} cannot verify b = {wider}")
-        for batch, by_b in self.seconds.items():
+        if bool(self.trees) != (self.tree_depth is not None):
+            raise ValueError(f"tree prices ({sorted(self.trees)} batches) come with the trees' depth, got {self.tree_depth!r}")
+        for batch, by_b in [*self.seconds.items(), *self.trees.items()]:
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"cost of b={b} at batch {batch} must be a positive number, got {value!r}")
@@ -73,12 +79,16 @@ class CycleCost:
         """c(b) at `batch` (the nearest measured batch size), linear in b between and beyond measured points."""
         if self.is_uniform:
             return 1.0
-        points = sorted(self.seconds[self._nearest_batch(batch)].items())
-        if len(points) == 1:
-            return points[0][1]
-        right = next((i for i, (b, _) in enumerate(points) if b >= block_size), len(points) - 1)
-        (b0, c0), (b1, c1) = points[max(right - 1, 0)], points[max(right, 1)]
-        return max(c0 + (c1 - c0) * (block_size - b0) / (b1 - b0), min(c for _, c in points) / 10)
+        return _interpolate(self.seconds[self._nearest_batch(batch)], block_size)
+
+    def tree(self, nodes: int, batch: int = 1) -> float:
+        """The cost of a cycle that verifies a draft tree of `nodes` nodes (`tree_depth` deep) at `batch` (the nearest
+        measured batch size), linear in nodes between and beyond measured points."""
+        if self.is_uniform:
+            return 1.0
+        if not self.trees:
+            raise ValueError("this cost curve prices no tree cycles: calibrate with --tree-nodes (static engine)")
+        return _interpolate(self.trees[nearest_batch_size(self.trees, batch)], nodes)
 
     def _nearest_batch(self, batch: int) -> int:
         return nearest_batch_size(self.seconds, batch)
@@ -93,7 +103,8 @@ class CycleCost:
             return self
         nearest = self._nearest_batch(batch)
         measured = {nearest: dict(self.measured[nearest])} if nearest in self.measured else {}
-        return replace(self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured)
+        trees = {batch: dict(self.trees[nearest_batch_size(self.trees, batch)])} if self.trees else {}
+        return replace(self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured, trees=trees)
 
     def scaled(self, factor: float) -> CycleCost:
         """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
@@ -103,11 +114,11 @@ class CycleCost:
         def times(curve: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
             return {batch: {b: value * factor for b, value in by_b.items()} for batch, by_b in curve.items()}
 
-        return replace(self, seconds=times(self.seconds), measured=times(self.measured))
+        return replace(self, seconds=times(self.seconds), measured=times(self.measured), trees=times(self.trees))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("seconds", "measured"):
+        for name in ("seconds", "measured", "trees"):
             out[name] = {str(batch): {str(b): v for b, v in by_b.items()} for batch, by_b in out[name].items()}
         return out
 
@@ -139,6 +150,8 @@ class CycleCost:
             drafter_id=raw.get("drafter_id", ""),
             measured=curve(raw.get("measured", {})),
             drafted=raw.get("drafted"),
+            trees=curve(raw.get("trees", {})),
+            tree_depth=raw.get("tree_depth"),
         )
 
     def describe(self) -> str:
@@ -147,7 +160,21 @@ class CycleCost:
         batch = min(self.seconds)
         curve = ", ".join(f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.seconds[batch].items()))
         drafting = f", drafting {self.drafted} (b verified)" if self.drafted is not None else ""
-        return f"{self.device} {self.dtype}, batch {batch}{drafting}: {curve}"
+        trees = ""
+        if self.trees:
+            by_nodes = self.trees[nearest_batch_size(self.trees, batch)]
+            trees = f"; trees {self.tree_depth} deep: " + ", ".join(f"{n} nodes: {v * 1000:.2f} ms" for n, v in sorted(by_nodes.items()))
+        return f"{self.device} {self.dtype}, batch {batch}{drafting}: {curve}{trees}"
+
+
+def _interpolate(points_by_x: dict[int, float], x: int) -> float:
+    """A measured curve at `x`: linear between and beyond its points, never below a tenth of its lowest point."""
+    points = sorted(points_by_x.items())
+    if len(points) == 1:
+        return points[0][1]
+    right = next((i for i, (p, _) in enumerate(points) if p >= x), len(points) - 1)
+    (x0, c0), (x1, c1) = points[max(right - 1, 0)], points[max(right, 1)]
+    return max(c0 + (c1 - c0) * (x - x0) / (x1 - x0), min(c for _, c in points) / 10)
 
 
 def nondecreasing_in_block_size(by_b: dict[int, float]) -> dict[int, float]:

@@ -383,6 +383,8 @@ HEADROOM_COLUMNS = (
     "cycles",
     "table_commits",
     "table_anchors",
+    "tree_budgets",
+    "table_tree_commits",
     "max_new_tokens",
     "error",
 )

@@ -13,7 +13,16 @@ from blockpilot.blocks import best_block_size
 from blockpilot.cost import CycleCost
 from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorInputs, input_arrays
 from blockpilot.table import AcceptanceTable, tables_from_row
-from blockpilot.walks import POLICY_COLUMNS, FixedWalks, policy_table, step_oracle, temperature_groups, walk_metrics
+from blockpilot.walks import (
+    POLICY_COLUMNS,
+    FixedWalks,
+    TreeWalks,
+    policy_table,
+    step_oracle,
+    temperature_groups,
+    tree_walks_of_tables,
+    walk_metrics,
+)
 
 SCORES: tuple[str, ...] = ("tau", "throughput")
 
@@ -79,7 +88,8 @@ class LabelArrays:
 def label_columns(dense: bool = False) -> list[str]:
     """The label columns `label_arrays` reads."""
     scored = ["prompt_id", "source", "train_block_size", "candidates", "tau", "cycles", "max_new_tokens"]
-    return [*scored, "table_commits", "table_anchors", *INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]
+    tables = ["table_commits", "table_anchors", "tree_budgets", "table_tree_commits"]
+    return [*scored, *tables, *INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]
 
 
 def candidates_of(table: pa.Table) -> tuple[int, ...]:
@@ -94,7 +104,8 @@ def label_arrays(
     candidates = candidates_of(table)
     tables = None
     if "table_commits" in table.column_names and table["table_commits"].null_count == 0:
-        columns = table.select(["candidates", "table_commits", "table_anchors", "max_new_tokens"]).to_pylist()
+        wanted = ["candidates", "table_commits", "table_anchors", "max_new_tokens", "tree_budgets", "table_tree_commits"]
+        columns = table.select([name for name in wanted if name in table.column_names]).to_pylist()
         tables = [tables_from_row(row) for row in columns]
     return LabelArrays(
         prompt_ids=table["prompt_id"].to_pylist(),
@@ -126,6 +137,11 @@ def step_oracles(arrays: LabelArrays) -> np.ndarray | None:
     return np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
 
 
+def tree_walks(arrays: LabelArrays) -> TreeWalks | None:
+    """The tree budgets' walks over the rows (None where the rows' tables hold no trees)."""
+    return tree_walks_of_tables(arrays.tables, arrays.cost) if arrays.tables else None
+
+
 def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str, float]:
     """The metrics (`blockpilot.walks`) of choosing `candidates[choice_index[i]]` for row i as `pred`, beside fixed B,
     the best fixed b and the oracles; with `accuracy` (the choice is the row's B*), `gap_captured` = (pred - B) /
@@ -144,6 +160,7 @@ def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str,
         arrays.train_block_size,
         policies={"pred": lambda rows: walks.rows(rows).chosen(choice[rows])},
         step_oracles=oracles,
+        trees=tree_walks(arrays),
     )
     best = arrays.best_index
     for prefix, rows in groups.items():
@@ -162,7 +179,9 @@ def headroom(arrays: LabelArrays) -> dict[str, float]:
     walks = fixed_walks(arrays)
     oracles = step_oracles(arrays)
     groups = temperature_groups(arrays.temperature.tolist())
-    return walk_metrics(walks, groups, arrays.candidates, arrays.train_block_size, step_oracles=oracles)
+    return walk_metrics(
+        walks, groups, arrays.candidates, arrays.train_block_size, step_oracles=oracles, trees=tree_walks(arrays)
+    )
 
 
 def format_metrics(title: str, metrics: dict[str, float], prediction: bool = True) -> str:

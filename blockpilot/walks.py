@@ -13,8 +13,14 @@ Policies by name:
                  under a uniform cost, the one with the highest tau)
     oracle       the static oracle: each row's own best single b (hindsight, per row)
     step_oracle  the per-step oracle: the cheapest walk choosing b at every cycle (rows with acceptance tables)
+    tree<N>      the draft tree of N nodes, every cycle (rows whose tables hold trees; priced by `CycleCost.tree`)
+    best_tree    the one tree budget with the highest throughput (`best_tree_nodes` names it)
+    best_shape   the one shape, block size or tree budget, with the highest throughput
+    shape_oracle each row's own best shape (hindsight, per row)
     pred         the per-request predictor under test (`scoring`); `request` the same as a step model's prior
     step         the per-step model under test
+
+Without tree prices in a measured cost curve, the tree policies report tau only.
 
 Each metric is computed over all rows (no prefix) and over each group of rows a caller names: per temperature
 (`T<t>/`, `temperature_groups`), per source (`source/<name>/`).
@@ -72,6 +78,59 @@ def fixed_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: Cyc
                 cycles[i, k] += steps
                 spent[i, k] += table.walk_cost([b] * steps, cost=cost)
     return FixedWalks(tokens, cycles, spent)
+
+
+@dataclass
+class TreeWalks:
+    """What each tree budget's walks spend on each row (`walks`, a column per budget), and whether the cost curve
+    priced them (else each cycle costs 1 and only tau is reported)."""
+
+    walks: FixedWalks
+    budgets: tuple[int, ...]
+    priced: bool
+
+
+def tree_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: CycleCost) -> TreeWalks | None:
+    """`TreeWalks` of every tree budget over rows whose tables hold trees (None when they do not), each cycle
+    priced `cost.tree(N)` (1 a cycle where the curve prices no trees)."""
+    budgets = tables[0][0].tree_budgets if tables and tables[0] else ()
+    if not budgets or any(table.tree_budgets != budgets for row in tables for table in row):
+        return None
+    priced = cost.is_uniform or bool(cost.trees)
+    shape = (len(tables), len(budgets))
+    tokens, cycles = np.zeros(shape), np.zeros(shape)
+    for i, row in enumerate(tables):
+        for table in row:
+            for j, nodes in enumerate(budgets):
+                tokens[i, j] += table.n - 1
+                cycles[i, j] += len(table.walk_tree(nodes))
+    price = np.asarray([cost.tree(n) if priced else 1.0 for n in budgets])
+    return TreeWalks(FixedWalks(tokens, cycles, cycles * price[None, :]), budgets, priced)
+
+
+def put_tree_policies(metrics: dict[str, float], prefix: str, chains: FixedWalks, tree_walks: TreeWalks, rows: np.ndarray) -> None:
+    """Every fixed tree budget, the best one (and `best_tree_nodes`), the best fixed shape and each row's best shape
+    (chains' columns first) over `rows`; tau only where the trees are not priced."""
+    trees, budgets, priced = tree_walks.walks.rows(rows), tree_walks.budgets, tree_walks.priced
+    everyone = len(trees.tokens)
+    shown: dict[str, tuple[float, float, float]] = {
+        f"tree{nodes}": trees.chosen(np.full(everyone, j)) for j, nodes in enumerate(budgets)
+    }
+    best = trees.best_fixed()
+    shown["best_tree"] = trees.chosen(np.full(everyone, best))
+    chain_cost = chains.cost if priced else chains.cycles  # unpriced trees: shapes compare by tau
+    shapes = FixedWalks(
+        np.concatenate([chains.tokens, trees.tokens], axis=1),
+        np.concatenate([chains.cycles, trees.cycles], axis=1),
+        np.concatenate([chain_cost, trees.cost], axis=1),
+    )
+    shown["best_shape"] = shapes.chosen(np.full(everyone, shapes.best_fixed()))
+    shown["shape_oracle"] = shapes.chosen(shapes.cheapest())
+    for name, spent in shown.items():
+        put_policy(metrics, prefix, name, *spent)
+        if not priced:
+            del metrics[f"{prefix}throughput_{name}"]
+    metrics[f"{prefix}best_tree_nodes"] = float(budgets[best])
 
 
 def step_oracle(tables: Sequence[AcceptanceTable], cost: CycleCost) -> tuple[float, float, float]:
@@ -135,6 +194,8 @@ POLICY_COLUMNS = (
     ("step", "step"),
     ("static", "oracle"),
     ("per-step", "step_oracle"),
+    ("tree", "best_tree"),
+    ("shape or", "shape_oracle"),
 )
 
 
@@ -145,10 +206,11 @@ def walk_metrics(
     train_block_size: int | None,
     policies: dict[str, Callable[[np.ndarray], tuple[float, float, float]]] | None = None,
     step_oracles: np.ndarray | None = None,  # (N, 3) each row's per-step oracle (tokens, cycles, cost)
+    trees: TreeWalks | None = None,
 ) -> dict[str, float]:
     """Every metric of the module docstring for each group of rows: the fixed policies of `walks`, each policy under
-    test (`policies[name](rows)` gives its (tokens, cycles, cost) over those row indices) and the per-step oracle
-    when the rows' `step_oracles` are given."""
+    test (`policies[name](rows)` gives its (tokens, cycles, cost) over those row indices), the per-step oracle
+    when the rows' `step_oracles` are given, and the tree policies with `trees` (`tree_walks_of_tables`)."""
     metrics: dict[str, float] = {}
     for prefix, rows in groups.items():
         if len(rows) == 0:
@@ -158,4 +220,6 @@ def walk_metrics(
             put_policy(metrics, prefix, name, *spent(rows))
         if step_oracles is not None:
             put_policy(metrics, prefix, "step_oracle", *step_oracles[rows].sum(axis=0))
+        if trees is not None:
+            put_tree_policies(metrics, prefix, walks.rows(rows), trees, rows)
     return metrics

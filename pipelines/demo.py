@@ -298,6 +298,9 @@ def run_demo(job: DemoJob) -> int:
         "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
     }
     specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}
+    if "T0/best_tree_nodes" in step.metrics:  # trees run on the static engine: tables only here
+        nodes = int(step.metrics["T0/best_tree_nodes"])
+        specs |= {"best_tree": (None, f"best fixed tree ({nodes} nodes)"), "shape_oracle": (None, "shape oracle")}
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
     measure_speed(models, prompts_ids[:2], resolve_policy(f"fixed:{recipe.block_size}", models), config)  # warm-up

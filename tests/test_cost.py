@@ -110,3 +110,18 @@ def test_a_short_calibration_climbs_a_ladder_to_the_top():
     assert ladder(32, 4) == (1, 4, 16, 32) and ladder(1, 4) == (1,)
     with pytest.raises(ValueError, match="top >= 1"):
         ladder(0, 2)
+
+
+def test_tree_cycles_have_their_own_prices_that_travel_with_the_curve(tmp_path):
+    cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 5.0}}, trees={1: {8: 4.0, 16: 6.0}, 8: {8: 9.0}}, tree_depth=4)
+    assert cost.tree(8) == 4.0 and cost.tree(12) == pytest.approx(5.0) and cost.tree(8, batch=6) == 9.0
+    assert load_cost(cost.save(tmp_path / "trees.json")) == cost
+    assert cost.at_batch(8).tree(16) == 9.0 and cost.scaled(2.0).tree(16) == 12.0
+    assert "trees 4 deep: 8 nodes: 4000.00 ms" in cost.describe()
+    assert CycleCost.uniform().tree(64) == 1.0
+    with pytest.raises(ValueError, match="prices no tree cycles"):
+        CycleCost({1: {1: 1.0}}).tree(8)
+    with pytest.raises(ValueError, match="the trees' depth"):
+        CycleCost({1: {1: 1.0}}, trees={1: {8: 1.0}})
+    with pytest.raises(ValueError, match="run on the static engine only"):
+        calibrate(None, (1, 2), tree_nodes=(4,))

@@ -214,3 +214,35 @@ def test_tree_labels_grow_with_the_budget_and_a_top_1_tree_is_the_chain(tiny_mod
     assert [back.walk_tree(n) for n in (2, 5, 30)] == [wide.walk_tree(n) for n in (2, 5, 30)]
     with pytest.raises(ValueError, match="trees of \\[2, 5, 30\\] nodes, not 4"):
         back.walk_tree(4)
+
+
+def test_tree_policies_are_scored_on_the_labels_beside_the_chains():
+    """tau and modeled throughput of every fixed budget, the best one, the best shape and each row's best shape, from
+    hand-made tables: row 0 gains from a tree, row 1 does not; tree prices come from the curve, or tau alone."""
+    from blockpilot.cost import CycleCost
+    from blockpilot.table import AcceptanceTable
+    from blockpilot.walks import fixed_walks_of_tables, tree_walks_of_tables, walk_metrics
+
+    def table(chain, trees):  # 6 tokens: cursors 1 .. 5
+        return AcceptanceTable((1, 3), np.array([[1] * 5, chain], dtype=np.int16), 6, tree_budgets=(4, 16), tree_commits=np.array(trees, dtype=np.int16))
+
+    rows = [
+        [table([3, 2, 2, 2, 1], [[3, 2, 2, 2, 1], [5, 4, 3, 2, 1]])],  # chain 3: 2 cycles; tree 16: 1 cycle
+        [table([3, 3, 3, 2, 1], [[2, 2, 2, 2, 1], [2, 2, 2, 2, 1]])],  # chain 3: 2 cycles; trees: 3 cycles
+    ]
+    everyone = {"": np.arange(2)}
+    cost = CycleCost({1: {1: 1.0, 3: 1.0}}, trees={1: {4: 1.0, 16: 3.0}}, tree_depth=3)
+    for curve, priced in [(CycleCost.uniform(), True), (cost, True), (CycleCost({1: {1: 1.0, 3: 1.0}}), False)]:
+        trees = tree_walks_of_tables(rows, curve)
+        assert trees.priced == priced and trees.budgets == (4, 16)
+        metrics = walk_metrics(fixed_walks_of_tables(rows, curve), everyone, (1, 3), 3, trees=trees)
+        assert metrics["tau_tree16"] == pytest.approx(10 / 4) and metrics["tau_tree4"] == pytest.approx(10 / 5)
+        assert metrics["tau_best_fixed"] == pytest.approx(10 / 4)
+        assert ("throughput_tree16" in metrics) == priced
+    uniform = walk_metrics(
+        fixed_walks_of_tables(rows, CycleCost.uniform()), everyone, (1, 3), 3, trees=tree_walks_of_tables(rows, CycleCost.uniform())
+    )
+    assert uniform["best_tree_nodes"] == 16 and uniform["tau_shape_oracle"] == pytest.approx(10 / 3)  # 1 + 2 cycles
+    priced = walk_metrics(fixed_walks_of_tables(rows, cost), everyone, (1, 3), 3, trees=tree_walks_of_tables(rows, cost))
+    assert priced["throughput_tree16"] == pytest.approx(10 / 12) and priced["throughput_best_shape"] == pytest.approx(10 / 4)
+    assert priced["throughput_shape_oracle"] == pytest.approx(10 / 4)  # at 3 s a tree cycle, chains win both rows

@@ -17,7 +17,7 @@ from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.static_engine import StaticEngine
 from blockpilot.models.loading import synchronize
 from blockpilot.policies.base import BlockSizePolicy
-from blockpilot.policies.fixed import FixedBlockSize
+from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 
 
 class _DraftThenVerify(BlockSizePolicy):
@@ -46,11 +46,13 @@ def seconds_per_cycle(
     cycles: int,
     drafted: int | None = None,
     engine: RowScheduler | None = None,
+    tree_nodes: int | None = None,
 ) -> float:
     """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
-    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle). `engine`:
-    an idle one to time (a `StaticEngine`, whose compiled shapes then serve every measurement), else a new eager
-    one.
+    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle); with
+    `tree_nodes`, every row verifies a tree of that many nodes, b deep (on a static `engine` built for them).
+    `engine`: an idle one to time (a `StaticEngine`, whose compiled shapes then serve every measurement), else a
+    new eager one.
 
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
     may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
@@ -62,6 +64,8 @@ def seconds_per_cycle(
     for prompt, b in zip(prompts, block_sizes, strict=True):
         config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
         policy = FixedBlockSize(b) if drafted is None else _DraftThenVerify(drafted, b)
+        if tree_nodes is not None:
+            policy = FixedTree(tree_nodes, b)
         engine.submit(GenerationRequest(list(prompt), config, policy))
     engine.step()  # admission (prefill) and the first cycle: not timed
     started = time.perf_counter()
@@ -94,6 +98,7 @@ def calibrate(
     warmup: int = 2,
     drafted: int | None = None,
     compile: str | None = None,
+    tree_nodes: Sequence[int] = (),
 ) -> CycleCost:
     """Median wall time of one engine cycle at each (batch, b), on the models' device; with `drafted`, of a
     cycle that drafts that many slots and verifies b (draft-then-trim's price, `CycleCost.drafted`).
@@ -108,6 +113,8 @@ def calibrate(
 
     With `compile` (`static.COMPILE_MODES`), the cycle timed is the static engine's (`static_engine.py`) run that
     way, one engine per batch size: its cost steps with the width bucket of b, which is what that engine pays.
+    With `tree_nodes` too, the cycles of draft trees of each of those budgets, max(block_sizes) deep (the trees
+    the labels walk), on a static engine built for the largest: `CycleCost.trees`, timed and fitted the same way.
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -115,23 +122,38 @@ def calibrate(
         raise ValueError(f"cycles that draft {drafted} verify at most {drafted} positions, not b = {max(block_sizes)}")
     if compile is not None and drafted is not None:
         raise ValueError("the static engine verifies whole blocks: calibrate draft-then-trim on the eager engine")
+    tree_nodes = distinct_block_sizes(tree_nodes, "tree nodes") if tree_nodes else ()
+    if tree_nodes and compile is None:
+        raise ValueError("draft trees run on the static engine only: calibrate tree nodes with --engine static")
     generator = torch.Generator().manual_seed(0)
     measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
+    trees: dict[int, dict[int, float]] = {}  # batch -> nodes -> median seconds, before the fit
+    depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
-        engine = None
+        engine = tree_engine = None
         if compile is not None:
-            width = max(block_sizes)
-            capacity = prompt_tokens + (cycles + 3) * width + 1 + width
-            engine = StaticEngine(models, max_batch=batch, width=width, capacity=capacity, compile=compile)
-        rounds = []
+            capacity = prompt_tokens + (cycles + 3) * depth + 1 + max(depth, *tree_nodes)
+            engine = StaticEngine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
+            if tree_nodes:
+                tree_engine = StaticEngine(
+                    models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
+                )
+        rounds, tree_rounds = [], []
         for attempt in range(warmup + repeats):
             timed = {
                 b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, drafted, engine) for b in block_sizes
             }
+            timed_trees = {
+                nodes: seconds_per_cycle(models, prompts[depth], [depth] * batch, cycles, None, tree_engine, nodes)
+                for nodes in tree_nodes
+            }
             if attempt >= warmup:
                 rounds.append(timed)
+                tree_rounds.append(timed_trees)
         measured[batch] = round_relative_medians(rounds)
+        if tree_nodes:
+            trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
     return CycleCost(
         {batch: nondecreasing_in_block_size(by_b) for batch, by_b in measured.items()},
         device=_device_name(models.device),
@@ -141,6 +163,8 @@ def calibrate(
         drafter_id=models.drafter_id,
         measured=measured,
         drafted=drafted,
+        trees=trees,
+        tree_depth=depth if tree_nodes else None,
     )
 
 

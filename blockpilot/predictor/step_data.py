@@ -28,11 +28,13 @@ from blockpilot.walks import (
     policy_table,
     step_oracle,
     temperature_groups,
+    tree_walks_of_tables,
     walk_metrics,
 )
 
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens", "vocab_size"]
 STEP_COLUMNS += ["table_commits", "table_anchors", "table_tokens", "anchor_entropy", "anchor_top_probs"]
+STEP_COLUMNS += ["tree_budgets", "table_tree_commits"]
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,8 @@ def evaluate_step_model(
     oracles = np.asarray([step_oracle(row.tables, cost) for row in rows])
     train = model.config.train_block_size if model is not None else train_block_size
     groups = temperature_groups([row.temperature for row in rows])
-    return walk_metrics(walks, groups, candidates, train, policies, oracles)
+    trees = tree_walks_of_tables([row.tables for row in rows], cost)
+    return walk_metrics(walks, groups, candidates, train, policies, oracles, trees)
 
 
 def format_step_metrics(title: str, metrics: dict[str, float]) -> str:
