@@ -15,8 +15,8 @@ target), random weights, bf16 on a GPU (timing does not depend on weight values)
 4. the static cycle (`blockpilot.decoding.static`) at every batch x width, per --modes; --compile-points
    (BATCHxWIDTH) lists the points also run `compile+graph` (each shape compiles on its own);
 5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph;
-6. with --tree-points (BATCHxNODES), the static engine's whole tree cycle: draft, host-built best-first trees,
-   verify, walk and commit (`--tree-mode`, compile+graph on a GPU).
+6. with --tree-points (BATCHxNODES), the static engine's whole tree cycle in one step: draft, best-first trees grown
+   on the device, verify, walk and commit (`--tree-mode`, compile+graph on a GPU).
 
 Every figure is a median of CUDA-event (or synchronised wall) timings after warm-up. Random weights accept no
 draft, so a cycle commits one token: these are costs, not speedups.
@@ -38,7 +38,6 @@ from blockpilot.decoding.static import StaticDecoder, StaticTarget
 from blockpilot.models.drafter import DFlashConfig
 from blockpilot.models.loading import cache_keyword
 from blockpilot.options import block_size_list
-from blockpilot.tree import best_first_tree
 from blockpilot.zoo.random_models import random_models_like
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json"
@@ -166,25 +165,20 @@ def static_cycle(
 
 def tree_cycle(models, batch: int, nodes: int, mode: str, capacity: int, cycles: int) -> tuple[float, float]:
     """(seconds per cycle, build seconds) of the static engine's whole tree cycle at (batch, nodes) in `mode`: the
-    drafter's pass B deep, its top k to the host, every row's best-first tree built there and copied back, the
-    verify over the N + 1 nodes, the walk and the commit, and the host's read of the outcome."""
+    drafter's pass B deep, every row's best-first tree grown on the device, the verify over the N + 1 nodes, the walk
+    and the commit in one step, and the host's read of the outcome."""
     width = models.train_block_size
     decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode, tree_nodes=nodes)
     decoder.prefill(0, random_prompts(models, batch, 64, torch.Generator().manual_seed(batch * 1000 + nodes)))
     for row in range(batch):
         decoder.place(row, length=64, last_token=1, temperature=0.0, seed=row)
     decoder.set_block_sizes([width] * batch)
+    decoder.set_tree_shapes([nodes] * batch, [decoder.top_k] * batch)
 
     def cycle() -> None:
-        top_logprobs, top_ids = decoder.draft_tree(batch, capacity)
-        trees = [
-            best_first_tree(logprobs, ids, nodes, nodes + 1)
-            for logprobs, ids in zip(top_logprobs.tolist(), top_ids.tolist(), strict=True)
-        ]
-        decoder.set_trees(trees)
-        decoder.verify_tree(batch, capacity, nodes + 1)[1].tolist()
+        decoder.tree_cycle(batch, capacity, nodes + 1)[1].tolist()
 
-    cycle()  # builds (compiles, captures) both steps
+    cycle()  # builds (compiles, captures) the step
     repeats = max(1, (capacity - 64 - nodes - 2 * width) // cycles - 1)  # random weights: one token a cycle
     seconds = timed(lambda: [cycle() for _ in range(cycles)], min(5, repeats), models.device) / cycles
     return seconds, decoder.compile_seconds or 0.0
@@ -338,7 +332,7 @@ def main() -> None:
             seconds, build = tree_cycle(models, batch, nodes, tree_mode, args.capacity, args.cycles)
             release(device)
             say(
-                f"tree cycle ({tree_mode}, host-built trees), batch {batch}, {nodes} nodes "
+                f"tree cycle ({tree_mode}, trees grown on the device), batch {batch}, {nodes} nodes "
                 f"{models.train_block_size} deep: {seconds * 1000:.2f} ms (built in {build:.0f} s; x floor "
                 f"{seconds / floor:.2f})"
             )

@@ -294,6 +294,8 @@ class Labeler:
             "tau": sweep.tau,
             "new_tokens": sweep.new_tokens,
             "cycles": sweep.cycles,
+            "tree_tau": sweep.tree_tau,
+            "tree_cycles": sweep.tree_cycles,
             "best_block_size": sweep.best_block_size,
             **table_columns(sweep.tables),
             "anchor_entropy": None if sweep.anchor_entropy is None else sweep.anchor_entropy.tolist(),

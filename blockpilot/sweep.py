@@ -96,6 +96,9 @@ class PromptSweep:
     # that produced the block's first token): entropy (m,) and top-k probabilities (m, k).
     anchor_entropy: np.ndarray | None = field(default=None, repr=False)
     anchor_top_probs: np.ndarray | None = field(default=None, repr=False)
+    # replay with tree budgets: every tree budget's tau and cycles, as `tau` and `cycles` are every candidate's.
+    tree_tau: list[float] | None = None
+    tree_cycles: list[int] | None = None
 
     @property
     def best_block_size(self) -> int:
@@ -164,6 +167,7 @@ def sweep_prompts(
         for r in mine:
             r.record.context_features = None  # the table holds what was needed
         walks = [[step for table in tables for step in table.walk(b)] for b in config.candidates]
+        tree_walks = [[step for table in tables for step in table.walk_tree(n)] for n in config.tree_budgets]
         sweeps.append(
             PromptSweep(
                 candidates=list(config.candidates),
@@ -176,6 +180,8 @@ def sweep_prompts(
                 tables=tables,
                 anchor_entropy=torch.cat([r.record.entropy[: len(r.token_ids) - 1] for r in mine]).cpu().numpy(),
                 anchor_top_probs=torch.cat([r.record.top_probs[: len(r.token_ids) - 1] for r in mine]).cpu().numpy(),
+                tree_tau=[mean_or_nan(walk) for walk in tree_walks] if tree_walks else None,
+                tree_cycles=[len(walk) for walk in tree_walks] if tree_walks else None,
             )
         )
     return sweeps

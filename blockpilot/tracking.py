@@ -28,6 +28,7 @@ from blockpilot.home import blockpilot_home
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 PREDICTOR_MODEL_NAME = "blockpilot-predictor"
+SHAPE_PREDICTOR_MODEL_NAME = "blockpilot-shape-predictor"  # a per-request predictor over block sizes and tree budgets
 STEP_MODEL_NAME = "blockpilot-step-policy"
 CHAMPION_ALIAS = "champion"
 CHAMPION_METRIC_TAG = "heldout_throughput"

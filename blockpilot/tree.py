@@ -18,7 +18,6 @@ tree of fewer nodes than the batch's budget is padded with dead nodes (parent -1
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,13 +86,6 @@ def best_first_tree(
     return DraftTree(
         tokens + [0] * padding, depths + [0] * padding, parents + [DEAD] * padding, probabilities + [0.0] * padding
     )
-
-
-def expected_commits(tree: DraftTree) -> list[float]:
-    """Tokens a cycle is expected to commit verifying the tree's first k slots, k = 1 .. len(slots), were the
-    drafter calibrated: the target's own token, and each node with the probability that its whole continuation is
-    right (nodes come in decreasing probability, so every prefix is the best tree of its size)."""
-    return list(itertools.accumulate(tree.probabilities))
 
 
 def path_nodes(tree: DraftTree, continuation: Sequence[int]) -> list[int]:

@@ -8,8 +8,9 @@ rows stop here, naming the problem) and split by prompt (or `--val`). fit: a `To
 training rows and the validation rows as Ray Datasets; every epoch rank 0 validates, logs to the MLflow run
 and reports a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 scores the predictor on the validation and held-out labels (tau and modeled throughput), logs the figures,
-the label sets as the run's inputs and the predictor folder, registers a version of `blockpilot-predictor`,
-and moves its `champion` alias when the version beats the champion on held-out modeled throughput.
+the label sets as the run's inputs and the predictor folder, registers a version of `blockpilot-predictor`
+(`blockpilot-shape-predictor` with `--trees`: one over block sizes and tree budgets), and moves its `champion`
+alias when the version beats the champion on held-out modeled throughput.
 
 Runs are named uniquely by default. `--name X --resume` continues run X from its last checkpoint, and only if
 its fingerprint (labels, kind, sizes, candidates, objective, seed, ...) is this job's.
@@ -70,6 +71,11 @@ class TrainJob:
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate) pricing modeled throughput")
     cost_batch: int = option(
         1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
+    )
+    trees: bool = option(
+        False,
+        help="choose among the labels' draft-tree budgets too (a predictor over shapes, registered as "
+        "blockpilot-shape-predictor; its trees run on the static engine; throughput needs a cost with tree prices)",
     )
     val_share: float = option(0.2, type=fraction_arg, help="share of prompts held out for validation")
     seed: int = option(0, type=int, help="seed of the split, the weights and the shuffles")
@@ -149,6 +155,18 @@ def prepare(job: TrainJob) -> Prepared:
         evaluation = valid_rows(read_labels(job.eval), what=f"evaluation labels {str(job.eval)!r}")
         check_same_candidates(train, evaluation, "the evaluation labels")
     first = train.slice(0, 1).to_pylist()[0]
+    tree_budgets: tuple[int, ...] = ()
+    if job.trees:
+        from blockpilot.scoring import tree_columns
+
+        for name, labels in (("training", train), ("validation", val), ("evaluation", evaluation)):
+            found = tree_columns(labels).get("tree_budgets") if labels is not None else None
+            if labels is not None and not found:
+                raise ValueError(f"--trees: the {name} labels carry no draft trees (label them with --tree-budgets)")
+            tree_budgets = tree_budgets or found
+            if labels is not None and found != tree_budgets:
+                raise ValueError(f"--trees: the {name} labels' tree budgets {list(found)} are not {list(tree_budgets)}")
+        cost.tree(tree_budgets[0])  # a measured curve must price trees: fail here, naming how
     config = PredictorConfig(
         kind=job.kind,
         candidates=candidates_of(train),
@@ -160,6 +178,7 @@ def prepare(job: TrainJob) -> Prepared:
         target_id=first["target_id"] or "",
         drafter_id=first["drafter_id"] or "",
         extra={"labels": str(job.labels), "objective": job.objective, "score": job.score},
+        tree_budgets=tree_budgets,
     ).to_dict()
     fingerprint = {
         "labels": _labels_digest(train),
@@ -224,7 +243,7 @@ def _worker(config: dict[str, Any]) -> None:
     val = None
     if rank == 0:
         rows = pa.concat_tables(list(ray.train.get_dataset_shard("val").iter_batches(batch_format="pyarrow")))
-        val = label_arrays(rows, dense, config["cost"], config["score"])
+        val = label_arrays(rows, dense, config["cost"], config["score"], over_shapes=config["over_shapes"])
 
     def batches(epoch: int):
         yield from shard.iter_batches(
@@ -276,7 +295,7 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
     ensure_ray()
     quiet_ray_data()
     dense = job.kind == "dense"
-    columns = {"dense": dense, "cost": prepared.cost, "score": job.score}
+    columns = {"dense": dense, "cost": prepared.cost, "score": job.score, "over_shapes": job.trees}
     val_columns = [c for c in label_columns(dense) if c in prepared.val.column_names]
     datasets = {
         # Materialized once: every epoch then reads the prepared blocks instead of redoing the conversion.
@@ -293,6 +312,7 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
             "dense": dense,
             "cost": prepared.cost,
             "score": job.score,
+            "over_shapes": job.trees,
             "run_id": run_id,
             "tracking_uri": tracking_uri() if run_id else None,
         },
@@ -320,14 +340,23 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
     """Score, save and log the trained predictor; register it (and maybe crown it champion)."""
     from blockpilot.predictor.evaluation import evaluate_predictor, predictor_figures
     from blockpilot.scoring import format_metrics, label_arrays
-    from blockpilot.tracking import champion_context, log_figures, log_label_set, log_predictor_model
+    from blockpilot.tracking import (
+        PREDICTOR_MODEL_NAME,
+        SHAPE_PREDICTOR_MODEL_NAME,
+        champion_context,
+        log_figures,
+        log_label_set,
+        log_predictor_model,
+    )
 
     dense = job.kind == "dense"
     out = job.out or blockpilot_home() / "predictors" / job.name
     predictor.save(out)
-    val_arrays = label_arrays(prepared.val, dense, prepared.cost, job.score)
+    val_arrays = label_arrays(prepared.val, dense, prepared.cost, job.score, over_shapes=job.trees)
     val_metrics = evaluate_predictor(predictor, val_arrays)
-    eval_arrays = None if prepared.evaluation is None else label_arrays(prepared.evaluation, dense, prepared.cost, job.score)
+    eval_arrays = None
+    if prepared.evaluation is not None:
+        eval_arrays = label_arrays(prepared.evaluation, dense, prepared.cost, job.score, over_shapes=job.trees)
     eval_metrics = None if eval_arrays is None else evaluate_predictor(predictor, eval_arrays)
     tracker.log_metrics({f"final_val/{k}": v for k, v in val_metrics.items()})
     if eval_metrics is not None:
@@ -349,11 +378,12 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
         target_id=first.get("target_id") or "",
         drafter_id=first.get("drafter_id") or "",
     )
-    version, champion = log_predictor_model(tracker, out, heldout, context=context)
+    registered_name = SHAPE_PREDICTOR_MODEL_NAME if job.trees else PREDICTOR_MODEL_NAME
+    version, champion = log_predictor_model(tracker, out, heldout, registered_name, context=context)
     print(format_metrics("[predictor] validation", val_metrics))
     if eval_metrics is not None:
         print(format_metrics("[predictor] evaluation (held-out labels)", eval_metrics))
-    registered = f"; registered as models:/blockpilot-predictor/{version}" if version else ""
+    registered = f"; registered as models:/{registered_name}/{version}" if version else ""
     crowned = " (the new champion)" if champion else ""
     print(f"[predictor] saved to {out}{registered}{crowned}")
     return out, val_metrics, eval_metrics, version, champion

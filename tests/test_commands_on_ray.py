@@ -47,11 +47,15 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path):
     )
     assert "the new champion" in printed
 
+    printed = run(f"blockpilot train --labels {labels} --eval {labels} --trees --epochs 1", env)
+    assert "models:/blockpilot-shape-predictor/1 (the new champion)" in printed and "shape or" in printed
+
     greedy = greedy_reference(tiny_models.target, tiny_models.encode_prompt(PROMPT), 24, tiny_models.stop_token_ids())
     generate = f"blockpilot generate {models} --prompt '{PROMPT}' --max-new-tokens 24 --json"
     for flags, policy in [
         (f"--predictor {PREDICTOR}", "learned"),
         (f"--policy learned+step:{PREDICTOR},{STEP_MODEL}", "learned+step"),
+        ("--engine static --policy learned:models:/blockpilot-shape-predictor@champion", "learned"),
     ]:
         payload = json.loads(run(f"{generate} {flags}", env))
         assert payload["token_ids"] == greedy and payload["policy"] == policy

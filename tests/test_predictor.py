@@ -170,6 +170,27 @@ def test_throughput_prices_cycles_with_the_cost():
     assert arrays.best_index.tolist() == [0, 0, 0, 1]
 
 
+def test_choices_over_shapes_are_scored_beside_the_chains():
+    """Over shapes, a row's choices are the candidates then the tree budgets: tau, throughput (priced by the curve's
+    tree cycles), the best choice per row and the shape oracle; the chains' own metrics do not move."""
+    cost = CycleCost({1: {4: 1.0, 6: 1.0}}, trees={1: {16: 2.0, 64: 4.0}}, tree_depth=6)
+    arrays = hand_made_arrays(cost)
+    arrays.tree_budgets = (16, 64)
+    arrays.tree_tau = np.array([[4.0, 5.0], [3.0, 3.0], [9.0, 9.0], [2.0, 2.0]], dtype=np.float32)
+    arrays.tree_cycles = np.full((4, 2), 10.0)
+    arrays.over_shapes, arrays.score = True, "throughput"
+    assert arrays.shapes == 5 and arrays.cycle_cost.tolist() == [1.0, 1.0, 1.0, 2.0, 4.0]
+    # Throughput per row (chains at 1, trees at 2 and 4): row 2's tree of 16 (9 / 2) beats its best chain (4).
+    assert arrays.best_index.tolist() == [1, 0, 3, 1]
+    metrics = evaluate_choices(np.array([1, 0, 3, 1]), arrays)
+    assert metrics["accuracy"] == 1.0 and metrics["throughput_pred"] == metrics["throughput_shape_oracle"]
+    assert metrics["throughput_pred"] == pytest.approx(180 / 50)  # 30 + 30 + 90 + 30 tokens for 10 + 10 + 20 + 10
+    assert metrics["tau_best_fixed"] == evaluate_choices(np.array([1, 0, 2, 1]), hand_made_arrays(cost))["tau_best_fixed"]
+    assert metrics["best_tree_nodes"] == 16 and metrics["gap_captured"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="carry no draft trees"):
+        LabelArrays(["a"], ["x"], {}, np.ones((1, 1)), np.ones((1, 1)), (4,), 4, over_shapes=True)
+
+
 def label_rows(n: int = 40, candidates=(2, 3, 4)) -> list[dict]:
     """Synthetic labels in which B* is a function of the top-1 token: learnable."""
     rng = np.random.default_rng(0)
@@ -287,6 +308,11 @@ def test_training_columns_from_a_numpy_batch():
     from_rows = PredictorInputs.from_arrays(input_arrays(table.to_pydict(), dense=False))
     from_batch = PredictorInputs.from_arrays(columns)
     assert torch.equal(from_rows.topk_ids, from_batch.topk_ids) and torch.equal(from_rows.entropy, from_batch.entropy)
+    # Over shapes: the tree budgets' tau join the candidates'; a tree of tau 5 is every row's best.
+    trees = rows_to_table([{**row, "tree_budgets": [8, 16], "tree_tau": [2.5, 5.0], "tree_cycles": [7, 4]} for row in label_rows(5)])
+    batch = {name: np.asarray(trees[name].to_pylist(), dtype=object) for name in trees.column_names}
+    columns = training_columns(batch, over_shapes=True)
+    assert columns["score"].shape == (5, 5) and columns["best_index"].tolist() == [4] * 5
 
 
 # ----------------------------------------------------------------------------- as an MLflow model

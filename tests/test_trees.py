@@ -15,6 +15,7 @@ import torch
 from support import greedy_reference
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
+from blockpilot.decoding.static import grow_trees
 from blockpilot.decoding.static_engine import StaticEngine
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
@@ -60,6 +61,27 @@ def test_the_best_first_tree_holds_the_most_probable_continuations(seed):
     assert chain.parents == [DEAD, 0, 1, 2] and chain.depths == [0, 1, 2, 3]
     cut = best_first_tree([[0.0], [-math.inf]], [[5], [6]], 4, slots=5)  # past the row's depth nothing grows
     assert cut.live == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trees_grown_on_the_device_are_the_best_first_trees(seed):
+    """`grow_trees` (fixed-shape tensor steps, compiled with the cycle) gives `best_first_tree`'s nodes, in its order,
+    with its ancestors, for random distributions, depths, widths, budgets and slots."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(60):
+        levels, k, slots = (int(torch.randint(low, high, (), generator=generator)) for low, high in ((1, 7), (1, 9), (2, 40)))
+        logprobs = torch.log_softmax(3 * torch.randn(3, levels, 40, generator=generator), dim=-1)
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        depth = torch.randint(0, levels + 1, (3,), generator=generator)
+        top_logprobs = top_logprobs.masked_fill(torch.arange(levels)[None, :, None] >= depth[:, None, None], -math.inf)
+        budgets = torch.randint(0, 40, (3,), generator=generator)
+        tokens, depths, parents, ancestors, probabilities = grow_trees(top_logprobs, top_ids, budgets, slots)
+        for row in range(3):
+            nodes = min(int(budgets[row]), slots - 1)
+            tree = best_first_tree(top_logprobs[row].tolist(), top_ids[row].tolist(), nodes, slots)
+            assert (tokens[row].tolist(), depths[row].tolist(), parents[row].tolist()) == (tree.tokens, tree.depths, tree.parents)
+            assert ancestors[row].tolist() == tree.ancestors()
+            assert probabilities[row].tolist() == pytest.approx(tree.probabilities, rel=1e-5)
 
 
 def requests(models, prompts, policies, max_new_tokens, stop: bool = True, **config):
@@ -246,3 +268,44 @@ def test_tree_policies_are_scored_on_the_labels_beside_the_chains():
     priced = walk_metrics(fixed_walks_of_tables(rows, cost), everyone, (1, 3), 3, trees=tree_walks_of_tables(rows, cost))
     assert priced["throughput_tree16"] == pytest.approx(10 / 12) and priced["throughput_best_shape"] == pytest.approx(10 / 4)
     assert priced["throughput_shape_oracle"] == pytest.approx(10 / 4)  # at 3 s a tree cycle, chains win both rows
+
+
+def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_models, tmp_path):
+    """A per-request predictor over shapes (the candidates, then tree budgets) sets each row's tree or chain from its
+    prefill: here a tree of 16 nodes at T > 0 and the chain of B at T = 0, by construction of the weights. Greedy rows
+    stay greedy, sampled rows give the autoregressive sample of their seed; the eager engine and a step model refuse
+    it."""
+    from blockpilot.decoding import generate
+    from blockpilot.decoding.static_engine import shape_for
+    from blockpilot.policies.learned import LearnedPolicy
+    from blockpilot.predictor import BlockSizePredictor, PredictorConfig
+
+    B = tiny_models.train_block_size
+    vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
+    config = PredictorConfig("sparse", (B - 1, B, B + 1), vocab, top_k=8, hidden_size=4, train_block_size=B, tree_budgets=(8, 16))
+    predictor = BlockSizePredictor(config)
+    with torch.no_grad():  # logit of tree:16 = 10 T; of b = B, 5: a tree at T = 1, the chain at T = 0
+        for parameter in predictor.parameters():
+            parameter.zero_()
+        predictor.side.weight[0, 1] = 10.0
+        predictor.out.weight[4, 0], predictor.out.bias[1] = 1.0, 5.0
+    assert config.shapes == ((B - 1, None), (B, None), (B + 1, None), (B + 1, 8), (B + 1, 16))
+    policy = resolve_policy(f"learned:{predictor.save(tmp_path / 'shapes')}", tiny_models)
+    assert isinstance(policy, LearnedPolicy) and shape_for(policy) == (B + 1, 16)
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:2]]
+    greedy = [greedy_reference(tiny_models.target, p, 30) for p in prompts]
+    batch = [
+        GenerationRequest(p, GenerationConfig(max_new_tokens=30, temperature=t, seed=s), policy)
+        for p, t, s in ((prompts[0], 0.0, 0), (prompts[1], 1.0, 5), (prompts[1], 0.0, 0))
+    ]
+    chain, tree, other = generate_many(tiny_models, batch, engine=StaticEngine(tiny_models, max_batch=3, tree_nodes=16))
+    assert chain.token_ids == greedy[0] and other.token_ids == greedy[1]
+    assert set(chain.block_sizes) <= set(range(1, B + 1)) and max(chain.tree_nodes) == B - 1  # the chain of B
+    assert tree.policy == "learned" and max(tree.tree_nodes) == 16
+    autoregressive = GenerationRequest(prompts[1], batch[1].config, None)
+    alone = generate_many(tiny_models, [autoregressive], engine=StaticEngine(tiny_models, max_batch=1, width=1))[0]
+    assert tree.token_ids == alone.token_ids
+    with pytest.raises(ValueError, match="run on the static engine"):
+        generate(tiny_models, prompts[0], policy=policy)
+    with pytest.raises(ValueError, match="chooses among tree shapes"):
+        resolve_policy("learned+step:a,b", tiny_models, predictor=predictor, step_model=object())

@@ -20,6 +20,7 @@ Columns (lists follow `candidates`):
     tree_budgets, table_tree_commits          draft trees (`blockpilot.table`): the budgets in drafted nodes, and
                                               per budget t(i, N) at every cursor of every sample, concatenated
                                               (trees as deep as the largest candidate)
+    tree_tau, tree_cycles                     per tree budget: mean acceptance length and cycles of its walks
     anchor_entropy, anchor_top_probs          per cursor of the table, the target distribution at the
                                               anchor (T = 1): entropy in nats and top-k probabilities
     topk_ids, topk_probs, entropy             the prefill distribution (T = 1), top k + entropy in nats
@@ -52,7 +53,8 @@ ANCHOR_TOP_K = 4
 
 # The version of the label schema, kept in every label file's Parquet metadata. Raise it when a column is added or
 # changes meaning; a file of another version is refused with what to rerun, never read in part.
-# 1: the acceptance table with sequences and confidences. 2: draft trees' commits (tree_budgets, table_tree_commits).
+# 1: the acceptance table with sequences and confidences. 2: draft trees (tree_budgets, table_tree_commits, tree_tau,
+# tree_cycles).
 LABEL_SCHEMA_VERSION = 2
 _VERSION_KEY = b"blockpilot.label_schema_version"
 
@@ -78,6 +80,8 @@ LABEL_SCHEMA = pa.schema(
         pa.field("table_confidences", pa.list_(pa.float32())),
         pa.field("tree_budgets", pa.list_(pa.int32())),
         pa.field("table_tree_commits", pa.list_(pa.list_(pa.int16()))),
+        pa.field("tree_tau", pa.list_(pa.float32())),
+        pa.field("tree_cycles", pa.list_(pa.int32())),
         pa.field("anchor_entropy", pa.list_(pa.float16())),
         pa.field("anchor_top_probs", pa.list_(pa.list_(pa.float16()))),
         pa.field("topk_ids", pa.list_(pa.int32())),

@@ -119,6 +119,7 @@ class Row:
     block_sizes: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     tree_nodes: list[int] = field(default_factory=list)  # per cycle, where trees ran (the static engine)
+    tree_budget: int | None = None  # the nodes of its trees, chosen after prefill (None: chains of its b)
     acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
     drafter_passes: int = 0
     prefill_time: float = 0.0
@@ -262,13 +263,20 @@ def decide_block_sizes(pairs: list[tuple[Row, Any]], initial: bool) -> None:
                 except Exception as error:
                     pairs[i][0].fail(error)
                     sizes.append(None)
-        for i, size in zip(group, sizes, strict=True):
+        budgets: list[int | None] = [None] * len(group)
+        if initial and policy.tree_nodes is not None:
+            try:
+                budgets = list(policy.initial_tree_budgets([pairs[i][1] for i in group]))
+            except Exception as error:
+                for i in group:
+                    pairs[i][0].fail(error)
+        for i, size, budget in zip(group, sizes, budgets, strict=True):
             if size is None:
                 continue
             row = pairs[i][0]
             row.block_size = size
             if initial:
-                row.chosen_block_size = size
+                row.chosen_block_size, row.tree_budget = size, budget
 
 
 class RowScheduler:

@@ -22,8 +22,8 @@ and a row's output for a seed is a function of its prompt and seed alone: the sa
 and equal to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
 output does too).
 
-A tree cycle (`_draft_tree`, then `_verify_tree` over trees the host built in between) is the same with the
-verify's block a tree: see `tree.py`.
+A tree cycle (`_tree_cycle`: `_grow` every row's best-first tree on the device, then `_verify_tree`) is the same
+with the verify's block a tree: see `tree.py` and `grow_trees`.
 
 Stale entries (a rejected draft's slot, a short prompt's padding) always lie at or past `length`, are invisible to
 every query that could read them, and are rewritten before `length` passes them. `width == 1` is autoregressive
@@ -44,7 +44,7 @@ from torch import nn
 from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
 from blockpilot.models.loading import SpeculativeModels, synchronize
-from blockpilot.tree import TOP_K, DraftTree
+from blockpilot.tree import TOP_K
 
 COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
 
@@ -80,6 +80,61 @@ def pick_tokens(
     probs = torch.softmax(logits / scale[:, None, None], dim=-1).double()
     race = probs / -torch.log(token_uniforms(seeds, positions, logits.shape[-1]))
     return torch.where(temperatures[:, None] > 0, race.argmax(dim=-1), greedy)
+
+
+def grow_trees(
+    top_logprobs: torch.Tensor,  # (n, L, k) each drafted slot's top k, most likely first; -inf where nothing grows
+    top_ids: torch.Tensor,  # (n, L, k)
+    budgets: torch.Tensor,  # (n,) the nodes each row's tree keeps
+    slots: int,  # S: the root and at most S - 1 nodes
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's best-first tree (`tree.best_first_tree`'s, up to exact ties) in fixed-shape tensor steps, so it
+    compiles and replays with the cycle: tokens, depths, parents (n, S), ancestors (n, S, S) and each node's
+    probability (n, S), in `DraftTree`'s layout (nodes by decreasing probability, dead nodes past the tree).
+
+    The N = S - 1 most probable continuations of length d are extensions of the N most probable of length d - 1
+    (a continuation's prefix is at least as probable, and each of N better prefixes extends to a better
+    continuation), so a beam of N over the levels holds every candidate; the tree is the best N of all levels. A
+    child ties its parent when its token has probability 1: keys fall by 1e-9 a level, so parents come first."""
+    n, levels, k = top_logprobs.shape
+    nodes = slots - 1
+    device = top_logprobs.device
+    beams_scores, beams_parent, beams_token = [], [], []
+    scores = torch.zeros(n, 1, dtype=torch.float64, device=device)
+    for level in range(levels):  # (n, beam) x (k,) -> the best `nodes` of the level
+        candidates = (scores[:, :, None] + top_logprobs[:, level, None, :].double()).flatten(1)
+        if candidates.shape[1] < nodes:
+            candidates = F.pad(candidates, (0, nodes - candidates.shape[1]), value=-torch.inf)
+        scores, index = candidates.topk(nodes, dim=1)
+        beams_parent.append(torch.div(index, k, rounding_mode="floor"))
+        beams_token.append(top_ids[:, level].gather(1, (index % k)))
+        beams_scores.append(scores)
+    every_score = torch.cat(beams_scores, dim=1)  # (n, L * N)
+    level_of = torch.arange(levels, device=device).repeat_interleave(nodes)  # (L * N,)
+    key = every_score - 1e-9 * level_of
+    _, order = key.topk(nodes, dim=1)  # (n, N): the tree's nodes 1 .. N, best first
+    chosen_score = every_score.gather(1, order)
+    node_index = torch.arange(1, slots, device=device)
+    alive = torch.isfinite(chosen_score) & (node_index[None, :] <= budgets[:, None])
+    # Each beam entry's node (-1: not in the tree), to find a chosen node's parent among the level above.
+    node_of = torch.full((n, levels * nodes), -1, dtype=torch.long, device=device)
+    node_of.scatter_(1, order, torch.where(alive, node_index[None, :], -1))
+    level = level_of[order]  # (n, N)
+    beam_parent = torch.cat(beams_parent, dim=1).gather(1, order)  # the parent's place in the level above
+    above = node_of.gather(1, ((level - 1).clamp(min=0) * nodes + beam_parent))
+    parent = torch.where(level == 0, torch.zeros_like(above), above)
+    alive = alive & (parent >= 0)
+    root = torch.zeros(n, 1, dtype=torch.long, device=device)
+    tokens = torch.cat([root, torch.where(alive, torch.cat(beams_token, dim=1).gather(1, order), 0)], dim=1)
+    depths = torch.cat([root, torch.where(alive, level + 1, 0)], dim=1)
+    parents = torch.cat([root - 1, torch.where(alive, parent, -1)], dim=1)
+    probabilities = torch.cat([root + 1.0, torch.where(alive, chosen_score.exp(), 0.0)], dim=1).float()
+    ancestors = torch.eye(slots, dtype=torch.bool, device=device).expand(n, -1, -1).clone()
+    current = parents
+    for _ in range(levels):  # climb one level a step: every node's ancestors, the root included
+        ancestors |= F.one_hot(current.clamp(min=0), slots).bool() & (current >= 0)[..., None]
+        current = torch.where(current >= 0, parents.gather(1, current.clamp(min=0)), current)
+    return tokens, depths, parents, ancestors, probabilities
 
 
 @dataclass(frozen=True)
@@ -318,10 +373,11 @@ class StaticDecoder:
         self.offsets = torch.arange(width, device=self.device)
         self.slot_range = torch.arange(capacity, device=self.device)
         self.mask_token_id = models.mask_token_id if drafting else 0
-        if self.tree_slots is not None:  # the drafted slots' top k (device -> host), the trees (host -> device)
-            k = min(top_k, self.target.head.shape[0])
-            self.top_logprobs = torch.zeros(rows, width - 1, k, dtype=torch.float32, device=self.device)
-            self.top_ids = torch.zeros(rows, width - 1, k, **long)
+        if self.tree_slots is not None:  # each row's tree shape (host -> device), then its tree, grown on the device
+            self.top_k = min(top_k, self.target.head.shape[0])
+            self.tree_budgets = torch.zeros(rows, **long)  # nodes a row's tree keeps
+            self.tree_widths = torch.ones(rows, **long)  # tokens of each slot it may branch into (1: a chain)
+            self.tree_probabilities = torch.zeros(rows, self.tree_slots, dtype=torch.float32, device=self.device)
             self.tree_tokens = torch.zeros(rows, self.tree_slots, **long)
             self.tree_depths = torch.zeros(rows, self.tree_slots, **long)
             self.tree_parents = torch.full((rows, self.tree_slots), -1, **long)
@@ -383,14 +439,28 @@ class StaticDecoder:
         self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
         self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
 
-    def _draft_tree(self, n: int, span: int) -> None:
-        """The drafter over every row's block of depth b (its block size): the top k log-probabilities and tokens
-        of each drafted slot, -inf past the row's depth (a tree never grows there)."""
+    def _grow(self, n: int, span: int, slots_n: int) -> None:
+        """The drafter over every row's block of depth b (its block size), then each row's best-first tree of its
+        budget over its slots' top `tree_widths` tokens (`grow_trees`), cut to `slots_n` slots, into the tree
+        buffers. Nothing grows past a row's depth."""
         logprobs = torch.log_softmax(self._draft_logits(n, span, self.width).float(), dim=-1)  # (n, W - 1, V)
-        top_logprobs, top_ids = logprobs.topk(self.top_logprobs.shape[-1], dim=-1)
+        top_logprobs, top_ids = logprobs.topk(self.top_k, dim=-1)
         deep = (self.offsets[1:] >= self.block_sizes[:n, None])[..., None]  # (n, W - 1, 1): slots past the row's b
-        self.top_logprobs[:n].copy_(top_logprobs.masked_fill(deep, float("-inf")))
-        self.top_ids[:n].copy_(top_ids)
+        narrow = torch.arange(self.top_k, device=self.device) >= self.tree_widths[:n, None, None]  # (n, 1, k)
+        grown = grow_trees(top_logprobs.masked_fill(deep | narrow, -torch.inf), top_ids, self.tree_budgets[:n], slots_n)
+        tokens, depths, parents, ancestors, probabilities = grown
+        for buffer, values in zip((self.tree_tokens, self.tree_depths, self.tree_parents, self.tree_probabilities), (tokens, depths, parents, probabilities), strict=True):
+            buffer[:n, :slots_n].copy_(values)
+        self.tree_ancestors[:n, :slots_n, :slots_n].copy_(ancestors)
+
+    def _draft_tree(self, n: int, span: int) -> None:
+        """Grow every row's whole tree (its nodes' probabilities then tell how many nodes a verify pays for)."""
+        self._grow(n, span, self.tree_slots)
+
+    def _tree_cycle(self, n: int, span: int, slots_n: int) -> None:
+        """A whole tree cycle, on the device: grow every row's tree cut to `slots_n` slots, verify and commit it."""
+        self._grow(n, span, slots_n)
+        self._verify_tree(n, span, slots_n)
 
     def _verify_tree(self, n: int, span: int, slots_n: int) -> None:
         """The target over every row's tree in one pass (each node at position length + depth, in scratch slot
@@ -441,7 +511,7 @@ class StaticDecoder:
         return logits.argmax(dim=-1)
 
     def _build(self, name: str, *shape: int) -> Callable[[], None]:
-        """Compile and/or capture step `name` (`_cycle`, `_draft_tree`, `_verify_tree`) at `shape` once, on the
+        """Compile and/or capture step `name` (`_cycle`, `_tree_cycle`, `_draft_tree`, `_verify_tree`) at `shape` once, on the
         rows' current state (restored after: the warm-up's writes lie at or past each row's length, where the real
         step writes again)."""
         started = time.perf_counter()
@@ -501,31 +571,39 @@ class StaticDecoder:
             step = self._steps[(name, *shape)] = self._build(name, *shape)
         step()
 
-    @torch.inference_mode()
-    def draft_tree(self, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter's pass for rows 0 .. n - 1: device views of each drafted slot's top k, log-probabilities
-        and tokens (n, W - 1, k), -inf past a row's block size."""
-        self._run("_draft_tree", n, span)
-        return self.top_logprobs[:n], self.top_ids[:n]
+    def set_tree_shapes(self, budgets: Sequence[int], widths: Sequence[int]) -> None:
+        """Rows 0 .. len(budgets) - 1 grow trees of these many nodes over their slots' top `widths` tokens next
+        (a chain of b: b - 1 nodes of width 1)."""
+        if any(not 1 <= w <= self.top_k for w in widths) or any(b < 0 for b in budgets):
+            raise ValueError(f"tree budgets >= 0 and widths in [1, {self.top_k}], got {list(budgets)}, {list(widths)}")
+        self.tree_budgets[: len(budgets)].copy_(torch.tensor(list(budgets), device=self.device))
+        self.tree_widths[: len(widths)].copy_(torch.tensor(list(widths), device=self.device))
 
-    def set_trees(self, trees: Sequence[DraftTree]) -> None:
-        """Rows 0 .. len(trees) - 1 verify these trees next (`tree.best_first_tree`, the same number of slots each,
-        at most `tree_slots`)."""
-        k, slots = len(trees), len(trees[0].parents)
-        as_tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
-        self.tree_tokens[:k, :slots].copy_(as_tensor([t.tokens for t in trees]))
-        self.tree_depths[:k, :slots].copy_(as_tensor([t.depths for t in trees]))
-        self.tree_parents[:k, :slots].copy_(as_tensor([t.parents for t in trees]))
-        self.tree_ancestors[:k, :slots, :slots].copy_(as_tensor([t.ancestors() for t in trees]))
+    @torch.inference_mode()
+    def draft_tree(self, n: int, span: int) -> torch.Tensor:
+        """Grow rows 0 .. n - 1's whole trees: a device view of their nodes' probabilities (n, S), root first, to
+        choose how many a verify checks (`verify_tree`)."""
+        self._run("_draft_tree", n, span)
+        return self.tree_probabilities[:n]
 
     @torch.inference_mode()
     def verify_tree(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Verify and commit the first `slots` nodes of rows 0 .. n - 1's trees: tokens (n, W), counts (n,), finite
-        (n,), as `cycle`."""
-        if not 1 <= slots <= self.tree_slots:
-            raise ValueError(f"a verify of {slots} tree slots: expected 1 .. {self.tree_slots}")
+        """Verify and commit the first `slots` nodes of rows 0 .. n - 1's grown trees: tokens (n, W), counts (n,),
+        finite (n,), as `cycle`."""
+        self._check_tree_slots(slots)
         self._run("_verify_tree", n, span, slots)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
+
+    @torch.inference_mode()
+    def tree_cycle(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Grow, verify and commit rows 0 .. n - 1's trees cut to `slots` slots in one step: as `cycle`."""
+        self._check_tree_slots(slots)
+        self._run("_tree_cycle", n, span, slots)
+        return self.tokens[:n], self.counts[:n], self.finite[:n]
+
+    def _check_tree_slots(self, slots: int) -> None:
+        if self.tree_slots is None or not 1 <= slots <= self.tree_slots:
+            raise ValueError(f"a verify of {slots} tree slots: expected 1 .. {self.tree_slots}")
 
     # ------------------------------------------------------------------ rows: prefill, place, move, free
 

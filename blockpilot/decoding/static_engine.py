@@ -15,8 +15,9 @@ What differs from the eager engine, on purpose:
   alone (any b, any batch), a different draw from the eager engine's generator for the same seed;
 - the `match` rule only (`rejection` needs the drafter's sampled drafts), no draft-then-trim (`verify_count`), and
   no feature records (labeling's reference generations run on the eager engine);
-- draft trees (`tree.py`, policy `tree:N`) run here only: an engine built with `tree_nodes` drafts, builds every
-  row's tree on the host (one round trip a cycle), and verifies the batch's trees in one target pass.
+- draft trees (`tree.py`, policy `tree:N`) run here only: an engine built with `tree_nodes` drafts, grows every
+  row's tree on the device (`static.grow_trees`) and verifies the batch's trees in one target pass, one step a
+  cycle; a priced engine reads the trees' probabilities in between (one more round trip) to choose their size.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from blockpilot.decoding.static import StaticDecoder, span_bucket
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
-from blockpilot.policies.fixed import Autoregressive, FixedBlockSize, FixedTree
-from blockpilot.tree import TOP_K, DraftTree, best_first_tree, expected_commits
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
+from blockpilot.tree import TOP_K
 
 ENGINES = ("eager", "static")  # `SpeculativeEngine` on transformers' modules; `StaticEngine` on the compiled cycle
 ENGINE_HELP = "eager: the engine on transformers' modules; static: the compiled cycle over preallocated caches"
@@ -63,10 +64,10 @@ def keep_compiled_kernels() -> None:
 
 
 def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
-    """(width, tree nodes) a static engine needs for rows of `policy` alone: a fixed b's own width, a fixed tree's
-    depth and budget; (None, None) (the defaults) for a policy that chooses."""
-    if isinstance(policy, FixedTree):
-        return policy.depth, policy.tree_nodes
+    """(width, tree nodes) a static engine needs for rows of `policy` alone: a fixed b's own width, a tree's depth and
+    (largest) budget; (None, None) (the defaults) for a policy that chooses b."""
+    if policy.tree_nodes is not None:
+        return policy.tree_depth, policy.tree_nodes
     if isinstance(policy, (FixedBlockSize, Autoregressive)):
         return policy.initial_block_size(None), None
     return None, None
@@ -308,40 +309,40 @@ class StaticEngine(RowScheduler):
             self._retire(index, updates)
 
     def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int):
-        """Draft, build every row's tree on the host from its slots' top k (a chain for a row without a tree
-        policy), verify the batch's trees cut to the priced size (`tree_nodes_for`) and commit them: the device
-        views `StaticDecoder.cycle` returns."""
-        top_logprobs, top_ids = self.decoder.draft_tree(bucket, span)
-        n, slots = len(rows), self.tree_nodes + 1
-        host_logprobs, host_ids = top_logprobs[:n].tolist(), top_ids[:n].tolist()
-        trees = []
-        for row, size, logprobs, ids in zip(rows, sizes, host_logprobs, host_ids, strict=True):
-            if row.policy.tree_nodes is None:  # a chain of b: one token a level
-                logprobs, ids, nodes = [p[:1] for p in logprobs], [t[:1] for t in ids], size - 1
-            else:
-                nodes = min(row.policy.tree_nodes, self.tree_nodes)
-            trees.append(best_first_tree(logprobs, ids, nodes, slots))
-        verified = self.tree_nodes_for(trees)
+        """Every row's tree grown on the device (a chain for a row without a tree policy: b - 1 nodes of width 1)
+        and verified cut to the size bucket that holds the largest, in one step; with `tree_cost`, the trees are
+        grown whole first and the cycle verifies the size priced best (`tree_nodes_for`). Returns the device views
+        `StaticDecoder.cycle` returns."""
+        budgets, widths = [], []
+        for row, size in zip(rows, sizes, strict=True):
+            chain = row.tree_budget is None
+            budgets.append(size - 1 if chain else min(row.tree_budget, self.tree_nodes))
+            widths.append(1 if chain else self.decoder.top_k)
+        # What each tree can hold: its budget, or every continuation its depth and width allow.
+        holds = [min(nodes, sum(width**d for d in range(1, size))) for nodes, width, size in zip(budgets, widths, sizes, strict=True)]
+        pad = bucket - len(rows)
+        self.decoder.set_tree_shapes(budgets + [0] * pad, widths + [1] * pad)
+        fits = next(size for size in self.tree_sizes if size >= max(holds))
+        if self.tree_cost:
+            probabilities = self.decoder.draft_tree(bucket, span)[: len(rows)]
+            expected = probabilities.cumsum(dim=1)[:, [size for size in self.tree_sizes if size <= fits]].sum(dim=0)
+            verified = self.tree_nodes_for(expected.tolist(), fits)
+            out = self.decoder.verify_tree(bucket, span, verified + 1)
+        else:
+            verified = fits
+            out = self.decoder.tree_cycle(bucket, span, verified + 1)
         self.verified_nodes[verified] += 1
-        for row, tree in zip(rows, trees, strict=True):
-            row.tree_nodes.append(min(tree.live, verified))
-        trees += [best_first_tree([], [], 0, slots)] * (bucket - n)
-        self.decoder.set_trees([tree.cut(verified + 1) for tree in trees])
-        return self.decoder.verify_tree(bucket, span, verified + 1)
+        for row, nodes in zip(rows, holds, strict=True):
+            row.tree_nodes.append(min(nodes, verified))
+        return out
 
-    def tree_nodes_for(self, trees: list[DraftTree]) -> int:
-        """How many nodes of every row's tree the cycle verifies: the smallest size bucket that holds the largest
-        tree, or, with `tree_cost` (seconds a cycle by size), the size up to that one that commits the most tokens
-        a second, as the drafter's probabilities expect (`tree.expected_commits`; CaDDTree's rule, per batch)."""
-        largest = max(tree.live for tree in trees)
-        fits = next(size for size in self.tree_sizes if size >= largest)
-        if not self.tree_cost:
-            return fits
-        expected = [expected_commits(tree) for tree in trees]
-        return max(
-            (size for size in self.tree_sizes if size <= fits),
-            key=lambda size: sum(e[min(size, len(e) - 1)] for e in expected) / self.tree_cost[size],
-        )
+    def tree_nodes_for(self, expected: list[float], fits: int) -> int:
+        """How many nodes of every row's tree a cycle verifies, given the tokens the batch's trees are expected to
+        commit at each size bucket up to `fits` (the smallest that holds the largest tree): the one that commits the
+        most a second under `tree_cost`, were the drafter calibrated (each node commits with its continuation's
+        probability, the target's own token always: CaDDTree's rule, per batch)."""
+        sizes = [size for size in self.tree_sizes if size <= fits]
+        return max(sizes, key=lambda size: expected[sizes.index(size)] / self.tree_cost[size])
 
     @torch.inference_mode()
     def calibrate_trees(self, cycles: int = 20) -> dict[int, float]:
@@ -349,19 +350,18 @@ class StaticEngine(RowScheduler):
         measured with whatever compiling the engine does; kept as `tree_cost`, which prices each cycle's size."""
         if self.tree_nodes is None or self.busy:
             raise ValueError("calibrate_trees needs an idle engine built with tree_nodes")
-        decoder, slots = self.decoder, self.tree_nodes + 1
+        decoder = self.decoder
         span = span_bucket(8 + self.reach, self.capacity)
         decoder.prefill(0, [torch.arange(1, 9)])
         costs = {}
         for size in self.tree_sizes:
-            chain = best_first_tree([[0.0]] * (self.width - 1), [[1]] * (self.width - 1), size, slots)
             samples = []
             for _ in range(cycles + 1):  # the first builds the shape
                 decoder.place(0, length=8, last_token=1, temperature=0.0, seed=0)
                 decoder.set_block_sizes([self.width])
-                started = time.perf_counter()
-                decoder.draft_tree(1, span)[0].tolist()
-                decoder.set_trees([chain.cut(size + 1)])
+                decoder.set_tree_shapes([size], [decoder.top_k])
+                started = time.perf_counter()  # what a priced cycle runs: grow whole, read, verify the size
+                decoder.draft_tree(1, span).tolist()
                 decoder.verify_tree(1, span, size + 1)[1].tolist()
                 samples.append(time.perf_counter() - started)
             costs[size] = statistics.median(samples[1:])

@@ -98,8 +98,10 @@ class BlockSizePolicy:
     name = "policy"
     trims = False  # whether `verify_count` may keep fewer drafts than were drafted
     # The drafted nodes of a row's draft tree (`blockpilot.tree`), b levels deep; None: a chain of b (a
-    # tree of b - 1 nodes, one a level). Trees run on the static engine.
+    # tree of b - 1 nodes, one a level). Trees run on the static engine. A policy that chooses a tree per request
+    # (`initial_tree_budgets`) names its largest, and the depth of its trees (`tree_depth`).
     tree_nodes: int | None = None
+    tree_depth: int | None = None
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")
@@ -110,6 +112,10 @@ class BlockSizePolicy:
     def initial_block_sizes(self, prefills: Sequence[PrefillState]) -> list[int]:
         """The first b of every joining row that shares this policy."""
         return [self.initial_block_size(prefill) for prefill in prefills]
+
+    def initial_tree_budgets(self, prefills: Sequence[PrefillState]) -> list[int | None]:
+        """Each joining row's tree budget, kept for the request (None: chains of its b); asked after its first b."""
+        return [self.tree_nodes] * len(prefills)
 
     def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
         """The next b of every going row that shares this policy."""

@@ -41,6 +41,10 @@ class FixedTree(BlockSizePolicy):
     def tree_nodes(self) -> int:
         return self.nodes
 
+    @property
+    def tree_depth(self) -> int:
+        return self.depth
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self.depth
 

@@ -14,33 +14,43 @@ PRIOR_DECISION = "learned_decision"  # where `LearnedPolicy` keeps its (b0, prob
 
 
 class LearnedPolicy(BlockSizePolicy):
-    """b = the predictor's choice from the prefill distribution; kept for every cycle."""
+    """b = the predictor's choice from the prefill distribution; kept for every cycle. A predictor over shapes
+    (`PredictorConfig.tree_budgets`) chooses a draft tree or a chain per request: its trees run on the static
+    engine."""
 
     name = "learned"
 
     def __init__(self, predictor: BlockSizePredictor) -> None:
         self.predictor = predictor
+        budgets = predictor.config.tree_budgets
+        self.tree_nodes = max(budgets) if budgets else None
+        self.tree_depth = max(predictor.config.candidates) if budgets else None
 
     def initial_block_size(self, prefill: PrefillState) -> int:
-        return self._decisions([prefill])[0][0]
+        return self._decisions([prefill])[0][0][0]
 
     def initial_block_sizes(self, prefills: Sequence[PrefillState]) -> list[int]:
         """b0 of every joining request, from one predictor pass (the engine's batched first-cycle hook)."""
-        return [b0 for b0, _ in self._decisions(prefills)]
+        return [b0 for (b0, _), _ in self._decisions(prefills)]
+
+    def initial_tree_budgets(self, prefills: Sequence[PrefillState]) -> list[int | None]:
+        """Each request's tree budget (None where the predictor chose a chain), from the same pass."""
+        return [nodes for (_, nodes), _ in self._decisions(prefills)]
 
     def probabilities(self, prefill: PrefillState) -> np.ndarray:
         """(K,) the predictor's softmax over its candidates for this request: what a per-step model trained
         beside it reads at every cycle."""
         return self._decisions([prefill])[0][1]
 
-    def _decisions(self, prefills: Sequence[PrefillState]) -> list[tuple[int, np.ndarray]]:
-        """(b0, probabilities) of each request, from one predictor pass over those not yet decided: a request is
-        decided once per predictor (kept in `prefill.derived`), and a step policy reads it at every cycle."""
+    def _decisions(self, prefills: Sequence[PrefillState]) -> list[tuple[tuple[int, int | None], np.ndarray]]:
+        """((b0, tree nodes), probabilities) of each request, from one predictor pass over those not yet decided: a
+        request is decided once per predictor (kept in `prefill.derived`), and a step policy reads it at every
+        cycle."""
         key = (PRIOR_DECISION, id(self.predictor))
         undecided = [prefill for prefill in prefills if key not in prefill.derived]
         if undecided:
             config = self.predictor.config
             inputs = PredictorInputs.from_prefills(undecided, config.top_k, dense=config.kind == "dense")
-            for prefill, b0, probabilities in zip(undecided, *self.predictor.decide(inputs), strict=True):
-                prefill.derived[key] = (b0, probabilities)
+            for prefill, shape, probabilities in zip(undecided, *self.predictor.decide_shapes(inputs), strict=True):
+                prefill.derived[key] = (shape, probabilities)
         return [prefill.derived[key] for prefill in prefills]

@@ -152,6 +152,11 @@ def resolve_policy(
     if spec.kind in ("learned", "learned+step"):
         predictor = predictor or load_predictor(spec.predictor)
         check_predictor_fits(predictor.config, models)
+        if spec.kind == "learned+step" and predictor.config.tree_budgets:
+            raise ValueError(
+                "this per-request predictor chooses among tree shapes too; a step model reads a predictor over block "
+                f"sizes alone (its trees: {list(predictor.config.tree_budgets)} nodes): use learned:PREDICTOR"
+            )
     if spec.kind in ("learned-step", "learned+step"):
         step_model = step_model or load_step_model(spec.step_model)
         check_predictor_fits(step_model.config, models)

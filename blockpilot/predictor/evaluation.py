@@ -34,13 +34,13 @@ def predictor_figures(predictor: BlockSizePredictor, arrays: LabelArrays) -> dic
     import matplotlib.pyplot as plt
 
     choice = predict_indices(predictor, arrays)
-    size = len(arrays.candidates)
+    size = arrays.shapes
     confusion = np.zeros((size, size), dtype=int)
     for truth, guess in zip(arrays.best_index, choice, strict=True):
         confusion[truth, guess] += 1
     matrix_figure, ax = plt.subplots(figsize=(4.5, 4))
     ax.imshow(confusion, cmap="Blues")
-    labels = [str(b) for b in arrays.candidates]
+    labels = [str(b) for b in arrays.candidates] + [f"t{n}" for n in arrays.tree_budgets if arrays.over_shapes]
     ax.set_xticks(range(size), labels)
     ax.set_yticks(range(size), labels)
     ax.set_xlabel("predicted b")

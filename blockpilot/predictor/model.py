@@ -44,19 +44,31 @@ class PredictorConfig:
     target_id: str = ""
     drafter_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. training metrics, label source
+    # Draft-tree budgets it may choose too (`shapes`): a predictor over shapes, not block sizes alone.
+    tree_budgets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in PREDICTOR_KINDS:
             raise ValueError(f"predictor kind must be one of {PREDICTOR_KINDS}, got {self.kind!r}")
         object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
+        if self.tree_budgets:
+            object.__setattr__(self, "tree_budgets", distinct_block_sizes((int(n) for n in self.tree_budgets), "tree_budgets"))
         for name in ("vocab_size", "top_k", "hidden_size"):
             positive_int(getattr(self, name), name)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    @property
+    def shapes(self) -> tuple[tuple[int, int | None], ...]:
+        """What it chooses among, in the order of its outputs: (b, None) for each candidate, then (D, N) for each
+        tree budget N, trees as deep as the largest candidate D (the labels' trees)."""
+        chains = tuple((b, None) for b in self.candidates)
+        return chains + tuple((max(self.candidates), nodes) for nodes in self.tree_budgets)
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["candidates"] = list(self.candidates)
+        out["tree_budgets"] = list(self.tree_budgets)
         return out
 
     @classmethod
@@ -65,7 +77,7 @@ class PredictorConfig:
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"predictor config: unknown fields {sorted(unknown)}")
-        return cls(**{**raw, "candidates": tuple(raw["candidates"])})
+        return cls(**{**raw, "candidates": tuple(raw["candidates"]), "tree_budgets": tuple(raw.get("tree_budgets", ()))})
 
 
 class BlockSizePredictor(nn.Module):
@@ -83,14 +95,14 @@ class BlockSizePredictor(nn.Module):
         # [entropy, temperature] enter the first layer's pre-activation.
         self.side = nn.Linear(2, hidden, bias=False)
         self.dropout = nn.Dropout(config.dropout)
-        self.out = nn.Linear(hidden, len(config.candidates))
+        self.out = nn.Linear(hidden, len(config.shapes))
 
     @property
     def candidates(self) -> tuple[int, ...]:
         return self.config.candidates
 
     def forward(self, inputs: PredictorInputs) -> torch.Tensor:
-        """(N, C) logits."""
+        """(N, C) logits over the shapes (C: the candidates, then the tree budgets)."""
         if self.config.kind == "dense":
             probs = inputs.probs if inputs.probs is not None else self.dense_from_topk(inputs)
             h = self.first(probs.to(self.first.weight.dtype))
@@ -108,10 +120,17 @@ class BlockSizePredictor(nn.Module):
 
     @torch.no_grad()
     def decide(self, inputs: PredictorInputs) -> tuple[list[int], np.ndarray]:
-        """The chosen block size per row and the (N, C) float32 softmax over the candidates, from one pass."""
+        """The chosen block size per row (a tree's depth where it chose a tree) and the (N, C) float32 softmax over
+        the shapes, from one pass."""
+        shapes, probabilities = self.decide_shapes(inputs)
+        return [b for b, _ in shapes], probabilities
+
+    @torch.no_grad()
+    def decide_shapes(self, inputs: PredictorInputs) -> tuple[list[tuple[int, int | None]], np.ndarray]:
+        """The chosen shape per row, (b, tree nodes or None), and the (N, C) float32 softmax over the shapes."""
         self.eval()
         logits = self(inputs.to(next(self.parameters()).device)).float()
-        chosen = [self.config.candidates[i] for i in logits.argmax(dim=-1).tolist()]
+        chosen = [self.config.shapes[i] for i in logits.argmax(dim=-1).tolist()]
         return chosen, torch.softmax(logits, dim=-1).cpu().numpy()
 
     def probabilities(self, inputs: PredictorInputs) -> np.ndarray:

@@ -12,7 +12,8 @@ from mlflow.pyfunc import PythonModel
 
 
 class BlockSizeModel(PythonModel):
-    """pyfunc input: a DataFrame with the model's input columns; output: the chosen block size per row.
+    """pyfunc input: a DataFrame with the model's input columns; output: the chosen block size per row (a predictor
+    over shapes: the chosen policy per row, `fixed:B` or `tree:N`).
     Per-request: `blockpilot.predictor.INPUT_COLUMNS` (and `probs_fp16` for the dense kind). Per-step: the model's
     `config.features.names`."""
 
@@ -36,7 +37,11 @@ class BlockSizeModel(PythonModel):
         from blockpilot.predictor.inputs import PredictorInputs, input_arrays
 
         dense = self.model.config.kind == "dense"
-        return [int(b) for b in self.model.predict(PredictorInputs.from_arrays(input_arrays(model_input, dense)))]
+        inputs = PredictorInputs.from_arrays(input_arrays(model_input, dense))
+        if self.model.config.tree_budgets:  # a predictor over shapes: each row's policy, fixed:B or tree:N
+            shapes, _ = self.model.decide_shapes(inputs)
+            return [f"tree:{nodes}" if nodes is not None else f"fixed:{b}" for b, nodes in shapes]
+        return [int(b) for b in self.model.predict(inputs)]
 
 
 mlflow.models.set_model(BlockSizeModel())

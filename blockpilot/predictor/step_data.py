@@ -108,6 +108,8 @@ def _prior_choices(predictor: Any, table: pa.Table) -> list[tuple[int, np.ndarra
     the rows' prefill columns."""
     from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorInputs, input_arrays
 
+    if predictor.config.tree_budgets:
+        raise ValueError("a predictor over tree shapes is no step model's prior: train the prior without --trees")
     candidates = {tuple(c) for c in table["candidates"].to_pylist()}
     if candidates != {tuple(predictor.config.candidates)}:
         raise ValueError(

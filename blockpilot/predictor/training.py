@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from blockpilot.checks import positive_int
 from blockpilot.cost import CycleCost
 from blockpilot.predictor.inputs import INPUT_COLUMNS, PredictorInputs, input_arrays
-from blockpilot.scoring import LabelArrays, best_indices, candidates_of, score_matrix
+from blockpilot.scoring import LabelArrays, best_indices, candidates_of, score_matrix, shape_prices
 
 Objective = Literal["ce", "expected-tau", "normalized-gain"]
 OBJECTIVES: tuple[str, ...] = ("ce", "expected-tau", "normalized-gain")
@@ -108,14 +108,23 @@ def predictor_loss(
 
 
 def training_columns(
-    batch: dict[str, Any], dense: bool = False, cost: CycleCost | None = None, score: str = "tau"
+    batch: dict[str, Any],
+    dense: bool = False,
+    cost: CycleCost | None = None,
+    score: str = "tau",
+    over_shapes: bool = False,
 ) -> dict[str, np.ndarray]:
     """Label rows (a numpy batch from Ray Data, or pyarrow columns) -> the fixed-shape arrays a training batch
-    holds: the predictor's inputs, each row's `score` vector and the index of its B*."""
+    holds: the predictor's inputs, each row's `score` vector and the index of its best choice (B*; with
+    `over_shapes`, the choices are the candidates, then the tree budgets)."""
     candidates = tuple(int(b) for b in batch["candidates"][0])
     tau = np.stack([np.asarray(x, dtype=np.float32) for x in batch["tau"]])
-    values = score_matrix(tau, candidates, cost or CycleCost.uniform(), score)
-    return {**input_arrays(batch, dense), "score": values, "best_index": best_indices(values, candidates)}
+    budgets: tuple[int, ...] = ()
+    if over_shapes:
+        budgets = tuple(int(n) for n in batch["tree_budgets"][0])
+        tau = np.concatenate([tau, np.stack([np.asarray(x, dtype=np.float32) for x in batch["tree_tau"]])], axis=1)
+    values = score_matrix(tau, shape_prices(candidates, budgets, cost or CycleCost.uniform()), score)
+    return {**input_arrays(batch, dense), "score": values, "best_index": best_indices(values)}
 
 
 @dataclass(frozen=True)
