@@ -1,13 +1,14 @@
 """Draft trees against chains on the static engine, in one run: tau and tokens/s on the same prompts and weights.
 
     python benchmarks/bench_trees.py --zoo $ZOO [--prompts 32] [--max-new-tokens 128] [--budgets 4,8,16,32] \\
-        [--widths 4,5,6,7,8] [--temperatures 0,1] [--compile compile] [--batch 8]
+        [--widths 4,5,6,7,8] [--temperatures 0,1] [--compile compile] [--batch 8] [--predictor PATH]
 
 On the zoo's held-out prompts, one at a time (and --batch N at a time), each decoder generating to a stop token or
 --max-new-tokens: tau (tokens a cycle commits, the target's own token included) and tokens/s over whole generations,
 prefill included, for the static engine's chains at every --widths (fixed b) and its trees of every --budgets nodes
 (`tree:N`, --depth deep, every slot's top 8), and the largest budget's trees cut each cycle to the size its measured
-cost prices best (`StaticEngine.calibrate_trees`). Each decoder's cycle is compiled (or not, per
+cost prices best (`StaticEngine.calibrate_trees`), and with --predictor a per-request predictor over shapes
+(`blockpilot train --trees`) against the best fixed shape. Each decoder's cycle is compiled (or not, per
 --compile) by a first pass, then timed in --repeats rounds over every decoder (the median of each); the figures
 are timings of this machine, so compare rows of one run only.
 """
@@ -25,10 +26,11 @@ import torch
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.static import COMPILE_MODES
-from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
+from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels, shape_for
 from blockpilot.models.loading import load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
+from blockpilot.policies.resolve import resolve_policy
 
 
 def say(text: str) -> None:
@@ -58,6 +60,9 @@ def main() -> None:
     parser.add_argument("--compile", choices=COMPILE_MODES, default="compile")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--predictor", default=None, help="also a per-request predictor over shapes (`train --trees`): learned:PATH"
+    )
     args = parser.parse_args()
 
     keep_compiled_kernels()
@@ -75,6 +80,10 @@ def main() -> None:
     decoders += [(f"tree:{n} (depth {depth})", FixedTree(n, depth), dict(width=depth, tree_nodes=n)) for n in args.budgets]
     largest = max(args.budgets)  # the same trees, each cycle cut to the size its cost curve prices best
     decoders.append((f"tree:{largest} priced", FixedTree(largest, depth), dict(width=depth, tree_nodes=largest)))
+    if args.predictor:
+        learned = resolve_policy(f"learned:{args.predictor}", models)
+        width, nodes = shape_for(learned)
+        decoders.append(("learned (shapes)", learned, dict(width=max(width or 0, *widths), tree_nodes=nodes)))
     stop = tuple(models.stop_token_ids())
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         requests = [
@@ -105,7 +114,7 @@ def main() -> None:
         for (name, tau, speed), (_, engine, _) in zip(rows, engines, strict=True):
             built = engine.compile_seconds or 0.0
             sizes = ""
-            if name.endswith("priced"):
+            if name.endswith("priced") or name.startswith("learned"):
                 sizes = ", cycles by tree size " + str(dict(sorted(engine.verified_nodes.items())))
             say(f"  T = {temperature:g}  {name:<22} tau {tau:5.2f}  {speed:8.1f} tokens/s  (built in {built:.0f} s{sizes})")
         chains = [r for r in rows if r[0].startswith("chain")]
@@ -118,6 +127,12 @@ def main() -> None:
             f"best tree ({best_tree_speed[0]}) {best_tree_speed[2]:.1f} against best chain ({best_chain_speed[0]}) "
             f"{best_chain_speed[2]:.1f}: {best_tree_speed[2] / best_chain_speed[2]:.2f}x"
         )
+        for name, tau, speed in (r for r in rows if r[0].startswith("learned")):
+            best_fixed = max(chains + trees, key=lambda r: r[2])
+            say(
+                f"T = {temperature:g}: {name} {speed:.1f} tokens/s (tau {tau:.2f}) against the best fixed shape "
+                f"({best_fixed[0]}) {best_fixed[2]:.1f}: {speed / best_fixed[2]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -340,7 +340,7 @@ class LabelSummary:
         if self.headroom:
             from blockpilot.scoring import format_metrics
 
-            lines.append(format_metrics("what b can gain on these labels", self.headroom, prediction=False))
+            lines.append(format_metrics("what b (and trees) can gain on these labels", self.headroom, prediction=False))
         return "\n".join(lines)
 
 
@@ -386,7 +386,8 @@ HEADROOM_COLUMNS = (
     "table_commits",
     "table_anchors",
     "tree_budgets",
-    "table_tree_commits",
+    "tree_tau",
+    "tree_cycles",
     "max_new_tokens",
     "error",
 )

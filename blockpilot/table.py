@@ -388,8 +388,10 @@ def tables_from_row(row: dict) -> list[AcceptanceTable]:
                 f"row {row.get('prompt_id')!r}: {len(values)} confidences for {bounds[-1]} cursors of {slots} slots"
             )
         confidences = [values[start * slots : stop * slots].reshape(-1, slots) for start, stop in zip(bounds, bounds[1:])]
-    budgets = tuple(int(nodes) for nodes in row.get("tree_budgets") or ())
-    trees = np.asarray(row["table_tree_commits"], dtype=np.int16).reshape(len(budgets), -1) if budgets else None
+    trees, budgets = None, ()
+    if row.get("table_tree_commits") is not None:  # labels of version 2 on, read with that column
+        budgets = tuple(int(nodes) for nodes in row["tree_budgets"])
+        trees = np.asarray(row["table_tree_commits"], dtype=np.int16).reshape(len(budgets), -1)
     return [
         AcceptanceTable(
             candidates,
