@@ -25,6 +25,8 @@ from blockpilot.checks import check_fits_context, distinct_block_sizes, positive
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
 from blockpilot.decoding.engine import is_device_failure as engine_device_failure
+from blockpilot.decoding.static import COMPILE_MODES
+from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list, tree_budget_list
 from blockpilot.sweep import SWEEP_MODES
 
@@ -57,6 +59,10 @@ class LabelSettings:
     samples: int = option(
         1, type=positive_int_arg, help="at T > 0, generations pooled per row (tau becomes a mean over them)"
     )
+    engine: str = option(
+        "eager", choices=ENGINES, help="what runs the replay's reference generations: " + ENGINE_HELP
+    )
+    compile: str = option("off", choices=COMPILE_MODES, help="the static engine's: " + COMPILE_HELP)
 
     def __post_init__(self) -> None:
         if self.candidates is not None:
@@ -73,6 +79,10 @@ class LabelSettings:
         positive_int(self.samples, "samples")
         if self.mode not in SWEEP_MODES:
             raise ValueError(f"mode must be one of {SWEEP_MODES}, got {self.mode!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.compile != "off" and self.engine != "static":
+            raise ValueError(f"compile {self.compile!r} compiles the static engine: label with --engine static")
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs' rows comparable: everything but the temperatures (more may be added later)."""
@@ -148,6 +158,7 @@ class Labeler:
     settings: LabelSettings
     max_batch: int = 8  # reference generations run together
     candidates: tuple[int, ...] = field(init=False)
+    engine: Any = field(init=False, default=None)  # the static engine of the reference generations, when asked
 
     def __post_init__(self) -> None:
         from blockpilot.blocks import candidates_around
@@ -157,6 +168,11 @@ class Labeler:
             raise ValueError("labeling needs a drafter")
         self.candidates = self.settings.candidates or candidates_around(self.models.train_block_size)
         SweepConfig(candidates=self.candidates, mode=self.settings.mode)  # validate early, before any prompt
+        if self.settings.engine == "static":
+            from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
+
+            keep_compiled_kernels()
+            self.engine = StaticEngine(self.models, max_batch=self.max_batch, compile=self.settings.compile, record=True)
 
     def label(self, record: PromptRecord, temperature: float) -> list[dict[str, Any]]:
         """The rows of one task: one per turn; after a failed turn, the later turns carry the error too."""
@@ -250,7 +266,7 @@ class Labeler:
             prompts = [items[i][1] for i in group]
             seeds = [items[i][0].base["seed"] for i in group]
             try:
-                sweeps = sweep_prompts(self.models, prompts, seeds, config, max_batch=self.max_batch)
+                sweeps = sweep_prompts(self.models, prompts, seeds, config, max_batch=self.max_batch, engine=self.engine)
             except Exception as error:
                 if is_device_failure(error):
                     raise DeviceFailure(str(error)) from error
@@ -266,7 +282,7 @@ class Labeler:
         from blockpilot.sweep import sweep_prompts
 
         try:
-            return sweep_prompts(self.models, [prompt], [seed], config, max_batch=1)[0]
+            return sweep_prompts(self.models, [prompt], [seed], config, max_batch=1, engine=self.engine)[0]
         except Exception as error:
             if is_device_failure(error):
                 raise DeviceFailure(str(error)) from error

@@ -125,8 +125,11 @@ def sweep_prompts(
     max_batch: int = 8,
     slot_hits: np.ndarray | None = None,
     stage_seconds: dict[str, float] | None = None,
+    engine: Any | None = None,
 ) -> list[PromptSweep]:
-    """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched.
+    """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched. `engine`: what
+    runs the replay's reference generations (a `StaticEngine` built with `record=True`: the compiled cycle), else
+    a new eager engine.
 
     `stage_seconds`, when given, adds the wall seconds of each stage under its name: "reference" (the reference
     generations) and "tables" (building the acceptance tables) in replay, "live" (every candidate's generations)
@@ -146,7 +149,7 @@ def sweep_prompts(
         for sample in range(runs)
     ]
     with _timed(stage_seconds, "reference"):
-        results = generate_many(models, requests, max_batch=max_batch)
+        results = generate_many(models, requests, max_batch=max_batch, engine=engine)
     sweeps = []
     for index, prompt in enumerate(prompts):
         mine = results[index * runs : (index + 1) * runs]

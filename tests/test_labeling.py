@@ -39,6 +39,27 @@ def test_table_walks_equal_live_runs_at_temperature_zero(tiny_models, heldout, c
         assert [table.tau() for table in replay_sweep.tables] == [replay_sweep.tau]
 
 
+def test_labels_from_the_static_engine_are_the_eager_engines_at_temperature_zero(tiny_zoo, tiny_models):
+    """`--engine static`: the reference generations run on the compiled cycle's records; at T = 0 the rows' sequences,
+    tau vectors, tables and trees are the eager engine's (the records agree to float rounding), and T = 1 rows are
+    labeled from the static engine's own samples."""
+    records = [PromptRecord(f"p{i}", "zoo", (text,)) for i, text in enumerate(prompt_texts(f"zoo:{tiny_zoo}:heldout")[:6])]
+    rows = {}
+    for engine in ("eager", "static"):
+        labeler = Labeler(tiny_models, LabelSettings(max_new_tokens=24, engine=engine), max_batch=4)
+        rows[engine] = [row for rows_ in labeler.label_many([(r, t) for r in records for t in (0.0, 1.0)]) for row in rows_]
+    for eager, static in zip(rows["eager"], rows["static"], strict=True):
+        assert static["error"] is None and eager["error"] is None
+        if eager["temperature"] == 0:
+            for column in ("table_tokens", "tau", "table_commits", "tree_tau", "table_tree_commits"):
+                assert static[column] == eager[column], column
+        else:
+            (table,) = tables_from_row(static)
+            assert table.tau() == pytest.approx(static["tau"], nan_ok=True)
+    with pytest.raises(ValueError, match="label with --engine static"):
+        LabelSettings(compile="compile")
+
+
 def test_table_walks_equal_live_runs_on_random_models(random_models):
     """The same on random models, whose acceptance lengths are mostly 1: the table's cap and cuts at the end.
     Each mode reports the seconds of its stages, within the call's own wall time."""

@@ -160,7 +160,7 @@ def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models
         (GenerationConfig(max_new_tokens=60), False, "need [0-9]+ cache slots"),
         (GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection"), False, "match rule"),
         (GenerationConfig(max_new_tokens=4, temperature=1.0), False, "sampling=True"),
-        (GenerationConfig(max_new_tokens=4), True, "records no features"),
+        (GenerationConfig(max_new_tokens=4), True, "record=True"),
     ]
     for config, record, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -193,3 +193,29 @@ def test_the_static_target_computes_the_targets_logits(tiny_models):
         logits, _ = target(prompt, positions, positions, mask)
         expected = tiny_models.target(prompt).logits.float()
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_recording_static_engine_keeps_what_the_tables_need(tiny_models):
+    """Labeling's reference generations on the compiled cycle: a recorded row keeps its positions' target features
+    and each token's distribution as the eager engine does (to float rounding), the rows beside it and a long prompt
+    prefilled in chunks included, and at T = 0 the acceptance tables built from either record are the same."""
+    from blockpilot.table import acceptance_table
+
+    stop = tuple(tiny_models.stop_token_ids())
+    prompts = [tiny_models.encode_prompt(text) for text in ("Count from 3 to 14.", "def add(a, b):", "List four colors.")]
+    config = GenerationConfig(max_new_tokens=24, stop_token_ids=stop)
+    B = tiny_models.train_block_size
+    requests = [GenerationRequest(p, config, FixedBlockSize(b), record=True) for p, b in zip(prompts, (B, 2, B + 1))]
+    eager = generate_many(tiny_models, requests)
+    static = generate_many(tiny_models, requests, engine=StaticEngine(tiny_models, max_batch=2, record=True, prefill_chunk=8))
+    for mine, theirs, prompt in zip(static, eager, prompts, strict=True):
+        assert mine.token_ids == theirs.token_ids
+        assert mine.record.context_features.shape == (len(prompt) + len(mine.token_ids) - 1, theirs.record.context_features.shape[1])
+        torch.testing.assert_close(mine.record.context_features, theirs.record.context_features, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.record.entropy, theirs.record.entropy, atol=1e-4, rtol=1e-4)
+        assert torch.equal(mine.record.top_ids[:, 0], theirs.record.top_ids[:, 0])
+        tables = [
+            acceptance_table(tiny_models, len(prompt), r.token_ids, r.record.context_features, (2, B, B + 1), 24)
+            for r in (mine, theirs)
+        ]
+        assert (tables[0].commits == tables[1].commits).all()

@@ -38,6 +38,7 @@ from blockpilot.decoding.acceptance import (
 )
 from blockpilot.decoding.cache import SlotStore, TargetSlotCache
 from blockpilot.decoding.request import (
+    RECORD_TOP_K,
     GenerationConfig,
     GenerationRecord,
     GenerationRequest,
@@ -58,7 +59,6 @@ from blockpilot.policies.base import (
 )
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 
-RECORD_TOP_K = 8
 # Joining prompts share a prefill pass while its padding stays under half its real tokens. One padded pass
 # for a burst of 32 prompts of 20 to 283 tokens computed 4x their tokens: 2.3 s of a 3.4 s batch on a CPU.
 PREFILL_MAX_PADDING = 1.5
@@ -244,6 +244,19 @@ def rows_by_policy(rows: Sequence[Row]) -> list[list[int]]:
     for index, row in enumerate(rows):
         groups.setdefault(id(row.policy), []).append(index)
     return list(groups.values())
+
+
+def new_record() -> dict[str, list[torch.Tensor]]:
+    """A recording row's record, filled as it decodes (`Row.result` makes it a `GenerationRecord`)."""
+    return {"features": [], "entropy": [], "top_ids": [], "top_probs": []}
+
+
+def record_distributions(row: Row, logits: torch.Tensor) -> None:
+    """Keep the summaries of the distributions (m, V) that drew the row's next m tokens."""
+    entropy, top_ids, top_probs = distribution_summary(logits, RECORD_TOP_K)
+    row.record["entropy"].append(entropy)
+    row.record["top_ids"].append(top_ids)
+    row.record["top_probs"].append(top_probs)
 
 
 def decide_block_sizes(pairs: list[tuple[Row, Any]], initial: bool) -> None:
@@ -439,7 +452,7 @@ class SpeculativeEngine(RowScheduler):
                 prompt=prompt.to(self.device),
                 policy=policy,
                 generator=make_generator(self.device, request.config.seed),
-                record={"features": [], "entropy": [], "top_ids": [], "top_probs": []} if request.record else None,
+                record=new_record() if request.record else None,
             )
         )
 
@@ -525,7 +538,7 @@ class SpeculativeEngine(RowScheduler):
             row.tokens, row.length = [first], row.prompt.numel()
             if row.record is not None and features[index] is not None:
                 row.record["features"].append(features[index])
-                self._record_distributions(row, logits[index][None])
+                record_distributions(row, logits[index][None])
             row.prefill_time += elapsed
             self.rows.append(row)
             if row.failure is None:
@@ -798,7 +811,7 @@ class SpeculativeEngine(RowScheduler):
         committed = len(new_tokens)
         if row.record is not None and features is not None:
             row.record["features"].append(features[index, :committed])
-            self._record_distributions(row, logits[index, :committed])
+            record_distributions(row, logits[index, :committed])
         row.length += committed
         row.tokens.extend(new_tokens)
         row.block_sizes.append(size)
@@ -824,11 +837,6 @@ class SpeculativeEngine(RowScheduler):
         for layer, (keys, values) in enumerate(self.drafter.encode_context(kept.pack(features), kept_positions)):
             self.context.write(layer, rows, kept_positions, keys, values, token_rows=kept.rows)
 
-    def _record_distributions(self, row: Row, logits: torch.Tensor) -> None:
-        entropy, top_ids, top_probs = distribution_summary(logits, RECORD_TOP_K)
-        row.record["entropy"].append(entropy)
-        row.record["top_ids"].append(top_ids)
-        row.record["top_probs"].append(top_probs)
 
     # ---------------------------------------------------------------- leaving
 

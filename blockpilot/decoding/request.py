@@ -48,6 +48,9 @@ class GenerationRequest:
     record: bool = False
 
 
+RECORD_TOP_K = 8  # the top probabilities a record keeps of each distribution
+
+
 @dataclass
 class GenerationRecord:
     """What a `record`ed generation keeps for the acceptance table."""

@@ -41,9 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockpilot.decoding.request import RECORD_TOP_K
 from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
 from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.policies.base import distribution_summary
 from blockpilot.tree import TOP_K
 
 COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
@@ -340,6 +342,7 @@ class StaticDecoder:
         sampling: bool = False,
         tree_nodes: int | None = None,
         top_k: int = TOP_K,
+        record: bool = False,
     ) -> None:
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -382,6 +385,13 @@ class StaticDecoder:
             self.tree_depths = torch.zeros(rows, self.tree_slots, **long)
             self.tree_parents = torch.full((rows, self.tree_slots), -1, **long)
             self.tree_ancestors = torch.zeros(rows, self.tree_slots, self.tree_slots, dtype=torch.bool, device=self.device)
+        self.recording = record and drafting  # every cycle keeps its committed positions' features and distributions
+        if self.recording:
+            features = models.target.config.get_text_config().hidden_size * len(layer_ids)
+            self.record_features = torch.zeros(rows, width, features, dtype=torch.float32, device=self.device)
+            self.record_entropy = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
+            self.record_top_ids = torch.zeros(rows, width, RECORD_TOP_K, **long)
+            self.record_top_probs = torch.zeros(rows, width, RECORD_TOP_K, dtype=torch.float32, device=self.device)
         self.compile_seconds: float | None = None  # every build so far, added up
         self._steps: dict[tuple, Callable[[], None]] = {}
         self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive while their replays are in `_steps`
@@ -407,6 +417,7 @@ class StaticDecoder:
             accepted = torch.zeros_like(length)
         if self.drafter is not None:  # the drafter's context grows at every width, 1 included
             self.drafter.encode(features, positions, positions, rows)
+        self._record(n, logits, features, offsets.expand(n, -1))
         self._commit(n, logits, picks, accepted, accepted, offsets >= sizes[:, None])
 
     def _draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
@@ -418,6 +429,25 @@ class StaticDecoder:
         sees = (self.slot_range[:span] < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
         hidden = self.drafter(F.embedding(block, self.target.embed), length[:, None] + offsets, sees, slice(0, n))
         return F.linear(hidden[:, 1:], self.target.head)
+
+    def _record(
+        self,
+        n: int,
+        logits: torch.Tensor,  # (n, S, V) the verify's
+        features: torch.Tensor | None,  # (n, S, F)
+        committed: torch.Tensor,  # (n, W') each row's verified entries in committed order (a tree: its path)
+    ) -> None:
+        """When recording: the features and the distribution summaries (`distribution_summary`) of each row's
+        entries in committed order; the caller keeps the first `counts` of each."""
+        if not self.recording:
+            return
+        width = committed.shape[1]
+        along = lambda values: values.gather(1, committed[..., None].expand(-1, -1, values.shape[-1]))  # noqa: E731
+        entropy, top_ids, top_probs = distribution_summary(along(logits), RECORD_TOP_K)
+        self.record_features[:n, :width].copy_(along(features))
+        self.record_entropy[:n, :width].copy_(entropy)
+        self.record_top_ids[:n, :width].copy_(top_ids)
+        self.record_top_probs[:n, :width].copy_(top_probs)
 
     def _commit(
         self,
@@ -503,6 +533,7 @@ class StaticDecoder:
             buffer.index_put_((row_ids, destination), buffer[row_ids, source])
         path_features = features.gather(1, path_nodes[..., None].expand(-1, -1, features.shape[-1]))
         self.drafter.encode(path_features, destination, destination, rows)
+        self._record(n, logits, features, path_nodes)
         self._commit(n, logits, out, accepted, current, ~live)
 
     def _pick(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -608,10 +639,13 @@ class StaticDecoder:
     # ------------------------------------------------------------------ rows: prefill, place, move, free
 
     @torch.inference_mode()
-    def prefill(self, first: int, prompts: Sequence[torch.Tensor], start: int = 0) -> torch.Tensor:
+    def prefill(
+        self, first: int, prompts: Sequence[torch.Tensor], start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompts (token tensors, right-padded to the longest) into cache rows first .. first + k - 1, their tokens
         at positions start .. (a long prompt's chunk after `start` tokens already there), the drafter's context
-        too: one eager target pass. Returns each prompt's next-token logits after its last token, (k, V) fp32."""
+        too: one eager target pass. Returns each prompt's next-token logits after its last token, (k, V) fp32, and
+        its positions' target features (k, P, F) (None without a drafter)."""
         k, lengths = len(prompts), [len(p) for p in prompts]
         if start + max(lengths) + self.width > self.capacity:
             raise ValueError(f"{start + max(lengths)} tokens leave no room for a block in {self.capacity} slots")
@@ -626,7 +660,7 @@ class StaticDecoder:
         logits, features = self.target(ids, positions, positions, mask, rows, logits_at=last)
         if self.drafter is not None:
             self.drafter.encode(features, positions, positions, rows)
-        return logits[:, 0]
+        return logits[:, 0], features
 
     def pick(self, logits: torch.Tensor, positions: Sequence[int], temperatures, seeds) -> list[int]:
         """Tokens from next-token logits (k, V) for rows at temperatures and seeds, to sit at `positions`: the

@@ -13,8 +13,9 @@ What differs from the eager engine, on purpose:
   policy's b is capped at the width, and a cost curve has nothing to price;
 - sampling is counter-based (`static.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch), a different draw from the eager engine's generator for the same seed;
-- the `match` rule only (`rejection` needs the drafter's sampled drafts), no draft-then-trim (`verify_count`), and
-  no feature records (labeling's reference generations run on the eager engine);
+- the `match` rule only (`rejection` needs the drafter's sampled drafts) and no draft-then-trim (`verify_count`);
+- feature records (`GenerationRequest.record`, labeling's reference generations) need an engine built with
+  `record=True`: its compiled cycle then also keeps every committed position's features and distribution summary;
 - draft trees (`tree.py`, policy `tree:N`) run here only: an engine built with `tree_nodes` drafts, grows every
   row's tree on the device (`static.grow_trees`) and verifies the batch's trees in one target pass, one step a
   cycle; a priced engine reads the trees' probabilities in between (one more round trip) to choose their size.
@@ -39,7 +40,9 @@ from blockpilot.decoding.engine import (
     RowUpdate,
     cycle_state,
     decide_block_sizes,
+    new_record,
     prefill_groups,
+    record_distributions,
     truncate_at_stop,
 )
 from blockpilot.decoding.request import GenerationRequest
@@ -103,6 +106,7 @@ class StaticEngine(RowScheduler):
         prefill_chunk: int | None = None,
         tree_nodes: int | None = None,
         top_k: int = TOP_K,
+        record: bool = False,
     ) -> None:
         super().__init__(models, max_batch, prefill_chunk)
         if width is None:
@@ -118,6 +122,7 @@ class StaticEngine(RowScheduler):
             sampling=sampling,
             tree_nodes=tree_nodes,
             top_k=top_k,
+            record=record,
         )
         self.tree_nodes = tree_nodes  # the largest tree a cycle verifies, in nodes past the root (None: chains)
         self.tree_sizes = power_buckets(tree_nodes, smallest=4) if tree_nodes is not None else []
@@ -153,8 +158,8 @@ class StaticEngine(RowScheduler):
             raise ValueError(f"the static engine verifies with the match rule; got verify={config.verify!r}")
         if config.temperature > 0 and not self.decoder.sampling:
             raise ValueError(f"temperature {config.temperature} needs an engine built with sampling=True")
-        if request.record:
-            raise ValueError("the static engine records no features: record with the eager engine")
+        if request.record and not self.decoder.recording:
+            raise ValueError("a recorded request needs an engine built with record=True (and a drafter)")
         policy = self._policy_of(request)
         if policy.trims:
             raise ValueError(f"policy {policy.name!r} trims its drafts: the static cycle verifies whole blocks")
@@ -166,6 +171,7 @@ class StaticEngine(RowScheduler):
             prompt=prompt.to(self.device),
             policy=policy,
             generator=None,
+            record=new_record() if request.record else None,
         )
         self._seeds[row.id] = config.seed if config.seed is not None else random.getrandbits(62)
         return self._queue(row)
@@ -190,10 +196,12 @@ class StaticEngine(RowScheduler):
         """Prefill rows into the next free cache rows in one target pass; each one joins with its first token."""
         started = time.perf_counter()
         first = len(self.rows)
-        logits = self.decoder.prefill(first, [row.prompt for row in joining])
+        logits, features = self.decoder.prefill(first, [row.prompt for row in joining])
         synchronize(self.device)
-        for row in joining:
+        for index, row in enumerate(joining):
             row.prefill_time += time.perf_counter() - started
+            if row.record is not None:
+                row.record["features"].append(features[index, : row.prompt.numel()].cpu())
         self._join(joining, logits, batch_rows, updates)
 
     def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
@@ -206,8 +214,10 @@ class StaticEngine(RowScheduler):
             return
         started = time.perf_counter()
         stop = min(start + self.prefill_chunk, row.prompt.numel())
-        logits = self.decoder.prefill(self.max_batch, [row.prompt[start:stop]], start=start)
+        logits, features = self.decoder.prefill(self.max_batch, [row.prompt[start:stop]], start=start)
         synchronize(self.device)
+        if row.record is not None:
+            row.record["features"].append(features[0].cpu())
         row.prefill_time += time.perf_counter() - started
         self._prefilled = stop
         if stop < row.prompt.numel():
@@ -226,6 +236,8 @@ class StaticEngine(RowScheduler):
         for index, row in enumerate(joining):
             if not finite[index]:
                 row.fail(NonFiniteLogits("the target's next-token distribution after the prompt is not finite"))
+            if row.record is not None:
+                record_distributions(row, logits[index][None])
             row.prefill_state = PrefillState(
                 logits[index],
                 row.prompt,
@@ -271,8 +283,11 @@ class StaticEngine(RowScheduler):
         width = next(w for w in self.widths if w >= max(chosen))
         bucket = next(b for b in self.buckets if b >= n)
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
-        if self.tree_nodes is None:
+        if all(row.tree_budget is None for row in rows):  # chains alone: the chain cycle, also on a tree engine
             tokens, counts, finite = self.decoder.cycle(bucket, span, width)
+            if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
+                for row, size in zip(rows, sizes, strict=True):
+                    row.tree_nodes.append(size - 1)
         else:
             tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span)
         # One device-to-host copy for the batch: each row's tokens, count and whether its logits were finite.
@@ -286,6 +301,8 @@ class StaticEngine(RowScheduler):
                 continue
             count = out[-2]
             new_tokens = truncate_at_stop(out[:count], row.config.stop_token_ids)
+            if row.record is not None:
+                self._record(row, index, len(new_tokens))
             row.length += count
             row.tokens.extend(new_tokens)
             row.block_sizes.append(size)
@@ -307,6 +324,14 @@ class StaticEngine(RowScheduler):
         finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
         for index in reversed(finished):
             self._retire(index, updates)
+
+    def _record(self, row: Row, index: int, kept: int) -> None:
+        """The row's committed positions' features and the distributions that drew its new tokens, from the cycle's
+        record buffers (cache row `index`, the first `kept` entries)."""
+        decoder = self.decoder
+        buffers = (decoder.record_features, decoder.record_entropy, decoder.record_top_ids, decoder.record_top_probs)
+        for name, buffer in zip(("features", "entropy", "top_ids", "top_probs"), buffers, strict=True):
+            row.record[name].append(buffer[index, :kept].to("cpu", copy=True))  # the next cycle rewrites the buffer
 
     def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int):
         """Every row's tree grown on the device (a chain for a row without a tree policy: b - 1 nodes of width 1)
