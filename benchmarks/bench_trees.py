@@ -70,7 +70,9 @@ def main() -> None:
     prompts = [models.encode_prompt(r.turns[0]) for r in zoo_prompts(args.zoo, "heldout")[: args.prompts]]
     B = models.train_block_size
     widths = list(args.widths or range(max(2, B - 2), B + 3))
-    capacity = max(map(len, prompts)) + args.max_new_tokens + max(*widths, *args.budgets, args.depth or 0) + 8
+    learned = resolve_policy(f"learned:{args.predictor}", models) if args.predictor else None
+    reach = max(*widths, *args.budgets, args.depth or 0, (learned.tree_nodes or 0) + 1 if learned else 0)
+    capacity = max(map(len, prompts)) + args.max_new_tokens + reach + 8
     say(
         f"{args.zoo.name}: B = {B}, {len(prompts)} held-out prompts, up to {args.max_new_tokens} new tokens, batch "
         f"{args.batch}, static engine ({args.compile}), torch {torch.__version__} on {torch.get_num_threads()} threads"
@@ -80,8 +82,7 @@ def main() -> None:
     decoders += [(f"tree:{n} (depth {depth})", FixedTree(n, depth), dict(width=depth, tree_nodes=n)) for n in args.budgets]
     largest = max(args.budgets)  # the same trees, each cycle cut to the size its cost curve prices best
     decoders.append((f"tree:{largest} priced", FixedTree(largest, depth), dict(width=depth, tree_nodes=largest)))
-    if args.predictor:
-        learned = resolve_policy(f"learned:{args.predictor}", models)
+    if learned is not None:
         width, nodes = shape_for(learned)
         decoders.append(("learned (shapes)", learned, dict(width=max(width or 0, *widths), tree_nodes=nodes)))
     stop = tuple(models.stop_token_ids())

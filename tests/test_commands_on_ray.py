@@ -30,7 +30,11 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path):
         f"blockpilot calibrate {models} --block-sizes 1,2,4,8 --repeats 1 --cycles 2 --out {tmp_path / 'cost.json'}",
         env,
     )
-    printed = run(f"blockpilot label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 {LABEL_LIMITS}", env)
+    # The README's static-engine labeling (the compiled cycle's records; uncompiled here: compiling takes a while).
+    printed = run(
+        f"blockpilot label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 {LABEL_LIMITS} --engine static",
+        env,
+    )
     assert "rows: 16 (16 new, 0 with errors)" in printed and "shape or" in printed  # the trees' headroom too
     assert read_labels(labels).num_rows == 16
 

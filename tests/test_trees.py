@@ -305,6 +305,20 @@ def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_mode
     autoregressive = GenerationRequest(prompts[1], batch[1].config, None)
     alone = generate_many(tiny_models, [autoregressive], engine=StaticEngine(tiny_models, max_batch=1, width=1))[0]
     assert tree.token_ids == alone.token_ids
+    # Behind the endpoint's decoder as its adaptive policy: the blockpilot object shows each request's shape.
+    limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=256)
+    decoder = BatchedDecoder(tiny_models, adaptive="learned:shapes", predictor=predictor, limits=limits, engine="static").start()
+    try:
+        bodies = [
+            {"prompt": "Count from 1 to 9.", "max_tokens": 30, "temperature": t, "seed": 1, "ignore_eos": True}
+            for t in (0.0, 1.0)
+        ]
+        handles = [decoder.submit(decode_request(decoder, parse_request(b, CompletionRequest))) for b in bodies]
+        shown = [next(v for kind, v in handle.events(timeout_s=120) if kind == "done")["blockpilot"] for handle in handles]
+        assert [bp["policy"] for bp in shown] == ["learned", "learned"]
+        assert max(shown[0]["tree_nodes"]) <= B - 1 and max(shown[1]["tree_nodes"]) > B - 1  # a chain; a tree
+    finally:
+        decoder.stop()
     with pytest.raises(ValueError, match="run on the static engine"):
         generate(tiny_models, prompts[0], policy=policy)
     with pytest.raises(ValueError, match="chooses among tree shapes"):
