@@ -837,7 +837,6 @@ class SpeculativeEngine(RowScheduler):
         for layer, (keys, values) in enumerate(self.drafter.encode_context(kept.pack(features), kept_positions)):
             self.context.write(layer, rows, kept_positions, keys, values, token_rows=kept.rows)
 
-
     # ---------------------------------------------------------------- leaving
 
     def _free_row(self, index: int, last: int) -> None:

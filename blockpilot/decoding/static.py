@@ -479,8 +479,10 @@ class StaticDecoder:
         narrow = torch.arange(self.top_k, device=self.device) >= self.tree_widths[:n, None, None]  # (n, 1, k)
         grown = grow_trees(top_logprobs.masked_fill(deep | narrow, -torch.inf), top_ids, self.tree_budgets[:n], slots_n)
         tokens, depths, parents, ancestors, probabilities = grown
-        for buffer, values in zip((self.tree_tokens, self.tree_depths, self.tree_parents, self.tree_probabilities), (tokens, depths, parents, probabilities), strict=True):
-            buffer[:n, :slots_n].copy_(values)
+        self.tree_tokens[:n, :slots_n].copy_(tokens)
+        self.tree_depths[:n, :slots_n].copy_(depths)
+        self.tree_parents[:n, :slots_n].copy_(parents)
+        self.tree_probabilities[:n, :slots_n].copy_(probabilities)
         self.tree_ancestors[:n, :slots_n, :slots_n].copy_(ancestors)
 
     def _draft_tree(self, n: int, span: int) -> None:
