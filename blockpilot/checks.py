@@ -33,6 +33,13 @@ def distinct_block_sizes(values: Iterable[Any], what: str = "candidates") -> tup
     return tuple(sorted(values))
 
 
+def distinct_tree_budgets(values: Iterable[Any], what: str = "tree_budgets") -> tuple[int, ...]:
+    """Draft-tree budgets in nodes: distinct integers >= 1, sorted, or none at all (no trees); ValueError naming
+    `what` otherwise."""
+    values = tuple(values)
+    return distinct_block_sizes(values, what) if values else ()
+
+
 class ContextOverflow(ValueError):
     """A prompt that leaves no room for the requested new tokens in the target's context."""
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from blockpilot.checks import check_fits_context, distinct_block_sizes, positive_int
+from blockpilot.checks import check_fits_context, distinct_block_sizes, distinct_tree_budgets, positive_int
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
 from blockpilot.decoding.engine import is_device_failure as engine_device_failure
@@ -67,8 +67,7 @@ class LabelSettings:
     def __post_init__(self) -> None:
         if self.candidates is not None:
             object.__setattr__(self, "candidates", distinct_block_sizes(self.candidates))
-        if self.tree_budgets:
-            object.__setattr__(self, "tree_budgets", distinct_block_sizes(self.tree_budgets, "tree_budgets"))
+        object.__setattr__(self, "tree_budgets", distinct_tree_budgets(self.tree_budgets))
         if not self.temperatures:
             raise ValueError("temperatures is empty: expected at least one")
         for t in self.temperatures:

@@ -197,10 +197,8 @@ def tree_walks(arrays: LabelArrays) -> TreeWalks | None:
     """The tree budgets' walks over the rows (None where the rows carry no trees), priced where the curve can."""
     if arrays.tree_tau is None:
         return None
-    priced = arrays.cost.is_uniform or bool(arrays.cost.trees)
-    price = shape_prices((), arrays.tree_budgets, arrays.cost) if priced else np.ones(len(arrays.tree_budgets))
     cycles = arrays.tree_cycles
-    return TreeWalks(FixedWalks(arrays.tree_tau * cycles, cycles, cycles * price[None, :]), arrays.tree_budgets, priced)
+    return TreeWalks.priced_by(arrays.tree_tau * cycles, cycles, arrays.tree_budgets, arrays.cost)
 
 
 def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str, float]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from blockpilot.blocks import best_block_size
-from blockpilot.checks import distinct_block_sizes, mean_or_nan, positive_int
+from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, mean_or_nan, positive_int
 from blockpilot.cost import CycleCost
 from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
 from blockpilot.decoding.engine import generate_many
@@ -53,8 +53,7 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", distinct_block_sizes(self.candidates))
-        if self.tree_budgets:
-            object.__setattr__(self, "tree_budgets", distinct_block_sizes(self.tree_budgets, "tree_budgets"))
+        object.__setattr__(self, "tree_budgets", distinct_tree_budgets(self.tree_budgets))
         if self.mode not in SWEEP_MODES:
             raise ValueError(f"mode must be one of {SWEEP_MODES}, got {self.mode!r}")
         if self.verify not in VERIFY_RULES:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from blockpilot.checks import distinct_block_sizes, mean_or_nan
+from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, mean_or_nan
 from blockpilot.models.drafter import Blocks, DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import draft_confidence
@@ -208,7 +208,7 @@ def acceptance_table(
     context_length = prompt_length + n - 1
     if features.shape[0] < context_length:
         raise ValueError(f"features cover {features.shape[0]} positions; the table needs {context_length}")
-    tree_budgets = distinct_block_sizes(tree_budgets, "tree_budgets") if tree_budgets else ()
+    tree_budgets = distinct_tree_budgets(tree_budgets)
     commits = np.ones((len(candidates), max(n - 1, 0)), dtype=np.int16)
     generated = np.asarray(tokens, dtype=np.int64)
     largest = max(candidates)

@@ -36,10 +36,6 @@ class DraftTree:
     parents: list[int]
     probabilities: list[float]  # each node's continuation's probability under the drafter (root 1, padding 0)
 
-    def cut(self, slots: int) -> DraftTree:
-        """The tree's first `slots` entries (a parent comes before its children, so they are a tree)."""
-        return DraftTree(self.tokens[:slots], self.depths[:slots], self.parents[:slots], self.probabilities[:slots])
-
     def ancestors(self) -> list[list[bool]]:
         """(S, S): node j is node i or one of its ancestors (a dead node: itself only)."""
         rows: list[list[bool]] = []

@@ -89,6 +89,14 @@ class TreeWalks:
     budgets: tuple[int, ...]
     priced: bool
 
+    @classmethod
+    def priced_by(cls, tokens: np.ndarray, cycles: np.ndarray, budgets: tuple[int, ...], cost: CycleCost) -> TreeWalks:
+        """Walks that committed `tokens` in `cycles` (N, T), each cycle priced `cost.tree(N)` where the curve prices
+        trees (the uniform one does), else 1."""
+        priced = cost.is_uniform or bool(cost.trees)
+        price = np.asarray([cost.tree(n) if priced else 1.0 for n in budgets])
+        return cls(FixedWalks(tokens, cycles, cycles * price[None, :]), budgets, priced)
+
 
 def tree_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: CycleCost) -> TreeWalks | None:
     """`TreeWalks` of every tree budget over rows whose tables hold trees (None when they do not), each cycle
@@ -96,7 +104,6 @@ def tree_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: Cycl
     budgets = tables[0][0].tree_budgets if tables and tables[0] else ()
     if not budgets or any(table.tree_budgets != budgets for row in tables for table in row):
         return None
-    priced = cost.is_uniform or bool(cost.trees)
     shape = (len(tables), len(budgets))
     tokens, cycles = np.zeros(shape), np.zeros(shape)
     for i, row in enumerate(tables):
@@ -104,8 +111,7 @@ def tree_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: Cycl
             for j, nodes in enumerate(budgets):
                 tokens[i, j] += table.n - 1
                 cycles[i, j] += len(table.walk_tree(nodes))
-    price = np.asarray([cost.tree(n) if priced else 1.0 for n in budgets])
-    return TreeWalks(FixedWalks(tokens, cycles, cycles * price[None, :]), budgets, priced)
+    return TreeWalks.priced_by(tokens, cycles, budgets, cost)
 
 
 def put_tree_policies(metrics: dict[str, float], prefix: str, chains: FixedWalks, tree_walks: TreeWalks, rows: np.ndarray) -> None:

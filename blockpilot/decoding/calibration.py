@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from blockpilot.checks import distinct_block_sizes
+from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, round_relative_medians
 from blockpilot.decoding.engine import RowScheduler, SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
@@ -122,7 +122,7 @@ def calibrate(
         raise ValueError(f"cycles that draft {drafted} verify at most {drafted} positions, not b = {max(block_sizes)}")
     if compile is not None and drafted is not None:
         raise ValueError("the static engine verifies whole blocks: calibrate draft-then-trim on the eager engine")
-    tree_nodes = distinct_block_sizes(tree_nodes, "tree nodes") if tree_nodes else ()
+    tree_nodes = distinct_tree_budgets(tree_nodes, "tree nodes")
     if tree_nodes and compile is None:
         raise ValueError("draft trees run on the static engine only: calibrate tree nodes with --engine static")
     generator = torch.Generator().manual_seed(0)

@@ -350,8 +350,9 @@ class StaticEngine(RowScheduler):
         fits = next(size for size in self.tree_sizes if size >= max(holds))
         if self.tree_cost:
             probabilities = self.decoder.draft_tree(bucket, span)[: len(rows)]
-            expected = probabilities.cumsum(dim=1)[:, [size for size in self.tree_sizes if size <= fits]].sum(dim=0)
-            verified = self.tree_nodes_for(expected.tolist(), fits)
+            candidates = [size for size in self.tree_sizes if size <= fits]
+            expected = probabilities.cumsum(dim=1)[:, candidates].sum(dim=0).tolist()
+            verified = self.tree_nodes_for(dict(zip(candidates, expected, strict=True)))
             out = self.decoder.verify_tree(bucket, span, verified + 1)
         else:
             verified = fits
@@ -361,13 +362,12 @@ class StaticEngine(RowScheduler):
             row.tree_nodes.append(min(nodes, verified))
         return out
 
-    def tree_nodes_for(self, expected: list[float], fits: int) -> int:
+    def tree_nodes_for(self, expected: dict[int, float]) -> int:
         """How many nodes of every row's tree a cycle verifies, given the tokens the batch's trees are expected to
-        commit at each size bucket up to `fits` (the smallest that holds the largest tree): the one that commits the
-        most a second under `tree_cost`, were the drafter calibrated (each node commits with its continuation's
-        probability, the target's own token always: CaDDTree's rule, per batch)."""
-        sizes = [size for size in self.tree_sizes if size <= fits]
-        return max(sizes, key=lambda size: expected[sizes.index(size)] / self.tree_cost[size])
+        commit at each size bucket up to the one that holds the largest tree: the size that commits the most a second
+        under `tree_cost`, were the drafter calibrated (each node commits with its continuation's probability, the
+        target's own token always: CaDDTree's rule, per batch)."""
+        return max(expected, key=lambda size: expected[size] / self.tree_cost[size])
 
     @torch.inference_mode()
     def calibrate_trees(self, cycles: int = 20) -> dict[int, float]:

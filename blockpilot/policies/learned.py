@@ -24,7 +24,7 @@ class LearnedPolicy(BlockSizePolicy):
         self.predictor = predictor
         budgets = predictor.config.tree_budgets
         self.tree_nodes = max(budgets) if budgets else None
-        self.tree_depth = max(predictor.config.candidates) if budgets else None
+        self.tree_depth = predictor.config.tree_depth
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self._decisions([prefill])[0][0][0]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockpilot.checks import distinct_block_sizes, positive_int
+from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, positive_int
 from blockpilot.files import load_weights_folder, save_weights_folder
 from blockpilot.predictor.inputs import PredictorInputs
 
@@ -51,19 +51,23 @@ class PredictorConfig:
         if self.kind not in PREDICTOR_KINDS:
             raise ValueError(f"predictor kind must be one of {PREDICTOR_KINDS}, got {self.kind!r}")
         object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
-        if self.tree_budgets:
-            object.__setattr__(self, "tree_budgets", distinct_block_sizes((int(n) for n in self.tree_budgets), "tree_budgets"))
+        object.__setattr__(self, "tree_budgets", distinct_tree_budgets(int(n) for n in self.tree_budgets))
         for name in ("vocab_size", "top_k", "hidden_size"):
             positive_int(getattr(self, name), name)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
+    def tree_depth(self) -> int | None:
+        """How deep its trees are: as deep as the largest candidate, as the labels' trees (None without trees)."""
+        return max(self.candidates) if self.tree_budgets else None
+
+    @property
     def shapes(self) -> tuple[tuple[int, int | None], ...]:
-        """What it chooses among, in the order of its outputs: (b, None) for each candidate, then (D, N) for each
-        tree budget N, trees as deep as the largest candidate D (the labels' trees)."""
+        """What it chooses among, in the order of its outputs: (b, None) for each candidate, then (`tree_depth`, N)
+        for each tree budget N."""
         chains = tuple((b, None) for b in self.candidates)
-        return chains + tuple((max(self.candidates), nodes) for nodes in self.tree_budgets)
+        return chains + tuple((self.tree_depth, nodes) for nodes in self.tree_budgets)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
