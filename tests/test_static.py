@@ -185,14 +185,25 @@ def test_buckets_bound_the_compiled_variants():
 
 
 def test_the_static_target_computes_the_targets_logits(tiny_models):
+    """Over the cache (a mask) and from slot 0 alone (a whole prompt, no mask), with its projections stacked into one
+    matmul each: the model's parameters become views of the stacks (no second copy), which a second decoder reuses."""
     prompt = torch.tensor([tiny_models.encode_prompt(PROMPTS[0])])
     target = StaticTarget(tiny_models.target, rows=1, capacity=64, layer_ids=None)
     positions = torch.arange(prompt.shape[1])[None]
     mask = (torch.arange(64)[None, None, :] <= positions[:, :, None])[:, None]
     with torch.inference_mode():
         logits, _ = target(prompt, positions, positions, mask)
+        whole_prompt, _ = target(prompt, positions, positions, None)
         expected = tiny_models.target(prompt).logits.float()
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(whole_prompt, expected, atol=1e-4, rtol=1e-4)
+    attention = tiny_models.target.model.layers[0].self_attn
+    stack = target.body.attention[0].qkv
+    assert attention.q_proj.weight.data_ptr() == stack.data_ptr()
+    assert attention.k_proj.weight.data_ptr() == stack[attention.q_proj.weight.shape[0] :].data_ptr()
+    again = StaticTarget(tiny_models.target, rows=1, capacity=64, layer_ids=None)
+    reused = again.body.attention[0].qkv
+    assert reused.data_ptr() == stack.data_ptr() and torch.equal(reused, stack)
 
 
 def test_a_recording_static_engine_keeps_what_the_tables_need(tiny_models):
