@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockpilot.decoding.engine import generate_many
+from blockpilot.decoding.engine import RowScheduler, generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.width import CyclePrice
 from blockpilot.models.loading import SpeculativeModels, cache_keyword
@@ -42,16 +42,17 @@ def measure_speed(
     *,
     max_batch: int = 1,
     cost: CyclePrice | None = None,
+    engine: RowScheduler | None = None,
 ) -> PolicySpeed:
     """Decode every prompt under `policy` in one engine, `max_batch` rows at a time (1: one after another),
-    verify widths priced with `cost` when given.
+    verify widths priced with `cost` when given; on `engine` when given (a static one, say), else a new eager one.
 
     A policy keeps no per-request state, so one instance drives every row."""
     if not prompts_ids:
         raise ValueError("measure_speed needs at least one prompt; got none")
     requests = [GenerationRequest(list(ids), config, policy) for ids in prompts_ids]
     started = time.perf_counter()
-    results = generate_many(models, requests, max_batch=max_batch, cost=cost)
+    results = generate_many(models, requests, max_batch=max_batch, cost=cost, engine=engine)
     seconds = time.perf_counter() - started
     taus = [r.tau for r in results if r.cycles]
     return PolicySpeed(
