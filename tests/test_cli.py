@@ -104,11 +104,14 @@ def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zo
     assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
     assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2
     assert "give one of --policy, --block-size, --predictor" in capsys.readouterr().err
-    # The static engine verifies whole blocks with the match rule; anything else is refused, saying what it takes.
+    # The static engine verifies chains by either rule, trees by matching; anything else is refused, saying why.
     assert main([*base, "--policy", "entropy", "--engine", "static", "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["engine"] == "static"
-    assert main([*base, "--engine", "static", "--temperature", "1", "--verify", "rejection"]) == 2
-    assert "match rule" in capsys.readouterr().err
+    static_rejection = [*base, "--engine", "static", "--temperature", "1", "--verify", "rejection", "--max-new-tokens", "4"]
+    assert main([*static_rejection, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"] == "static"
+    assert main([*static_rejection, "--policy", "tree:4"]) == 2
+    assert "needs chains" in capsys.readouterr().err
     assert main([*base, "--engine", "static", "--compile", "graph"]) == 2  # CUDA graphs need a GPU
     assert "needs a CUDA device" in capsys.readouterr().err
 

@@ -167,14 +167,18 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows(drafters, rule):
 # ----------------------------------------------------------------------------- the static cycle's sampler
 
 
-def static_counts(models: SpeculativeModels, width: int) -> torch.Tensor:
+def static_counts(models: SpeculativeModels, width: int, rule: str = "match") -> torch.Tensor:
     """Counts of (x1, x2, x3) over SAMPLES seeds from the static engine (`blockpilot.decoding.static_engine`) at
-    `width`, BATCH rows at a time."""
+    `width` (every row at b = width), BATCH rows at a time."""
     from blockpilot.decoding.static_engine import StaticEngine
 
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     engine = StaticEngine(models, max_batch=BATCH, width=width, capacity=32)
-    requests = [GenerationRequest(PROMPT, GenerationConfig(3, TEMPERATURE, seed=seed)) for seed in range(SAMPLES)]
+    config = GenerationConfig(3, TEMPERATURE, verify=rule)
+    requests = [
+        GenerationRequest(PROMPT, replace(config, seed=seed), FixedBlockSize(width) if width > 1 else None)
+        for seed in range(SAMPLES)
+    ]
     for result in generate_many(models, requests, engine=engine):
         counts[tuple(result.token_ids)] += 1
     return counts
@@ -212,3 +216,55 @@ def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters)
     assert [r.token_ids for r in mixed] == alone
     assert alone[2] == greedy_reference(models.target, PROMPT, 16)  # the T = 0 row is greedy
     assert len({tuple(tokens) for tokens in alone}) > 4  # seeds and temperatures do change the samples
+
+
+def sharp_static_drafter(monkeypatch, target) -> None:
+    """The static cycle's drafter made `OracleDrafter`'s "sharp" double: each slot's logits are the target's along its
+    greedy continuation, doubled (close to p, not equal: rejections whose residual differs from p)."""
+    import blockpilot.decoding.static as static
+
+    reference = PROMPT + greedy_reference(target, PROMPT, 6)
+    with torch.inference_mode():
+        logits = 2.0 * target(torch.tensor([reference])).logits[0].float()  # (len, V): the next token's at each
+
+    def draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
+        positions = self.length[:n, None] + self.offsets[1:width]  # the drafted slots' positions
+        return logits[(positions - 1).clamp(max=len(reference) - 1)]
+
+    monkeypatch.setattr(static.StaticDecoder, "_draft_logits", draft_logits)
+
+
+def test_the_static_rejection_rule_follows_the_target_distribution_and_the_check_catches_a_bonus_from_p(
+    drafters, exact_joint, small_target, monkeypatch
+):
+    """Tokens 2 and 3 from one cycle of two drafted samples, kept by speculative sampling's test on the device, with a
+    real drafter (which the target mostly rejects) and a sharp double; the negative control draws the bonus after a
+    rejection from p, not from max(0, p - q), and the test must fail it."""
+    import blockpilot.decoding.static as static
+
+    assert chi_square_p_value(static_counts(drafters["random"], 3, "rejection"), exact_joint) > P_VALUE_FLOOR
+    sharp = SpeculativeModels(small_target, None, drafters["random"].drafter, VOCAB - 1)
+    sharp_static_drafter(monkeypatch, small_target)
+    assert chi_square_p_value(static_counts(sharp, 3, "rejection"), exact_joint) > P_VALUE_FLOOR
+    monkeypatch.setattr(static, "residual", lambda target, draft: target)
+    assert chi_square_p_value(static_counts(sharp, 3, "rejection"), exact_joint) < 1e-9
+
+
+def test_a_static_rejection_row_does_not_depend_on_the_other_rows(drafters):
+    """Rows at `rejection` alone and beside rows of other rules, seeds, temperatures and block sizes: the same
+    tokens; at T = 0 the rule is greedy."""
+    from blockpilot.decoding.static_engine import StaticEngine
+
+    models = drafters["random"]
+
+    def request(seed: int, temperature: float, b: int, rule: str) -> GenerationRequest:
+        config = GenerationConfig(16, temperature, verify=rule, seed=seed)
+        return GenerationRequest(PROMPT, config, FixedBlockSize(b))
+
+    watched = [request(seed, TEMPERATURE, 4, "rejection") for seed in range(6)] + [request(9, 0.0, 4, "rejection")]
+    alone = [generate_many(models, [r], engine=StaticEngine(models, width=4, capacity=48))[0].token_ids for r in watched]
+    others = [request(100 + i, 1.0 + 0.1 * i, 2 + i % 3, ("match", "rejection")[i % 2]) for i in range(6)]
+    mixed = generate_many(models, others[:3] + watched + others[3:], engine=StaticEngine(models, max_batch=8, width=4, capacity=48))
+    assert [r.token_ids for r in mixed[3:10]] == alone
+    assert alone[-1] == greedy_reference(models.target, PROMPT, 16)
+    assert len({tuple(tokens) for tokens in alone[:-1]}) > 3

@@ -63,7 +63,7 @@ def test_a_cycle_runs_at_the_width_bucket_of_its_widest_block(tiny_models):
     engine = StaticEngine(tiny_models, max_batch=2, width=8)
     assert engine.widths == [1, 2, 4, 8]
     widths, cycle = [], engine.decoder.cycle
-    engine.decoder.cycle = lambda n, span=None, width=None: widths.append(width) or cycle(n, span, width)
+    engine.decoder.cycle = lambda n, span, width, *rule: widths.append(width) or cycle(n, span, width, *rule)
     policies = [FixedBlockSize(2), FixedBlockSize(3), Autoregressive()]
     requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=24), q) for p, q in zip(prompts, policies)]
     results = generate_many(tiny_models, requests, engine=engine)
@@ -158,13 +158,15 @@ def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models
     engine = StaticEngine(random_models, max_batch=1, capacity=64, sampling=False)
     cases = [
         (GenerationConfig(max_new_tokens=60), False, "need [0-9]+ cache slots"),
-        (GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection"), False, "match rule"),
         (GenerationConfig(max_new_tokens=4, temperature=1.0), False, "sampling=True"),
         (GenerationConfig(max_new_tokens=4), True, "record=True"),
     ]
     for config, record, message in cases:
         with pytest.raises(ValueError, match=message):
             engine.submit(GenerationRequest([1, 2, 3], config, None, record))
+    trees = StaticEngine(random_models, max_batch=1, capacity=64, tree_nodes=4)
+    with pytest.raises(ValueError, match="needs chains"):
+        trees.submit(GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection")))
     trim = DraftThenTrim(TrimCalibration(4, (0.5,) * 10, (1,) * 10))
     with pytest.raises(ValueError, match="trims its drafts"):
         engine.submit(GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4), trim))

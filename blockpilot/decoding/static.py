@@ -12,7 +12,9 @@ One cycle for `rows` rows of width W (each row its own block size b <= W; slots 
     verify:  the target over [last token, drafts] at the same positions, writing its keys and values there
     pick:    the target's token for every slot: its argmax at T = 0, else its sample (below)
     accept:  a = the leading drafts equal to the target's pick (at most b - 1): DFlash's `match` rule; commit the
-             picks at slots 0 .. a (the a accepted drafts and the target's own token)
+             picks at slots 0 .. a (the a accepted drafts and the target's own token). Rows that verify by
+             `rejection` at T > 0 draft samples of the drafter instead and keep them by speculative sampling's test
+             (`speculative_sampling`)
     context: the drafter's keys and values of the W verified positions, from the target's features there
     state:   length += a + 1, last token = the pick at slot a
 
@@ -20,7 +22,9 @@ Sampling is counter-based: the token at absolute position p of a row with seed s
 over uniforms that are hashes of (s, p, token). It needs no generator state, so it compiles and replays as a graph,
 and a row's output for a seed is a function of its prompt and seed alone: the same at any block size, in any batch,
 and equal to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
-output does too).
+output does too). Under `rejection` a row's output for a seed depends on its block sizes, not on the other rows:
+every committed token is decided by the uniforms of its own position alone (drafts, the test and the bonus each from
+a stream of their own), which no earlier committed token depended on, so it is exact in distribution too.
 
 A tree cycle (`_tree_cycle`: `_grow` every row's best-first tree on the device, then `_verify_tree`) is the same
 with the verify's block a tree: see `tree.py` and `grow_trees`.
@@ -69,12 +73,31 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def token_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniforms in (0, 1), float64, one per (seed, absolute position, token): seeds (n,) int64, positions (n, S) ->
-    (n, S, vocab). The same triple gives the same number on every device and in any batch."""
-    key = _mix32(seeds[:, None] * 0x9E3779B1 + _mix32(positions))  # (n, S)
+# Independent uniforms for one row and position: the target's picks, the drafter's samples, and the acceptance test
+# of the `rejection` rule.
+TARGET_STREAM, DRAFT_STREAM, ACCEPT_STREAM = 0, 1, 2
+
+
+def token_uniforms(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = TARGET_STREAM
+) -> torch.Tensor:
+    """Uniforms in (0, 1), float64, one per (seed, absolute position, token) of a stream: seeds (n,) int64,
+    positions (n, S) -> (n, S, vocab). The same triple gives the same number on every device and in any batch."""
+    key = _mix32(seeds[:, None] * 0x9E3779B1 + _mix32(positions) + stream * 0x632BE5AB)  # (n, S)
     bits = _mix32(_mix32(key[..., None] * 0x85EBCA77 + torch.arange(vocab, device=seeds.device)))
     return (bits.double() + 0.5) / 4294967296.0
+
+
+def row_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) in float64 with each row's T, (n, S, V) -> (n, S, V) (rows at T = 0: at T = 1)."""
+    scale = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    return torch.softmax(logits.float() / scale[:, None, None], dim=-1).double()
+
+
+def race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """A sample of each distribution (..., V) (unnormalized is fine) by an exponential race: argmax of p_i / E_i
+    with E_i = -log(u_i), so token i wins with probability p_i / sum(p). Elementwise and a reduction: it fuses."""
+    return (probs / -torch.log(uniforms)).argmax(dim=-1)
 
 
 def pick_tokens(
@@ -83,14 +106,45 @@ def pick_tokens(
     seeds: torch.Tensor,  # (n,) int64
     positions: torch.Tensor,  # (n, S) the absolute position each picked token will sit at
 ) -> torch.Tensor:
-    """(n, S) tokens: the argmax where the row's temperature is 0, else a sample of softmax(logits / T) by an
-    exponential race, argmax of p_i / E_i with E_i = -log(u_i) exponential at the uniforms of (seed, position, i):
-    token i wins with probability p_i. Every step is elementwise or a reduction, so a compiler fuses it whole."""
-    greedy = logits.argmax(dim=-1)
-    scale = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    probs = torch.softmax(logits / scale[:, None, None], dim=-1).double()
-    race = probs / -torch.log(token_uniforms(seeds, positions, logits.shape[-1]))
-    return torch.where(temperatures[:, None] > 0, race.argmax(dim=-1), greedy)
+    """(n, S) tokens: the argmax where the row's temperature is 0, else a sample of softmax(logits / T) raced over
+    the uniforms of (seed, position)."""
+    sampled = race(row_probs(logits, temperatures), token_uniforms(seeds, positions, logits.shape[-1]))
+    return torch.where(temperatures[:, None] > 0, sampled, logits.argmax(dim=-1))
+
+
+def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """What the bonus token is drawn from after a rejection: max(0, p - q) (unnormalized), or p where that is all
+    zero (p == q, where a rejection has probability 0: rounding). (n, V), (n, V) -> (n, V)."""
+    left = (target - draft).clamp_min(0)
+    return torch.where(left.sum(dim=-1, keepdim=True) > 0, left, target)
+
+
+def speculative_sampling(
+    drafts: torch.Tensor,  # (n, W - 1) sampled from draft_probs
+    draft_probs: torch.Tensor,  # (n, W - 1, V) the drafter's distributions at each row's temperature
+    target_probs: torch.Tensor,  # (n, W, V) the target's, after each block entry
+    sizes: torch.Tensor,  # (n,) each row's b
+    seeds: torch.Tensor,  # (n,)
+    positions: torch.Tensor,  # (n, W) the block entries' positions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `rejection` rule (`acceptance.py`) for every row at once: (accepted drafts (n,), the committed tokens
+    (n, W): the accepted drafts, then the bonus). Draft j is kept when u * q(d_j) < p(d_j) for the uniform of its
+    position; the bonus at the first rejection comes from `residual`, after b - 1 acceptances from p."""
+    n, width, vocab = target_probs.shape
+    offsets = torch.arange(width, device=drafts.device)
+    p = target_probs[:, :-1].gather(-1, drafts[..., None])[..., 0]
+    q = draft_probs.gather(-1, drafts[..., None])[..., 0]
+    u = token_uniforms(seeds, positions[:, 1:], 1, ACCEPT_STREAM)[..., 0]
+    kept = (u * q < p) & (offsets[1:] < sizes[:, None])
+    accepted = kept.long().cumprod(dim=1).sum(dim=1)
+    at = accepted[:, None, None].expand(-1, 1, vocab)
+    p_at = target_probs.gather(1, at)[:, 0]
+    q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1).gather(1, at)[:, 0]
+    q_at = torch.where((accepted < sizes - 1)[:, None], q_at, torch.zeros_like(q_at))
+    bonus_position = positions.gather(1, accepted[:, None]) + 1
+    bonus = race(residual(p_at, q_at)[:, None], token_uniforms(seeds, bonus_position, vocab))[:, 0]
+    out = torch.cat([drafts, drafts[:, :1]], dim=1)
+    return accepted, torch.where(offsets == accepted[:, None], bonus[:, None], out)
 
 
 def grow_trees(
@@ -414,6 +468,7 @@ class StaticDecoder:
         self.seeds = torch.zeros(rows, **long)
         self.temperatures = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self.active = torch.zeros(rows, dtype=torch.bool, device=self.device)  # a free row stays at length 0
+        self.rejection = torch.zeros(rows, dtype=torch.bool, device=self.device)  # verifies by `rejection` at T > 0
         self.tokens = torch.zeros(rows, width, **long)  # the last cycle's output
         self.counts = torch.zeros(rows, **long)
         self.finite = torch.ones(rows, dtype=torch.bool, device=self.device)
@@ -450,26 +505,41 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
-    def _cycle(self, n: int, span: int, width: int) -> None:
+    def _cycle(self, n: int, span: int, width: int, rejection: bool = False) -> None:
         length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
         rows, window, offsets = slice(0, n), self.slot_range[:span], self.offsets[:width]
+        temperatures, seeds = self.temperatures[:n], self.seeds[:n]
         positions = length[:, None] + offsets  # (n, W)
         ids = last[:, None].expand(-1, width)
         if width > 1:
-            drafts = self._draft_logits(n, span, width).argmax(dim=-1)  # (n, W - 1)
+            draft_logits = self._draft_logits(n, span, width)  # (n, W - 1, V)
+            drafts = draft_logits.argmax(dim=-1)
+            if rejection:  # rows that verify by `rejection` draft samples of the drafter at their temperature
+                rejecting = self.rejection[:n] & (temperatures > 0)
+                draft_probs = row_probs(draft_logits, temperatures)
+                sampled = race(
+                    draft_probs, token_uniforms(seeds, positions[:, 1:], draft_logits.shape[-1], DRAFT_STREAM)
+                )
+                drafts = torch.where(rejecting[:, None], sampled, drafts)
             ids = torch.cat([ids[:, :1], drafts], dim=1)
         mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
         logits, features = self.target(ids, positions, positions, mask, rows)
-        picks = self._pick(logits, positions + 1, rows)  # (n, W)
+        out = self._pick(logits, positions + 1, rows)  # (n, W)
         if width > 1:
-            right = (ids[:, 1:] == picks[:, :-1]) & (offsets[1:] < sizes[:, None])
+            right = (ids[:, 1:] == out[:, :-1]) & (offsets[1:] < sizes[:, None])
             accepted = right.long().cumprod(dim=1).sum(dim=1)  # (n,)
+            if rejection:
+                kept, committed = speculative_sampling(
+                    drafts, draft_probs, row_probs(logits, temperatures), sizes, seeds, positions
+                )
+                accepted = torch.where(rejecting, kept, accepted)
+                out = torch.where(rejecting[:, None], committed, out)
         else:
             accepted = torch.zeros_like(length)
         if self.drafter is not None:  # the drafter's context grows at every width, 1 included
             self.drafter.encode(features, positions, positions, rows)
         self._record(n, logits, features, offsets.expand(n, -1))
-        self._commit(n, logits, picks, accepted, accepted, offsets >= sizes[:, None])
+        self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None])
 
     def _draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
         """The drafter over rows 0 .. n - 1's blocks [last token, MASK x (width - 1)] at their next positions, each
@@ -637,17 +707,20 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def cycle(
-        self, n: int, span: int | None = None, width: int | None = None
+        self, n: int, span: int | None = None, width: int | None = None, rejection: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft/verify cycle for rows 0 .. n - 1 at `width` (default the decoder's; every row's b at most it)
         reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
-        tokens (n, width), counts (n,), finite (n,)."""
+        tokens (n, width), counts (n,), finite (n,). With `rejection`, rows placed to verify by `rejection` do (a
+        variant of the step of its own: the drafter's sampling and the test cost the others nothing)."""
         width = width or self.width
         if not 1 <= width <= self.width:
             raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
+        if rejection and not self.sampling:
+            raise ValueError("the rejection rule samples: it needs a decoder built with sampling=True")
         if span is None:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
-        self._run("_cycle", n, span, width)
+        self._run("_cycle", n, span, width, rejection)
         return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
 
     def _run(self, name: str, *shape: int) -> None:
@@ -755,12 +828,15 @@ class StaticDecoder:
         )
         return tokens[:, 0].tolist()
 
-    def place(self, row: int, *, length: int, last_token: int, temperature: float, seed: int) -> None:
-        """Row `row`, whose cache holds `length` positions, decodes from `last_token` (at position `length`)."""
+    def place(
+        self, row: int, *, length: int, last_token: int, temperature: float, seed: int, rejection: bool = False
+    ) -> None:
+        """Row `row`, whose cache holds `length` positions, decodes from `last_token` (at position `length`),
+        verifying by `rejection` (at T > 0, in cycles run with `rejection=True`) or by matching."""
         if temperature > 0 and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
         self.length[row], self.last_token[row] = length, last_token
-        self.temperatures[row], self.seeds[row] = temperature, seed
+        self.temperatures[row], self.seeds[row], self.rejection[row] = temperature, seed, rejection
         self.block_sizes[row], self.active[row] = 1, True
 
     def set_block_sizes(self, sizes: Sequence[int]) -> None:
@@ -775,10 +851,19 @@ class StaticDecoder:
         for body in (self.target.body, *([self.drafter.body] if self.drafter is not None else [])):
             for buffer in body.buffers():
                 buffer[destination, :length].copy_(buffer[source, :length])
-        for state in (self.length, self.last_token, self.block_sizes, self.seeds, self.temperatures, self.active):
+        states = (
+            self.length,
+            self.last_token,
+            self.block_sizes,
+            self.seeds,
+            self.temperatures,
+            self.active,
+            self.rejection,
+        )
+        for state in states:
             state[destination] = state[source]
         self.free(source)
 
     def free(self, row: int) -> None:
         """Row `row` decodes nothing: it stays at length 0 (its cycles write its own first slots only)."""
-        self.active[row], self.length[row], self.block_sizes[row] = False, 0, 1
+        self.active[row], self.length[row], self.block_sizes[row], self.rejection[row] = False, 0, 1, False

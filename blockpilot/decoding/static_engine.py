@@ -13,7 +13,8 @@ What differs from the eager engine, on purpose:
   policy's b is capped at the width, and a cost curve has nothing to price;
 - sampling is counter-based (`static.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch), a different draw from the eager engine's generator for the same seed;
-- the `match` rule only (`rejection` needs the drafter's sampled drafts) and no draft-then-trim (`verify_count`);
+- `rejection` rows draft samples of the drafter (`static.speculative_sampling`), in a cycle variant compiled when
+  one runs, and a tree engine verifies by matching only; no draft-then-trim (`verify_count`);
 - feature records (`GenerationRequest.record`, labeling's reference generations) need an engine built with
   `record=True`: its compiled cycle then also keeps every committed position's features and distribution summary;
 - draft trees (`tree.py`, policy `tree:N`) run here only: an engine built with `tree_nodes` drafts, grows every
@@ -154,8 +155,8 @@ class StaticEngine(RowScheduler):
                 f"a prompt of {prompt.numel()} tokens and max_new_tokens {config.max_new_tokens} need {need} cache "
                 f"slots with a block of {self.width}; this engine holds {self.capacity} a row"
             )
-        if config.temperature > 0 and config.verify != "match":
-            raise ValueError(f"the static engine verifies with the match rule; got verify={config.verify!r}")
+        if config.temperature > 0 and config.verify == "rejection" and self.tree_nodes is not None:
+            raise ValueError("a tree engine verifies by matching the target's samples; verify='rejection' needs chains")
         if config.temperature > 0 and not self.decoder.sampling:
             raise ValueError(f"temperature {config.temperature} needs an engine built with sampling=True")
         if request.record and not self.decoder.recording:
@@ -258,6 +259,7 @@ class StaticEngine(RowScheduler):
                 last_token=firsts[index],
                 temperature=row.config.temperature,
                 seed=self._seeds[row.id],
+                rejection=row.config.verify == "rejection",
             )
             if row.failure is None:
                 if firsts[index] in row.config.stop_token_ids:
@@ -284,7 +286,8 @@ class StaticEngine(RowScheduler):
         bucket = next(b for b in self.buckets if b >= n)
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
         if all(row.tree_budget is None for row in rows):  # chains alone: the chain cycle, also on a tree engine
-            tokens, counts, finite = self.decoder.cycle(bucket, span, width)
+            rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
+            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):
                     row.tree_nodes.append(size - 1)
