@@ -15,7 +15,7 @@ import torch
 from support import greedy_reference
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
-from blockpilot.decoding.static import NODE_BINS, grow_trees
+from blockpilot.decoding.static import grow_trees
 from blockpilot.decoding.static_engine import StaticEngine
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
@@ -187,20 +187,14 @@ def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_e
     assert engine.tree_sizes == [4, 8, 16]
     costs = engine.calibrate_trees(cycles=2)
     assert set(costs) == {4, 8, 16} and all(seconds > 0 for seconds in costs.values())
-    assert engine.decoder.nodes_seen.sum() == 0, "the made-up rows it timed are not calibration"
-    used, accepted_drafts = {}, 0
+    used = {}
     for name, cost in [("flat", {4: 1.0, 8: 1.0, 16: 1.0}), ("steep", {4: 1.0, 8: 10.0, 16: 100.0})]:
         engine.tree_cost, engine.verified_nodes = cost, Counter()
         results = generate_many(tiny_models, requests(tiny_models, prompts, [FixedTree(16, B)] * 4, 40, stop=False), engine=engine)
         assert [r.token_ids for r in results] == expected
         used[name] = set(engine.verified_nodes)
-        accepted_drafts += sum(length - 1 for r in results for length in r.acceptance_lengths)
     # Flat: every cycle verifies the smallest bucket holding its largest tree (16, or less near a row's budget).
     assert 16 in used["flat"] and used["steep"] == {4}
-    # The calibration counts every verified node once, and as taken exactly the nodes the target's paths went through.
-    seen, taken = engine.decoder.nodes_seen, engine.decoder.nodes_taken
-    assert taken.sum() == accepted_drafts and (taken <= seen).all() and seen.sum() > taken.sum()
-    assert seen[NODE_BINS:].sum() == 0, "greedy rows fill the greedy half"
 
 
 def test_tree_walks_on_the_labels_equal_live_tree_runs_at_temperature_0(tiny_models):

@@ -53,15 +53,6 @@ from blockpilot.policies.base import distribution_summary
 from blockpilot.tree import TOP_K
 
 COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
-NODE_BINS = 32  # a drafted node's path probability in half-octaves, from 1 down to 2^-16 and below
-NODE_PRIOR = 16.0  # nodes' worth of the drafter's own probability in a bin's acceptance rate
-
-
-def node_bins(probabilities: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """Each node's calibration bin: its path probability's half-octave below 1 (probabilities (n, S)), the second
-    half of the bins for rows that sample (sampled (n,) bool): (n, S) int64 in [0, 2 * NODE_BINS)."""
-    half_octaves = (-2.0 * torch.log2(probabilities.clamp_min(2.0**-16))).floor().long().clamp(0, NODE_BINS - 1)
-    return half_octaves + NODE_BINS * sampled.long()[:, None]
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -487,10 +478,6 @@ class StaticDecoder:
             self.tree_ancestors = torch.zeros(
                 rows, self.tree_slots, self.tree_slots, dtype=torch.bool, device=self.device
             )
-            # Verified nodes and those the target's path went through, by the node's path probability
-            # (`node_bins`), for greedy rows and sampled ones: how often a node of that probability commits.
-            self.nodes_seen = torch.zeros(2 * NODE_BINS, dtype=torch.float32, device=self.device)
-            self.nodes_taken = torch.zeros(2 * NODE_BINS, dtype=torch.float32, device=self.device)
         self.recording = record and drafting  # every cycle keeps its committed positions' features and distributions
         if self.recording:
             features = models.target.config.get_text_config().hidden_size * len(layer_ids)
@@ -642,10 +629,6 @@ class StaticDecoder:
         live = (parents >= 0) | (nodes == 0)
         good = ((tokens == picks.gather(1, parents.clamp(min=0))) & (parents >= 0)) | (nodes == 0)
         on_path = ~(ancestors & ~good[:, None, :]).any(dim=-1) & live  # (n, S)
-        bins = node_bins(self.tree_probabilities[:n, :slots_n], self.temperatures[:n] > 0).flatten()
-        drafted = live & (nodes > 0)
-        self.nodes_seen.scatter_add_(0, bins, drafted.flatten().float())
-        self.nodes_taken.scatter_add_(0, bins, (on_path & drafted).flatten().float())
         at_depth = on_path[:, None, :] & (depths[:, None, :] == self.offsets[None, :, None])  # (n, W, S)
         reached = at_depth.any(dim=-1)  # (n, W): the path reaches depth d
         accepted = reached.long().sum(dim=1) - 1
@@ -748,25 +731,6 @@ class StaticDecoder:
         choose how many a verify checks (`verify_tree`)."""
         self._run("_draft_tree", n, span)
         return self.tree_probabilities[:n]
-
-    @torch.inference_mode()
-    def expected_commits(self, n: int, sizes: Sequence[int]) -> list[float]:
-        """The tokens rows 0 .. n - 1's grown trees are expected to commit, in all, were each verified cut to each of
-        `sizes` nodes: the target's own token, and each node at the rate at which verified nodes of its path
-        probability have been on the target's path on this decoder (`node_bins`; the drafter's probability itself
-        where a bin has seen few: `NODE_PRIOR`). A drafter's path probabilities are not the target's acceptance:
-        on the mini zoo they overrated it and the priced cut verified trees too large."""
-        probabilities = self.tree_probabilities[:n]
-        bins = node_bins(probabilities, self.temperatures[:n] > 0)
-        rate = (self.nodes_taken[bins] + NODE_PRIOR * probabilities) / (self.nodes_seen[bins] + NODE_PRIOR)
-        rate = torch.where(probabilities > 0, rate, torch.zeros_like(rate))
-        rate[:, 0] = 1.0  # the root: the target's own token always commits
-        return rate.cumsum(dim=1)[:, list(sizes)].sum(dim=0).tolist()
-
-    def forget_nodes(self) -> None:
-        """Drop what the node calibration has seen (after cycles on made-up rows, as `calibrate_trees` runs)."""
-        self.nodes_seen.zero_()
-        self.nodes_taken.zero_()
 
     @torch.inference_mode()
     def verify_tree(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

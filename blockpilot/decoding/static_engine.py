@@ -347,17 +347,14 @@ class StaticEngine(RowScheduler):
             budgets.append(size - 1 if chain else min(row.tree_budget, self.tree_nodes))
             widths.append(1 if chain else self.decoder.top_k)
         # What each tree can hold: its budget, or every continuation its depth and width allow.
-        holds = [
-            min(nodes, sum(width**d for d in range(1, size)))
-            for nodes, width, size in zip(budgets, widths, sizes, strict=True)
-        ]
+        holds = [min(nodes, sum(width**d for d in range(1, size))) for nodes, width, size in zip(budgets, widths, sizes, strict=True)]
         pad = bucket - len(rows)
         self.decoder.set_tree_shapes(budgets + [0] * pad, widths + [1] * pad)
         fits = next(size for size in self.tree_sizes if size >= max(holds))
         if self.tree_cost:
-            self.decoder.draft_tree(bucket, span)
+            probabilities = self.decoder.draft_tree(bucket, span)[: len(rows)]
             candidates = [size for size in self.tree_sizes if size <= fits]
-            expected = self.decoder.expected_commits(len(rows), candidates)
+            expected = probabilities.cumsum(dim=1)[:, candidates].sum(dim=0).tolist()
             verified = self.tree_nodes_for(dict(zip(candidates, expected, strict=True)))
             out = self.decoder.verify_tree(bucket, span, verified + 1)
         else:
@@ -370,9 +367,9 @@ class StaticEngine(RowScheduler):
 
     def tree_nodes_for(self, expected: dict[int, float]) -> int:
         """How many nodes of every row's tree a cycle verifies, given the tokens the batch's trees are expected to
-        commit at each size bucket up to the one that holds the largest tree (`StaticDecoder.expected_commits`): the
-        size that commits the most a second under `tree_cost` (CaDDTree's rule, per batch, its acceptance
-        calibrated on the engine's own cycles)."""
+        commit at each size bucket up to the one that holds the largest tree: the size that commits the most a second
+        under `tree_cost`, were the drafter calibrated (each node commits with its continuation's probability, the
+        target's own token always: CaDDTree's rule, per batch)."""
         return max(expected, key=lambda size: expected[size] / self.tree_cost[size])
 
     @torch.inference_mode()
@@ -397,7 +394,6 @@ class StaticEngine(RowScheduler):
                 samples.append(time.perf_counter() - started)
             costs[size] = statistics.median(samples[1:])
         decoder.free(0)
-        decoder.forget_nodes()
         self.tree_cost = costs
         return costs
 
