@@ -12,9 +12,10 @@ On the zoo's held-out prompts (one at a time, batch 1), each decoder generating 
 - the static engine (`blockpilot.decoding.static_engine`, its cycle compiled once per width before timing):
   autoregressive and fixed b, at every --widths (the best of them is the best fixed b).
 
-T > 0 rows run where the decoder samples (the engines). With --batch N, both engines also decode the prompts N at
-a time, each row at its own b (cycling through --widths), rows leaving as they finish. Compile times are printed;
-the figures are timings of this machine, so compare rows of one run only.
+T > 0 rows run where the decoder samples (the engines), the static engine's with both acceptance rules (`match`,
+and `rejection` at every --widths). With --batch N, both engines also decode the prompts N at a time, each row at its
+own b (cycling through --widths), rows leaving as they finish. Compile times are printed; the figures are timings of
+this machine, so compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -81,9 +82,13 @@ def rate(decode: Callable[[list[int]], list[int]], prompts: list[list[int]], rep
     return statistics.median(speeds), count / len(prompts)
 
 
-def engine_decode(models, policy, temperature: float, max_new_tokens: int, stop, engine=None) -> Callable:
+def engine_decode(
+    models, policy, temperature: float, max_new_tokens: int, stop, engine=None, verify="match"
+) -> Callable:
     def decode(prompt: list[int]) -> list[int]:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=0)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=0, verify=verify
+        )
         return generate_many(models, [GenerationRequest(prompt, config, policy)], engine=engine)[0].token_ids
 
     return decode
@@ -168,8 +173,16 @@ def main() -> None:
                 f"static, fixed b = {width}",
                 engine_decode(models, policy, temperature, args.max_new_tokens, stop, static[width]),
             )
+        for width in widths if temperature > 0 else []:  # the other acceptance rule (its cycle compiles on first use)
+            rejection = engine_decode(
+                models, FixedBlockSize(width), temperature, args.max_new_tokens, stop, static[width], "rejection"
+            )
+            rejection(prompts[0])
+            add(f"static, fixed b = {width}, rejection", rejection)
         baseline = next((speed for name, speed, _ in rows if name == "transformers, static cache + compile"), None)
-        best = max((r for r in rows if r[0].startswith("static, fixed")), key=lambda r: r[1])
+        best = max(
+            (r for r in rows if r[0].startswith("static, fixed") and "rejection" not in r[0]), key=lambda r: r[1]
+        )
         fixed_B = next(r for r in rows if r[0] == f"static, fixed b = {B}")
         say(
             f"T = {temperature:g}: static fixed B {fixed_B[1]:.1f}, best fixed ({best[0]}) {best[1]:.1f} tokens/s"
@@ -190,9 +203,10 @@ def main() -> None:
                 batch_rate(models, requests, engine)  # compiles the row counts it meets
                 eager, static_speed = batch_rate(models, requests), batch_rate(models, requests, engine)
                 say(
-                    f"batch {len(batch)}, b = {sizes[:len(widths)]}..., T = {temperature:g}: engine {eager:.1f} "
+                    f"batch {len(batch)}, b = {sizes[: len(widths)]}..., T = {temperature:g}: engine {eager:.1f} "
                     f"tokens/s, static {static_speed:.1f} tokens/s (compiled in {engine.compile_seconds:.0f} s)"
                 )
+
 
 if __name__ == "__main__":
     main()
