@@ -612,9 +612,8 @@ class StaticDecoder:
         rows, window = slice(0, n), self.slot_range[:span]
         parents, depths = self.tree_parents[:n, :slots_n], self.tree_depths[:n, :slots_n]
         nodes = torch.arange(slots_n, device=self.device)
-        tokens = torch.where(
-            nodes == 0, last[:, None], self.tree_tokens[:n, :slots_n]
-        )  # (n, S): the root is the last token
+        # (n, S): the root is the last token
+        tokens = torch.where(nodes == 0, last[:, None], self.tree_tokens[:n, :slots_n])
         positions = length[:, None] + depths
         slots = length[:, None] + nodes
         ancestors = self.tree_ancestors[:n, :slots_n, :slots_n]  # (n, S, S): node j is node i or one of its ancestors
