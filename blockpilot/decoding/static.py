@@ -96,10 +96,12 @@ def pick_tokens(
     temperatures: torch.Tensor,  # (n,) fp32, 0 = greedy
     seeds: torch.Tensor,  # (n,) int64
     positions: torch.Tensor,  # (n, S) the absolute position each picked token will sit at
+    probs: torch.Tensor | None = None,  # (n, S, V) `row_probs(logits, temperatures)`, where the caller has them
 ) -> torch.Tensor:
     """(n, S) tokens: the argmax where the row's temperature is 0, else a sample of softmax(logits / T) raced over
     the uniforms of (seed, position)."""
-    sampled = race(row_probs(logits, temperatures), token_uniforms(seeds, positions, logits.shape[-1]))
+    probs = probs if probs is not None else row_probs(logits, temperatures)
+    sampled = race(probs, token_uniforms(seeds, positions, logits.shape[-1]))
     return torch.where(temperatures[:, None] > 0, sampled, logits.argmax(dim=-1))
 
 
@@ -121,7 +123,7 @@ def speculative_sampling(
     """The `rejection` rule (`acceptance.py`) for every row at once: (accepted drafts (n,), the committed tokens
     (n, W): the accepted drafts, then the bonus). Draft j is kept when u * q(d_j) < p(d_j) for the uniform of its
     position; the bonus at the first rejection comes from `residual`, after b - 1 acceptances from p."""
-    n, width, vocab = target_probs.shape
+    _, width, vocab = target_probs.shape
     offsets = torch.arange(width, device=drafts.device)
     p = target_probs[:, :-1].gather(-1, drafts[..., None])[..., 0]
     q = draft_probs.gather(-1, drafts[..., None])[..., 0]
@@ -511,14 +513,13 @@ class StaticDecoder:
             ids = torch.cat([ids[:, :1], drafts], dim=1)
         mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
         logits, features = self.target(ids, positions, positions, mask, rows)
-        out = self._pick(logits, positions + 1, rows)  # (n, W)
+        target_probs = row_probs(logits, temperatures) if rejection else None  # the picks' and the test's
+        out = self._pick(logits, positions + 1, rows, target_probs)  # (n, W)
         if width > 1:
             right = (ids[:, 1:] == out[:, :-1]) & (offsets[1:] < sizes[:, None])
             accepted = right.long().cumprod(dim=1).sum(dim=1)  # (n,)
             if rejection:
-                kept, committed = speculative_sampling(
-                    drafts, draft_probs, row_probs(logits, temperatures), sizes, seeds, positions
-                )
+                kept, committed = speculative_sampling(drafts, draft_probs, target_probs, sizes, seeds, positions)
                 accepted = torch.where(rejecting, kept, accepted)
                 out = torch.where(rejecting[:, None], committed, out)
         else:
@@ -647,9 +648,11 @@ class StaticDecoder:
         self._record(n, logits, features, path_nodes)
         self._commit(n, logits, out, accepted, current, ~live)
 
-    def _pick(self, logits: torch.Tensor, positions: torch.Tensor, rows: slice) -> torch.Tensor:
+    def _pick(
+        self, logits: torch.Tensor, positions: torch.Tensor, rows: slice, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.sampling:
-            return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions)
+            return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions, probs)
         return logits.argmax(dim=-1)
 
     def _build(self, name: str, *shape: int) -> Callable[[], None]:

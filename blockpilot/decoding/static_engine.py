@@ -347,7 +347,10 @@ class StaticEngine(RowScheduler):
             budgets.append(size - 1 if chain else min(row.tree_budget, self.tree_nodes))
             widths.append(1 if chain else self.decoder.top_k)
         # What each tree can hold: its budget, or every continuation its depth and width allow.
-        holds = [min(nodes, sum(width**d for d in range(1, size))) for nodes, width, size in zip(budgets, widths, sizes, strict=True)]
+        holds = [
+            min(nodes, sum(width**d for d in range(1, size)))
+            for nodes, width, size in zip(budgets, widths, sizes, strict=True)
+        ]
         pad = bucket - len(rows)
         self.decoder.set_tree_shapes(budgets + [0] * pad, widths + [1] * pad)
         fits = next(size for size in self.tree_sizes if size >= max(holds))
