@@ -52,7 +52,11 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_p": 0.5}, False, "top_p"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, True, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, True, "response_format"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        True,
+        "response_format",
+    ),
     ({}, True, "messages"),
     ({"messages": []}, True, "messages"),
     ({"messages": [{"role": "user"}]}, True, "messages[0].content"),
@@ -86,7 +90,9 @@ def test_nan_temperature_is_rejected(decoder):
 
 
 def test_completion_equals_the_library(decoder, tiny_models):
-    text, stats = decoder.complete(checked(decoder, {"prompt": "Count from 1 to 9.", "max_tokens": 40, "temperature": 0}))
+    text, stats = decoder.complete(
+        checked(decoder, {"prompt": "Count from 1 to 9.", "max_tokens": 40, "temperature": 0})
+    )
     ids = decoder.encode_completion("Count from 1 to 9.")
     expected = generate(
         tiny_models,
@@ -216,7 +222,8 @@ def test_requests_join_the_running_batch_and_match_the_library(tiny_models):
     try:
         prompts = [f"Count from {i} to {i + 9}." for i in range(8)]
         bodies = [
-            {"prompt": p, "max_tokens": 10 + 3 * i, "temperature": 0, "block_size": 1 + i % 6} for i, p in enumerate(prompts)
+            {"prompt": p, "max_tokens": 10 + 3 * i, "temperature": 0, "block_size": 1 + i % 6}
+            for i, p in enumerate(prompts)
         ]
         handles = [decoder.submit(checked(decoder, body)) for body in bodies]
         results = []
@@ -225,7 +232,9 @@ def test_requests_join_the_running_batch_and_match_the_library(tiny_models):
             results.append(text)
         for body, text in zip(bodies, results, strict=True):
             ids = decoder.encode_completion(body["prompt"])
-            config = GenerationConfig(max_new_tokens=body["max_tokens"], stop_token_ids=tuple(tiny_models.stop_token_ids()))
+            config = GenerationConfig(
+                max_new_tokens=body["max_tokens"], stop_token_ids=tuple(tiny_models.stop_token_ids())
+            )
             expected = generate(tiny_models, ids, policy=FixedBlockSize(body["block_size"]), config=config)
             assert text == tiny_models.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
     finally:
@@ -292,13 +301,17 @@ def test_admission_keeps_the_cache_within_its_budget(tiny_models):
         first, second = decoder.submit(_long(decoder)), decoder.submit(_long(decoder))
         next(first.events(timeout_s=60))
         time.sleep(0.3)
-        assert decoder.load["active"] == 1 and decoder.load["waiting"] == 1, "the second fits only when the first leaves"
+        assert decoder.load["active"] == 1 and decoder.load["waiting"] == 1, (
+            "the second fits only when the first leaves"
+        )
         rows, positions = decoder._engine.target_cache.store.capacity
         assert positions <= need, f"the cache grew to {positions} positions for a row of {need}"
         first.cancel()
         assert [kind for kind, _ in second.events(timeout_s=60)][-1] == "done"
         time.sleep(0.3)
-        assert all(layer is None for layer in decoder._engine.target_cache.store.layers), "an idle engine holds no cache"
+        assert all(layer is None for layer in decoder._engine.target_cache.store.layers), (
+            "an idle engine holds no cache"
+        )
     finally:
         decoder.stop()
 
@@ -319,8 +332,21 @@ def test_cancel_frees_the_row_and_reports_an_openai_finish_reason(tiny_models):
         decoder.stop()
 
 
+def paced(decoder: BatchedDecoder) -> BatchedDecoder:
+    """A decoder whose every engine step takes 10 ms more, so a `_long` request (400 steps) outlasts a timeout
+    of a second on any machine: a fast CI runner decoded the tiny zoo's 400 tokens within 0.5 s."""
+    step = decoder._engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.01)
+        return step(*args, **kwargs)
+
+    decoder._engine.step = slow_step
+    return decoder
+
+
 def test_the_deadline_starts_with_decoding_and_cuts_a_long_request(tiny_models):
-    decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=512, request_timeout_s=0.3)).start()
+    decoder = paced(BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=512, request_timeout_s=0.3))).start()
     try:
         started = time.monotonic()
         text, stats = decoder.complete(_long(decoder))
@@ -343,7 +369,7 @@ def fill_the_row_and_the_queue(decoder: BatchedDecoder) -> tuple[DecodeHandle, D
 
 def test_a_full_queue_and_a_long_wait_are_overloaded(tiny_models):
     limits = ServeLimits(max_tokens_cap=512, max_batch=1, max_queue=1, queue_timeout_s=0.5)
-    decoder = BatchedDecoder(tiny_models, limits=limits).start()
+    decoder = paced(BatchedDecoder(tiny_models, limits=limits)).start()
     try:
         running, waiting = fill_the_row_and_the_queue(decoder)
         kind, error = next(waiting.events(timeout_s=30))
@@ -465,7 +491,11 @@ def test_thread_safety_of_submit(decoder):
     results = []
 
     def one(i: int) -> None:
-        results.append(decoder.complete(checked(decoder, {"prompt": f"Count from {i} to {i + 4}.", "max_tokens": 8, "temperature": 0})))
+        results.append(
+            decoder.complete(
+                checked(decoder, {"prompt": f"Count from {i} to {i + 4}.", "max_tokens": 8, "temperature": 0})
+            )
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for thread in threads:
