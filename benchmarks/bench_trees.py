@@ -1,6 +1,6 @@
 """Draft trees against chains on the static engine, in one run: tau and tokens/s on the same prompts and weights.
 
-    python benchmarks/bench_trees.py --zoo $ZOO [--prompts 32] [--max-new-tokens 128] [--budgets 4,8,16,32] \\
+    python benchmarks/bench_trees.py --zoo $ZOO [--prompts 32] [--max-new-tokens 128] [--budgets 3,7,15,31] \\
         [--widths 4,5,6,7,8] [--temperatures 0,1] [--compile compile] [--batch 8] [--predictor PATH]
 
 On the zoo's held-out prompts, one at a time (and --batch N at a time), each decoder generating to a stop token or
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--zoo", type=Path, required=True, help="a built zoo (its target, drafter, held-out prompts)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--budgets", type=block_size_list, default=(4, 8, 16, 32))
+    parser.add_argument("--budgets", type=block_size_list, default=(3, 7, 15, 31))
     parser.add_argument("--depth", type=int, default=None, help="the trees' depth, as a block size (default: B)")
     parser.add_argument("--widths", type=block_size_list, default=None, help="chains' b (default: B-2 .. B+2)")
     parser.add_argument("--temperatures", default="0,1")

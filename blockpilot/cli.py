@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree-nodes",
         type=tree_budget_list,
         default=(),
-        help="also time draft trees of these budgets, as deep as the largest block size (--engine static), e.g. 8,16,32,64",
+        help="also time draft trees of these budgets, as deep as the largest block size (--engine static), e.g. 7,15,31,63",
     )
     cal.add_argument("--compile", choices=COMPILE_MODES, default="off", help=COMPILE_HELP)
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")

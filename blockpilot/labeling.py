@@ -45,10 +45,10 @@ class LabelSettings:
         help="block sizes, e.g. 6,7,8,9,10 (default: B-2..B+2 around the drafter's training block size)",
     )
     tree_budgets: tuple[int, ...] = option(
-        (8, 16, 32, 64),
+        (7, 15, 31, 63),
         type=tree_budget_list,
         help="draft-tree budgets in nodes whose commits the tables keep too, trees as deep as the largest candidate "
-        "(replay only; none: no trees)",
+        "(2^k - 1 nodes and the root fill a verify's bucket; replay only; none: no trees)",
     )
     temperatures: tuple[float, ...] = option((0.0,), type=temperature_list, help="e.g. 0,1")
     mode: str = option("replay", choices=SWEEP_MODES, help="replay: acceptance tables; live: one run per b")

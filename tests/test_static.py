@@ -14,7 +14,7 @@ from test_step_policy import growing_step_model, random_step_model, vocab_of
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.static import COMPILE_MODES, StaticDecoder, StaticTarget, span_bucket
-from blockpilot.decoding.static_engine import StaticEngine, power_buckets
+from blockpilot.decoding.static_engine import StaticEngine, power_buckets, tree_buckets
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 from blockpilot.policies.step import StepPolicy
@@ -183,6 +183,7 @@ def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models
 def test_buckets_bound_the_compiled_variants():
     assert power_buckets(1) == [1] and power_buckets(6) == [1, 2, 4, 6] and power_buckets(8) == [1, 2, 4, 8]
     assert power_buckets(64, smallest=4) == [4, 8, 16, 32, 64] and power_buckets(3, smallest=4) == [3]
+    assert tree_buckets(64) == [3, 7, 15, 31, 63, 64] and tree_buckets(7) == [3, 7] and tree_buckets(2) == [2]
     assert span_bucket(10, 2048) == 256 and span_bucket(257, 2048) == 512 and span_bucket(3000, 2048) == 2048
 
 

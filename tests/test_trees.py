@@ -183,18 +183,18 @@ def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_e
     prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
     expected = [greedy_reference(tiny_models.target, p, 40) for p in prompts]
     B = tiny_models.train_block_size
-    engine = StaticEngine(tiny_models, max_batch=2, tree_nodes=16)
-    assert engine.tree_sizes == [4, 8, 16]
+    engine = StaticEngine(tiny_models, max_batch=2, tree_nodes=15)
+    assert engine.tree_sizes == [3, 7, 15]  # 4, 8 and 16 slots, the root included
     costs = engine.calibrate_trees(cycles=2)
-    assert set(costs) == {4, 8, 16} and all(seconds > 0 for seconds in costs.values())
+    assert set(costs) == {3, 7, 15} and all(seconds > 0 for seconds in costs.values())
     used = {}
-    for name, cost in [("flat", {4: 1.0, 8: 1.0, 16: 1.0}), ("steep", {4: 1.0, 8: 10.0, 16: 100.0})]:
+    for name, cost in [("flat", {3: 1.0, 7: 1.0, 15: 1.0}), ("steep", {3: 1.0, 7: 10.0, 15: 100.0})]:
         engine.tree_cost, engine.verified_nodes = cost, Counter()
-        results = generate_many(tiny_models, requests(tiny_models, prompts, [FixedTree(16, B)] * 4, 40, stop=False), engine=engine)
+        results = generate_many(tiny_models, requests(tiny_models, prompts, [FixedTree(15, B)] * 4, 40, stop=False), engine=engine)
         assert [r.token_ids for r in results] == expected
         used[name] = set(engine.verified_nodes)
-    # Flat: every cycle verifies the smallest bucket holding its largest tree (16, or less near a row's budget).
-    assert 16 in used["flat"] and used["steep"] == {4}
+    # Flat: every cycle verifies the smallest bucket holding its largest tree (15, or less near a row's budget).
+    assert 15 in used["flat"] and used["steep"] == {3}
 
 
 def test_tree_walks_on_the_labels_equal_live_tree_runs_at_temperature_0(tiny_models):

@@ -79,8 +79,16 @@ def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
 
 def power_buckets(limit: int, smallest: int = 1) -> list[int]:
     """The sizes a shape is compiled at, up to `limit`: powers of two from `smallest` below it, and `limit` (row
-    counts; tree sizes in nodes, from 4)."""
+    counts, chain widths)."""
     return sorted({*(1 << i for i in range(limit.bit_length()) if smallest <= 1 << i < limit), limit})
+
+
+def tree_buckets(tree_nodes: int) -> list[int]:
+    """The tree sizes, in nodes, a verify is compiled at, up to `tree_nodes`: those whose slots (the root too) are
+    powers of two from 4, and `tree_nodes`. A verify's cost is a staircase in its slots, with steps past multiples of
+    8 on the CPUs measured (one slot past 8, 16 or 32 costs 9-17% more), so a bucket of 2^k - 1 nodes is the largest
+    tree at its price."""
+    return [slots - 1 for slots in power_buckets(tree_nodes + 1, smallest=4)]
 
 
 class StaticEngine(RowScheduler):
@@ -126,7 +134,7 @@ class StaticEngine(RowScheduler):
             record=record,
         )
         self.tree_nodes = tree_nodes  # the largest tree a cycle verifies, in nodes past the root (None: chains)
-        self.tree_sizes = power_buckets(tree_nodes, smallest=4) if tree_nodes is not None else []
+        self.tree_sizes = tree_buckets(tree_nodes) if tree_nodes is not None else []
         self.tree_cost: dict[int, float] = {}  # seconds a tree cycle by size (`calibrate_trees`); empty: unpriced
         self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
         self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
