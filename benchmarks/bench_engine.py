@@ -15,7 +15,8 @@ On the zoo's held-out prompts (one at a time, batch 1), each decoder generating 
 T > 0 rows run where the decoder samples (the engines), the static engine's with both acceptance rules (`match`,
 and `rejection` at every --widths). With --batch N, both engines also decode the prompts N at a time, each row at its
 own b (cycling through --widths), rows leaving as they finish. Compile times are printed; the figures are timings of
-this machine, so compare rows of one run only.
+this machine, so compare rows of one run only. First, each static cycle's time at batch 1 beside its arithmetic (its
+FLOPs at this machine's matmul rate).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.speed import plain_loop
+from blockpilot.decoding.static import span_bucket
 from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
 from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
@@ -108,6 +110,50 @@ def batch_rate(models, requests, engine=None) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+def matmul_rate(size: int = 1024, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate in FLOP/s: a (size x size) product, the median of `repeats`."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * size**3 / statistics.median(times)
+
+
+def cycle_against_arithmetic(static: dict[int, StaticEngine], prompt: list[int], cycles: int = 200) -> None:
+    """Each compiled cycle's time at batch 1 (the best of 3 rounds of `cycles`) beside its arithmetic: the FLOPs of
+    the eager cycle (`FlopCounterMode`: matmuls and attention) at this machine's matmul rate."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rate = matmul_rate()
+    say(f"  a cycle against its arithmetic (batch 1; this machine's fp32 matmul rate: {rate / 1e9:.0f} GFLOP/s)")
+    step = None
+    for width, engine in sorted(static.items()):
+        decoder, length = engine.decoder, len(prompt) - 1
+        decoder.prefill(0, [torch.tensor(prompt[:-1])])
+        decoder.place(0, length=length, last_token=prompt[-1], temperature=0.0, seed=0)
+        decoder.set_block_sizes([width])
+        span = span_bucket(length + width, decoder.capacity)
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            decoder._cycle(1, span, width)
+        rounds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            for _ in range(cycles):
+                decoder.length[0] = length
+                decoder.cycle(1, span, width)
+            rounds.append((time.perf_counter() - started) / cycles)
+        decoder.free(0)
+        seconds, flops = min(rounds), counter.get_total_flops()
+        step = step or seconds
+        say(
+            f"  width {width}: {seconds * 1e3:.3f} ms a cycle ({seconds / step:.2f}x the one-token step), "
+            f"{flops / 1e6:.1f} MFLOP = {flops / rate * 1e3:.3f} ms of arithmetic: {seconds * rate / flops:.1f}x it"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -143,6 +189,7 @@ def main() -> None:
         generate_many(models, [GenerationRequest(prompts[0], GenerationConfig(max_new_tokens=4))], engine=engine)
         static[width] = engine
         say(f"  static cycle compiled at width {width} in {engine.compile_seconds:.0f} s")
+    cycle_against_arithmetic(static, prompts[0])
     hf_compiled = HFCompiled(models, capacity)
     started = time.perf_counter()
     hf_compiled(prompts[0], 4, stop)
