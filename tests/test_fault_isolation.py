@@ -53,9 +53,10 @@ def nan_logits_for(engine: SpeculativeEngine, row_id: int, after_cycles: int):
     engine._verify = corrupted
 
 
-def run_batch(models, requests, inject=None):
-    """{row index: (tokens, stop reason, error)} of one engine over `requests`, then one more request served."""
-    engine = SpeculativeEngine(models, max_batch=len(requests))
+def run_batch(models, requests, inject=None, engine=None):
+    """{row index: (tokens, stop reason, error)} of one engine (default: an eager one) over `requests`, then one more
+    request served."""
+    engine = engine or SpeculativeEngine(models, max_batch=len(requests))
     ids = [engine.submit(request) for request in requests]
     if inject is not None:
         inject(engine, ids[FAULTY])
@@ -108,6 +109,35 @@ def test_a_faulty_row_ends_alone_and_the_others_decode_as_alone(tiny_models, fau
     assert reason == "error" and error is not None, f"the faulty row ended as {reason!r}"
     for index in (0, 2):
         alone = generate_many(tiny_models, [requests[index]])[0]
+        assert ends[index][1] in ("stop", "length") and ends[index][2] is None
+        assert ends[index][0] == alone.token_ids, f"row {index} decoded differently beside the faulty row"
+
+
+@pytest.mark.parametrize("fault", ["raises", "answers 0", "answers past its largest tree"])
+def test_a_tree_policy_that_fails_one_request_ends_that_row_alone(tiny_models, fault):
+    """A per-request tree budget is checked like a block size: for the whole batch at once, then row by row."""
+    from blockpilot.decoding.static_engine import StaticEngine
+    from blockpilot.policies.fixed import FixedTree
+
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
+    poison = tuple(prompts[FAULTY])
+
+    class PoisonedTree(FixedTree):
+        def initial_tree_budgets(self, prefills):
+            bad = [tuple(prefill.prompt_ids.tolist()) == poison for prefill in prefills]
+            if fault == "raises" and any(bad):
+                raise RuntimeError("the policy broke on this request")
+            wrong = 0 if fault == "answers 0" else self.nodes + 1
+            return [wrong if b else self.nodes for b in bad]
+
+    policy = PoisonedTree(7, tiny_models.train_block_size)
+    requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=16), policy) for p in prompts]
+    ends = run_batch(tiny_models, requests, engine=StaticEngine(tiny_models, max_batch=3, tree_nodes=7))
+    tokens, reason, error = ends[FAULTY]
+    assert reason == "error" and error is not None and not tokens
+    assert fault == "raises" or "tree budget" in str(error)
+    for index in (0, 2):
+        alone = generate_many(tiny_models, [requests[index]], engine=StaticEngine(tiny_models, tree_nodes=7))[0]
         assert ends[index][1] in ("stop", "length") and ends[index][2] is None
         assert ends[index][0] == alone.token_ids, f"row {index} decoded differently beside the faulty row"
 

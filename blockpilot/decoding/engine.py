@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +89,11 @@ DEVICE_FAILURE_MARKERS = ("cuda error", "device-side assert", "cudnn", "nccl", "
 
 def is_device_failure(error: BaseException) -> bool:
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and "out of memory" not in text and any(m in text for m in DEVICE_FAILURE_MARKERS)
+    return (
+        isinstance(error, RuntimeError)
+        and "out of memory" not in text
+        and any(m in text for m in DEVICE_FAILURE_MARKERS)
+    )
 
 
 def _finite(logits: torch.Tensor) -> list:
@@ -214,6 +218,22 @@ def _checked_sizes(policy: BlockSizePolicy, sizes: Any, rows: int) -> list[int]:
     return [_checked(size, policy) for size in sizes]
 
 
+def _checked_budgets(policy: BlockSizePolicy, budgets: Any, rows: int) -> list[int | None]:
+    """A batched `initial_tree_budgets` answer for `rows` rows, each a tree's nodes in [1, policy.tree_nodes] or None
+    (a chain)."""
+    budgets = list(budgets)
+    if len(budgets) != rows:
+        raise ValueError(f"policy {policy.name!r} returned {len(budgets)} tree budgets for {rows} rows")
+    for nodes in budgets:
+        good = isinstance(nodes, int) and not isinstance(nodes, bool) and 1 <= nodes <= (policy.tree_nodes or 0)
+        if nodes is not None and not good:
+            raise ValueError(
+                f"policy {policy.name!r} returned tree budget {nodes!r}; expected None or an integer in "
+                f"[1, {policy.tree_nodes}]"
+            )
+    return budgets
+
+
 def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"policy {policy.name!r} returned block size {block_size!r}; expected an integer >= 1")
@@ -260,36 +280,42 @@ def record_distributions(row: Row, logits: torch.Tensor) -> None:
 
 
 def decide_block_sizes(pairs: list[tuple[Row, Any]], initial: bool) -> None:
-    """Each row's b from its policy: the first one from the prefill state (`initial`), else the next one from
-    its cycle state; one batched call per policy the rows share. A policy that raises or answers a bad value
-    for the group is asked row by row, so that only the rows it fails on fail, with its error."""
+    """Each row's b from its policy: the first one from the prefill state (`initial`), with its tree budget for a
+    tree policy, else the next one from its cycle state; one batched call per policy the rows share. A policy that
+    raises or answers a bad value for the group is asked row by row, so that only the rows it fails on fail, with
+    its error."""
     for group in rows_by_policy([row for row, _ in pairs]):
-        policy = pairs[group[0]][0].policy
+        rows, states = [pairs[i][0] for i in group], [pairs[i][1] for i in group]
+        policy = rows[0].policy
         hook = policy.initial_block_sizes if initial else policy.next_block_sizes
-        try:
-            sizes: list[int | None] = _checked_sizes(policy, hook([pairs[i][1] for i in group]), len(group))
-        except Exception:
-            sizes = []
-            for i in group:
-                try:
-                    sizes.append(_checked_sizes(policy, hook([pairs[i][1]]), 1)[0])
-                except Exception as error:
-                    pairs[i][0].fail(error)
-                    sizes.append(None)
+        sizes = _per_row(hook, states, rows, lambda answer, n: _checked_sizes(policy, answer, n))
         budgets: list[int | None] = [None] * len(group)
         if initial and policy.tree_nodes is not None:
-            try:
-                budgets = list(policy.initial_tree_budgets([pairs[i][1] for i in group]))
-            except Exception as error:
-                for i in group:
-                    pairs[i][0].fail(error)
-        for i, size, budget in zip(group, sizes, budgets, strict=True):
-            if size is None:
+            budgets = _per_row(
+                policy.initial_tree_budgets, states, rows, lambda answer, n: _checked_budgets(policy, answer, n)
+            )
+        for row, size, budget in zip(rows, sizes, budgets, strict=True):
+            if size is None or row.failure is not None:  # a hook failed on it
                 continue
-            row = pairs[i][0]
             row.block_size = size
             if initial:
                 row.chosen_block_size, row.tree_budget = size, budget
+
+
+def _per_row(hook: Callable[[list], Any], states: list, rows: list[Row], check: Callable[[Any, int], list]) -> list:
+    """`check(hook(states), n)` for n rows at once; if that raises, row by row, failing the rows it raises on (their
+    answer None)."""
+    try:
+        return check(hook(states), len(states))
+    except Exception:
+        answers = []
+        for row, state in zip(rows, states, strict=True):
+            try:
+                answers.append(check(hook([state]), 1)[0])
+            except Exception as error:
+                row.fail(error)
+                answers.append(None)
+        return answers
 
 
 class RowScheduler:
