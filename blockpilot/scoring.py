@@ -31,6 +31,12 @@ def shape_prices(candidates: tuple[int, ...], tree_budgets: tuple[int, ...], cos
     return np.asarray([cost(b) for b in candidates] + [cost.tree(n) for n in tree_budgets], dtype=np.float64)
 
 
+def per_choice(chains: np.ndarray, trees: np.ndarray | None) -> np.ndarray:
+    """(N, S) a quantity of every choice (tau, cycles): the candidates' columns (N, C), then the tree budgets' (N, T)
+    where the choices are shapes (None: b alone)."""
+    return chains if trees is None else np.concatenate([chains, trees], axis=1)
+
+
 def score_matrix(tau: np.ndarray, prices: np.ndarray, score: str) -> np.ndarray:
     """(N, S) what choosing each shape is worth for each row: its tau, or its tau / its cycle's price
     (`throughput`); tau (N, S), prices (S,) (`shape_prices`)."""
@@ -86,12 +92,12 @@ class LabelArrays:
     @property
     def choice_tau(self) -> np.ndarray:
         """(N, S) tau of every choice."""
-        return np.concatenate([self.tau, self.tree_tau], axis=1) if self.over_shapes else self.tau
+        return per_choice(self.tau, self.tree_tau if self.over_shapes else None)
 
     @property
     def choice_cycles(self) -> np.ndarray:
         """(N, S) cycles of every choice's walks."""
-        return np.concatenate([self.cycles, self.tree_cycles], axis=1) if self.over_shapes else self.cycles
+        return per_choice(self.cycles, self.tree_cycles if self.over_shapes else None)
 
     @property
     def cycle_cost(self) -> np.ndarray:
@@ -137,7 +143,14 @@ def label_arrays(
     candidates = candidates_of(table)
     tables = None
     if "table_commits" in table.column_names and table["table_commits"].null_count == 0:
-        wanted = ["candidates", "table_commits", "table_anchors", "max_new_tokens", "tree_budgets", "table_tree_commits"]
+        wanted = [
+            "candidates",
+            "table_commits",
+            "table_anchors",
+            "max_new_tokens",
+            "tree_budgets",
+            "table_tree_commits",
+        ]
         columns = table.select([name for name in wanted if name in table.column_names]).to_pylist()
         tables = [tables_from_row(row) for row in columns]
     return LabelArrays(

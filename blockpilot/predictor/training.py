@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from blockpilot.checks import positive_int
 from blockpilot.cost import CycleCost
 from blockpilot.predictor.inputs import INPUT_COLUMNS, PredictorInputs, input_arrays
-from blockpilot.scoring import LabelArrays, best_indices, candidates_of, score_matrix, shape_prices
+from blockpilot.scoring import LabelArrays, best_indices, candidates_of, per_choice, score_matrix, shape_prices
 
 Objective = Literal["ce", "expected-tau", "normalized-gain"]
 OBJECTIVES: tuple[str, ...] = ("ce", "expected-tau", "normalized-gain")
@@ -118,11 +118,12 @@ def training_columns(
     holds: the predictor's inputs, each row's `score` vector and the index of its best choice (B*; with
     `over_shapes`, the choices are the candidates, then the tree budgets)."""
     candidates = tuple(int(b) for b in batch["candidates"][0])
-    tau = np.stack([np.asarray(x, dtype=np.float32) for x in batch["tau"]])
-    budgets: tuple[int, ...] = ()
-    if over_shapes:
-        budgets = tuple(int(n) for n in batch["tree_budgets"][0])
-        tau = np.concatenate([tau, np.stack([np.asarray(x, dtype=np.float32) for x in batch["tree_tau"]])], axis=1)
+    budgets = tuple(int(n) for n in batch["tree_budgets"][0]) if over_shapes else ()
+
+    def matrix(column: str) -> np.ndarray:
+        return np.stack([np.asarray(x, dtype=np.float32) for x in batch[column]])
+
+    tau = per_choice(matrix("tau"), matrix("tree_tau") if over_shapes else None)
     values = score_matrix(tau, shape_prices(candidates, budgets, cost or CycleCost.uniform()), score)
     return {**input_arrays(batch, dense), "score": values, "best_index": best_indices(values)}
 
