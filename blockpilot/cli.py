@@ -101,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(models.stop_token_ids()),
         seed=args.seed,
     )
-    engine, extra = None, {}
+    engine, extra = None, {"engine": args.engine}
     if args.engine == "static":
         from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels, shape_for
 
@@ -119,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     (result,) = generate_many(models, [GenerationRequest(prompt_ids, config, policy)], engine=engine)
     seconds = time.perf_counter() - started
     if engine is not None:
-        extra = {"engine": "static", "compile": args.compile, "compile_seconds": engine.compile_seconds}
+        extra |= {"compile": args.compile, "compile_seconds": engine.compile_seconds}
     text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, **result.to_dict(), **extra}))

@@ -5,11 +5,13 @@ and `generate` with each policy family that needs no trained model. `test_comman
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 from commands import PROMPT, ROOT, run, user_env
 from support import greedy_reference
 
+from blockpilot.cli import main
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.static_engine import StaticEngine
 
@@ -37,7 +39,9 @@ def test_zoo_random_build_and_evaluate(tiny_zoo, tmp_path):
     assert "ends: stopped" in printed and "ends: budget" in printed
 
 
-def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training(tiny_zoo, tiny_models, tmp_path):
+def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training(
+    tiny_zoo, tiny_models, tmp_path, capsys
+):
     env = user_env(tmp_path / "home")
     models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
     small = "--block-sizes 1,2,4 --repeats 1 --cycles 2"
@@ -60,29 +64,40 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     prompt_ids = tiny_models.encode_prompt(PROMPT)
     greedy = greedy_reference(tiny_models.target, prompt_ids, 24, tiny_models.stop_token_ids())
     generate = f"generate {models} --prompt '{PROMPT}' --max-new-tokens 24"
+    # The command as a user types it, in both forms; the other policies through the same entry point in process (a
+    # subprocess costs about 8 s of imports here).
     for command, policy in [
         (f"blockpilot {generate} --policy fixed:3 --json", "fixed"),
-        (f"blockpilot {generate} --policy entropy --json", "entropy"),
-        (f"blockpilot {generate} --policy trim:{tmp_path / 'trim.json'} --json", "trim"),
         (f"python -m blockpilot {generate} --policy autoregressive --json", "autoregressive"),
     ]:
         payload = json.loads(run(command, env))
         assert payload["token_ids"] == greedy, command  # at T = 0 every policy decodes the target's greedy output
         assert payload["policy"] == policy
-    printed = run(f"blockpilot {generate} --policy entropy --temperature 0.8 --verify rejection", env)
+    for flags, policy, engine in [
+        ("--policy entropy", "entropy", "eager"),
+        (f"--policy trim:{tmp_path / 'trim.json'}", "trim", "eager"),
+        ("--engine static --policy entropy", "entropy", "static"),
+        ("--engine static --policy tree:8", "tree", "static"),
+    ]:
+        assert main(shlex.split(f"{generate} {flags} --json")) == 0
+        payload = json.loads(capsys.readouterr().out)
+        assert payload["token_ids"] == greedy and payload["policy"] == policy and payload["engine"] == engine, flags
+    assert main(shlex.split(f"{generate} --policy entropy --temperature 0.8 --verify rejection")) == 0
+    printed = capsys.readouterr().out
     assert "mean tau:" in printed and "block size:" in printed
-    # The compiled-cycle decoder behind the same command (uncompiled here: compiling takes the CPU a while).
-    payload = json.loads(run(f"blockpilot {generate} --engine static --policy entropy --json", env))
-    assert payload["token_ids"] == greedy and payload["engine"] == "static" and payload["policy"] == "entropy"
-    payload = json.loads(run(f"blockpilot {generate} --engine static --policy tree:8 --json", env))
-    assert payload["token_ids"] == greedy and payload["policy"] == "tree"
     printed = run(f"blockpilot {generate} --engine static --temperature 0.8 --seed 3", env)
     assert "engine static (off): " in printed and "mean tau:" in printed
     # Compiled (inductor, about 20 s here): the same sampled tokens as the eager cycle for the seed, which are the
     # autoregressive sample of the seed whatever the policy (so an in-process run stands for the eager command).
-    compiled = json.loads(run(f"blockpilot {generate} --engine static --compile compile --temperature 0.8 --seed 3 --json", env))
-    sampled = GenerationConfig(max_new_tokens=24, temperature=0.8, seed=3, stop_token_ids=tuple(tiny_models.stop_token_ids()))
-    (eager,) = generate_many(tiny_models, [GenerationRequest(prompt_ids, sampled, None)], engine=StaticEngine(tiny_models))
+    compiled = json.loads(
+        run(f"blockpilot {generate} --engine static --compile compile --temperature 0.8 --seed 3 --json", env)
+    )
+    sampled = GenerationConfig(
+        max_new_tokens=24, temperature=0.8, seed=3, stop_token_ids=tuple(tiny_models.stop_token_ids())
+    )
+    (eager,) = generate_many(
+        tiny_models, [GenerationRequest(prompt_ids, sampled, None)], engine=StaticEngine(tiny_models)
+    )
     assert compiled["token_ids"] == eager.token_ids and compiled["compile_seconds"] > 0
 
 
