@@ -2,7 +2,8 @@
 
     python benchmarks/bench_cycle.py [--drafter-config tests/fixtures/zlab_qwen3_4b_dflash_b16_config.json] \\
         [--batches 1,8,32,64] [--widths 1,8,16] [--modes graph] [--compile-points 1x1,1x16] \\
-        [--tree-nodes 16,32,64,128,256] [--tree-points 1x16,1x64,8x64] [--capacity 1024] [--out results.json]
+        [--tree-nodes 16,17,32,33,64,65,128,129,256,257] [--tree-points 1x16,1x64,8x64] [--capacity 1024] \\
+        [--out results.json]
 
 Builds the target and drafter the config names (z-lab's Qwen3-4B b16 drafter by default: a 36-layer, 2560-wide
 target), random weights, bf16 on a GPU (timing does not depend on weight values), and prints, in one run:
@@ -230,7 +231,12 @@ def main() -> None:
     parser.add_argument("--modes", default="graph", help="static cycle modes for every point (off, compile, graph)")
     parser.add_argument("--compile-points", type=points, default=[], help="BATCHxWIDTH,... also run compile+graph")
     parser.add_argument("--sampled-points", type=points, default=[], help="BATCHxWIDTH,... compile+graph at T = 1")
-    parser.add_argument("--tree-nodes", type=block_size_list, default=(16, 32, 64, 128, 256))
+    parser.add_argument(
+        "--tree-nodes",
+        type=block_size_list,
+        default=(16, 17, 32, 33, 64, 65, 128, 129, 256, 257),
+        help="slots a tree verify checks a row, the root included (one past a power of two shows a step, if any)",
+    )
     parser.add_argument(
         "--tree-points", type=points, default=[], help="BATCHxNODES,... the static engine's whole tree cycle"
     )
