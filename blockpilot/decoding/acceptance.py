@@ -106,8 +106,12 @@ def accept_rejection(
     accepted = _prefix_length(uniform * q < p)
     if accepted == k:
         return k, int(sample_tokens(target_probs[k], generator).item())
-    residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
-    total = residual.sum()
-    # A zero residual means p == q at this row, where rejection has probability 0; guard rounding anyway.
-    distribution = residual / total if total > 0 else target_probs[accepted]
-    return accepted, int(sample_tokens(distribution, generator).item())
+    distribution = residual(target_probs[accepted], draft_probs[accepted])
+    return accepted, int(sample_tokens(distribution / distribution.sum(), generator).item())
+
+
+def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """What the bonus token is drawn from after a rejection: max(0, p - q) (unnormalized), or p where that is all
+    zero (p == q, where a rejection has probability 0: rounding). (..., V), (..., V) -> (..., V)."""
+    left = (target - draft).clamp_min(0)
+    return torch.where(left.sum(dim=-1, keepdim=True) > 0, left, target)

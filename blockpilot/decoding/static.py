@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockpilot.decoding.acceptance import residual
 from blockpilot.decoding.request import RECORD_TOP_K
 from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
@@ -103,13 +104,6 @@ def pick_tokens(
     probs = probs if probs is not None else row_probs(logits, temperatures)
     sampled = race(probs, token_uniforms(seeds, positions, logits.shape[-1]))
     return torch.where(temperatures[:, None] > 0, sampled, logits.argmax(dim=-1))
-
-
-def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-    """What the bonus token is drawn from after a rejection: max(0, p - q) (unnormalized), or p where that is all
-    zero (p == q, where a rejection has probability 0: rounding). (n, V), (n, V) -> (n, V)."""
-    left = (target - draft).clamp_min(0)
-    return torch.where(left.sum(dim=-1, keepdim=True) > 0, left, target)
 
 
 def speculative_sampling(
