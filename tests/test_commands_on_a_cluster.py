@@ -4,7 +4,9 @@ head the test starts (`ray start --head`, with the dashboard that serves jobs) o
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
 import psutil
@@ -64,33 +66,60 @@ def local_runtime_env(path: Path, home: Path) -> Path:
 
 
 # Ray's race (ray-project/ray issue 36703): a job submitted right after another with the same working directory can
-# find the package still listed, skip the upload, and then lose it to the garbage collection of the first job's
-# references before its own worker downloads it. A resubmission uploads the package again.
+# find the package still listed, skip the upload, and then fail to download it on the node. Resubmitting the same
+# directory is not enough: the package stays listed and the second download fails too (a CI run, 2026-11-26). Ray's
+# own advice is to change a file of the package, so the resubmission packs a copy of the repository's files with one
+# file added, which uploads under a new name.
 PACKAGE_LOST = "Failed to download runtime_env file package"
 
 
-def submit(command: str, env: dict[str, str]) -> str:
+def fresh_package(runtime_env: Path, attempt: str) -> Path:
+    """A copy of `runtime_env` whose working directory is a copy of the repository's tracked files plus a file naming
+    `attempt`, so its content (and with it the package's name) is new."""
+    copy = runtime_env.parent / f"working_dir_{attempt}"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    (copy / "resubmission.txt").write_text(f"{attempt}\n")
+    settings = yaml.safe_load(runtime_env.read_text())
+    settings["working_dir"] = str(copy)
+    fresh = runtime_env.with_name(f"{runtime_env.stem}_{attempt}.yaml")
+    fresh.write_text(yaml.safe_dump(settings))
+    return fresh
+
+
+def submit(address: str, runtime_env: Path, command: str, env: dict[str, str]) -> str:
+    """`ray job submit` of `command`, as the README shows it; once more with a fresh package where Ray lost it."""
+    line = f"ray job submit --address {address} --runtime-env {{}} -- {command}"
     try:
-        return run(command, env, noise=UNACTIONABLE)
+        return run(line.format(runtime_env), env, noise=UNACTIONABLE)
     except AssertionError as failure:
         if PACKAGE_LOST not in str(failure):
             raise
-        return run(command, env, noise=UNACTIONABLE)
+    return run(line.format(fresh_package(runtime_env, uuid.uuid4().hex[:8])), env, noise=UNACTIONABLE)
 
 
 def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, tmp_path):
     address, env, home = ray_head
     runtime_env = local_runtime_env(tmp_path / "ray_job.yaml", home)
-    job = f"ray job submit --address {address} --runtime-env {runtime_env} --"
     models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
     labels, predictor = tmp_path / "labels", tmp_path / "predictor"
     submit(
-        f"{job} python -m pipelines.label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 "
+        address,
+        runtime_env,
+        f"python -m pipelines.label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 "
         f"--temperatures 0 --max-new-tokens 16 --top-k 8 --actors 1 --num-cpus-per-actor 0.5 --no-track",
         env,
     )
     assert read_labels(labels).num_rows == 8
-    submit(f"{job} python -m pipelines.train_predictor --labels {labels} --epochs 1 --out {predictor} --no-track", env)
+    submit(
+        address,
+        runtime_env,
+        f"python -m pipelines.train_predictor --labels {labels} --epochs 1 --out {predictor} --no-track",
+        env,
+    )
     assert (predictor / "config.json").is_file()
 
     # cluster/serve.yaml with this zoo's models and a free port, as `serve deploy` sends it (the package is installed
