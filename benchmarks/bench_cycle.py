@@ -14,10 +14,13 @@ target), random weights, bf16 on a GPU (timing does not depend on weight values)
    a `StaticCache` step under `torch.compile(mode="reduce-overhead")`;
 3. the engine's cycle (`blockpilot.cost.seconds_per_cycle`, transformers' modules, eager) at each width, batch 1;
 4. the static cycle (`blockpilot.decoding.static`) at every batch x width, per --modes; --compile-points
-   (BATCHxWIDTH) lists the points also run `compile+graph` (each shape compiles on its own);
+   (BATCHxWIDTH) lists the points also run `compile+graph` (each shape compiles on its own, in step 7);
 5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph;
 6. with --tree-points (BATCHxNODES), the static engine's whole tree cycle in one step: draft, best-first trees grown
-   on the device, verify, walk and commit (`--tree-mode`, compile+graph on a GPU).
+   on the device, verify, walk and commit (`--tree-mode`, compile+graph on a GPU; --tree-compile-points too);
+7. the points that compile, last: --compile-points, --sampled-points, --tree-compile-points, --hf-compile. A point
+   that fails is printed and skipped; with --time-budget, so is every costly point left once that many seconds
+   have passed.
 
 Every figure is a median of CUDA-event (or synchronised wall) timings after warm-up. Random weights accept no
 draft, so a cycle commits one token: these are costs, not speedups.
@@ -30,6 +33,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -117,9 +122,7 @@ def hf_compiled_step(models, steps: int) -> tuple[float, float]:
     cache = {cache_keyword(target): StaticCache(config=target.config, max_cache_len=64 + 8 * steps)}
     forward = torch.compile(target.forward, mode="reduce-overhead", fullgraph=True)
     prompt = torch.randint(0, vocabulary(models), (1, 64), device=device)
-    out = target(
-        input_ids=prompt, **cache, use_cache=True, cache_position=torch.arange(64, device=device)
-    )
+    out = target(input_ids=prompt, **cache, use_cache=True, cache_position=torch.arange(64, device=device))
     token = out.logits[:, -1:].argmax(-1)
     position = 64
 
@@ -127,9 +130,7 @@ def hf_compiled_step(models, steps: int) -> tuple[float, float]:
         nonlocal token, position
         for _ in range(count):
             cache_position = torch.tensor([position], device=device)
-            logits = forward(
-                input_ids=token, **cache, use_cache=True, cache_position=cache_position
-            ).logits
+            logits = forward(input_ids=token, **cache, use_cache=True, cache_position=cache_position).logits
             token = logits[:, -1:].argmax(-1)
             position += 1
 
@@ -241,6 +242,12 @@ def main() -> None:
         "--tree-points", type=points, default=[], help="BATCHxNODES,... the static engine's whole tree cycle"
     )
     parser.add_argument("--tree-mode", default=None, help="its mode (default: compile+graph on a GPU, else off)")
+    parser.add_argument(
+        "--tree-compile-points", type=points, default=[], help="BATCHxNODES,... the tree cycle compile+graph too"
+    )
+    parser.add_argument(
+        "--time-budget", type=float, default=0, help="seconds after which the costly points left are skipped (0: none)"
+    )
     parser.add_argument("--capacity", type=int, default=1024, help="cache slots a row")
     parser.add_argument("--cycles", type=int, default=8, help="cycles per timed run")
     parser.add_argument("--hf-steps", type=int, default=32)
@@ -306,23 +313,6 @@ def main() -> None:
                     f"  {mode:<14} b = {width:<3}" + "".join(cells) + f"   (x floor at batch 1: "
                     f"{RESULTS['static_cycle_s'][mode][width][args.batches[0]] / floor:.2f})"
                 )
-        for batch, width in args.compile_points:
-            seconds, build = static_cycle(models, batch, width, "compile+graph", args.capacity, args.cycles)
-            release(device)
-            say(
-                f"  compile+graph  batch {batch}, b = {width}: {seconds * 1000:.2f} ms (compiled in {build:.0f} s; "
-                f"x floor {seconds / floor:.2f})"
-            )
-            RESULTS.setdefault("compiled_cycle_s", {})[f"{batch}x{width}"] = [seconds, build]
-        for batch, width in args.sampled_points:
-            seconds, build = static_cycle(models, batch, width, "compile+graph", args.capacity, args.cycles, True)
-            release(device)
-            say(
-                f"  compile+graph  batch {batch}, b = {width}, every row at T = 1: {seconds * 1000:.2f} ms "
-                f"(compiled in {build:.0f} s)"
-            )
-            RESULTS.setdefault("compiled_sampled_cycle_s", {})[f"{batch}x{width}"] = [seconds, build]
-
         say("tree verify (one target pass over N nodes a row, CUDA graph), ms")
         for batch in (1, 8) if args.tree_nodes else ():
             cells = []
@@ -333,29 +323,59 @@ def main() -> None:
                 RESULTS.setdefault("tree_verify_s", {}).setdefault(batch, {})[nodes] = seconds
             say(f"  batch {batch}: " + ", ".join(cells))
 
-        tree_mode = args.tree_mode or ("compile+graph" if device.type == "cuda" else "off")
-        for batch, nodes in args.tree_points:
-            seconds, build = tree_cycle(models, batch, nodes, tree_mode, args.capacity, args.cycles)
-            release(device)
+        def guarded(what: str, measure: Callable[[], None]) -> None:
+            """One costly point, unless --time-budget is spent; a failure is printed and the run goes on (a lease's
+            minutes are too few to lose every point after one that breaks)."""
+            if args.time_budget and time.perf_counter() - started > args.time_budget:
+                say(f"{what}: skipped (past --time-budget {args.time_budget:.0f} s)")
+                return
+            try:
+                measure()
+            except Exception as error:
+                say(f"{what} failed: {type(error).__name__}: {error}"[:400])
+            finally:
+                release(device)
+
+        def tree_point(mode: str, batch: int, nodes: int) -> None:
+            seconds, build = tree_cycle(models, batch, nodes, mode, args.capacity, args.cycles)
             say(
-                f"tree cycle ({tree_mode}, trees grown on the device), batch {batch}, {nodes} nodes "
+                f"tree cycle ({mode}, trees grown on the device), batch {batch}, {nodes} nodes "
                 f"{models.train_block_size} deep: {seconds * 1000:.2f} ms (built in {build:.0f} s; x floor "
                 f"{seconds / floor:.2f})"
             )
-            RESULTS.setdefault("tree_cycle_s", {})[f"{batch}x{nodes}"] = [seconds, build]
+            RESULTS.setdefault("tree_cycle_s", {}).setdefault(mode, {})[f"{batch}x{nodes}"] = [seconds, build]
 
-        if args.hf_compile:
+        def compiled_point(batch: int, width: int, sampling: bool) -> None:
+            seconds, build = static_cycle(models, batch, width, compiled, args.capacity, args.cycles, sampling)
+            rows = ", every row at T = 1" if sampling else ""
+            say(
+                f"  {compiled:<14} batch {batch}, b = {width}{rows}: {seconds * 1000:.2f} ms (compiled in {build:.0f} "
+                f"s; x floor {seconds / floor:.2f})"
+            )
+            key = "compiled_sampled_cycle_s" if sampling else "compiled_cycle_s"
+            RESULTS.setdefault(key, {})[f"{batch}x{width}"] = [seconds, build]
+
+        def hf_compiled_point() -> None:
             models.target.set_attn_implementation("sdpa")
-            try:
-                step, compile_seconds = hf_compiled_step(models, args.hf_steps)
-            except Exception as error:  # a transformers release whose compiled static step fails: say so, go on
-                say(f"transformers compiled static step failed: {type(error).__name__}: {error}"[:400])
-            else:
-                say(
-                    f"transformers StaticCache + torch.compile(reduce-overhead) step, batch 1: {step * 1000:.2f} ms "
-                    f"a token (compiled in {compile_seconds:.0f} s)"
-                )
-                RESULTS["hf_compiled_step_s"] = [step, compile_seconds]
+            step, compile_seconds = hf_compiled_step(models, args.hf_steps)
+            say(
+                f"transformers StaticCache + torch.compile(reduce-overhead) step, batch 1: {step * 1000:.2f} ms "
+                f"a token (compiled in {compile_seconds:.0f} s)"
+            )
+            RESULTS["hf_compiled_step_s"] = [step, compile_seconds]
+
+        compiled = "compile+graph" if device.type == "cuda" else "compile"
+        tree_mode = args.tree_mode or ("compile+graph" if device.type == "cuda" else "off")
+        for batch, nodes in args.tree_points:
+            guarded(f"tree cycle {batch}x{nodes}", partial(tree_point, tree_mode, batch, nodes))
+        for batch, width in args.compile_points:
+            guarded(f"compiled cycle {batch}x{width}", partial(compiled_point, batch, width, False))
+        for batch, width in args.sampled_points:
+            guarded(f"compiled sampled cycle {batch}x{width}", partial(compiled_point, batch, width, True))
+        for batch, nodes in args.tree_compile_points:
+            guarded(f"compiled tree cycle {batch}x{nodes}", partial(tree_point, compiled, batch, nodes))
+        if args.hf_compile:
+            guarded("transformers compiled static step", hf_compiled_point)
 
     if args.out is not None:
         args.out.write_text(json.dumps(RESULTS, indent=2) + "\n")

@@ -127,7 +127,8 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
     )
     results = json.loads(out.read_text())
     assert set(results["static_cycle_s"]["off"]) == {"1", "4"} and results["floor_s"] > 0
-    assert "static cycle" in printed and "tree verify" in printed and "2x6" in results["tree_cycle_s"]
+    assert "static cycle" in printed and "tree verify" in printed and "2x6" in results["tree_cycle_s"]["off"]
+    assert "failed" not in printed and "skipped" not in printed
 
 
 def test_the_tree_benchmark_runs_on_the_tiny_zoo(tiny_zoo, tmp_path):
