@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from blockpilot.options import (
@@ -76,7 +77,9 @@ def _policy_spec(args: argparse.Namespace) -> str:
     """--block-size N and --predictor P are shorthands of --policy fixed:N and --policy learned:P."""
     given = [flag for flag, value in (("--block-size", args.block_size), ("--predictor", args.predictor)) if value]
     if len(given) > 1 or (given and args.policy is not None):
-        raise ValueError(f"give one of --policy, --block-size, --predictor (got {', '.join(given + ['--policy'] * (args.policy is not None))})")
+        raise ValueError(
+            f"give one of --policy, --block-size, --predictor (got {', '.join(given + ['--policy'] * (args.policy is not None))})"
+        )
     if args.block_size is not None:
         return f"fixed:{args.block_size}"
     if args.predictor is not None:
@@ -110,7 +113,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine = StaticEngine(
             models,
             width=width,
-            capacity=len(prompt_ids) + args.max_new_tokens + max(width or 0, tree_nodes or 0, 2 * (models.train_block_size or 1)) + 8,
+            capacity=len(prompt_ids)
+            + args.max_new_tokens
+            + max(width or 0, tree_nodes or 0, 2 * (models.train_block_size or 1))
+            + 8,
             compile=args.compile,
             sampling=args.temperature > 0,
             tree_nodes=tree_nodes,
@@ -171,7 +177,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         points = [f"b={b} {seconds * 1000:.2f}{raw.get(b, '')}" for b, seconds in by_b.items()]
         print(f"batch {batch}: " + ", ".join(points))
     for batch, by_nodes in cost.trees.items():
-        print(f"batch {batch}, trees {cost.tree_depth} deep: " + ", ".join(f"{n} nodes {s * 1000:.2f}" for n, s in by_nodes.items()))
+        print(
+            f"batch {batch}, trees {cost.tree_depth} deep: "
+            + ", ".join(f"{n} nodes {s * 1000:.2f}" for n, s in by_nodes.items())
+        )
     return 0
 
 
@@ -188,11 +197,18 @@ def cmd_calibrate_trim(args: argparse.Namespace) -> int:
     prompts = [models.encode_prompt(text) for text in prompt_texts(args.prompts, limit=args.limit)]
     block_size = args.block_size or 2 * models.train_block_size
     calibration = calibrate_trim(
-        models, prompts, block_size, cost=load_cost(args.cost), temperature=args.temperature, max_new_tokens=args.max_new_tokens
+        models,
+        prompts,
+        block_size,
+        cost=load_cost(args.cost),
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
     )
     calibration.save(args.out)
     survival = ", ".join(f"{s:.2f} ({n})" for s, n in zip(calibration.survival, calibration.counts))
-    print(f"trim calibration ({len(prompts)} prompts, b={block_size}) -> {args.out}; use it with --policy trim:{args.out}")
+    print(
+        f"trim calibration ({len(prompts)} prompts, b={block_size}) -> {args.out}; use it with --policy trim:{args.out}"
+    )
     print(f"survival per confidence decile (drafts reached): {survival}")
     return 0
 
@@ -227,6 +243,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve_job(from_args(ServeJob, args))
 
 
+def cmd_serve_unavailable(missing: ImportError, args: argparse.Namespace) -> int:
+    raise RuntimeError(
+        f"serving needs Ray Serve, which is not installed here ({missing}): pip install 'blockpilot[ray]'"
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipelines.demo import DemoJob, run_demo
 
@@ -245,7 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.build_zoo import ZooBuildJob
     from pipelines.demo import DemoJob
     from pipelines.label import LabelJob
-    from pipelines.serve import ServeJob
     from pipelines.train_predictor import TrainJob
     from pipelines.train_step_policy import StepTrainJob
 
@@ -319,13 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--dtype", default=None)
     cal.set_defaults(handler=cmd_calibrate)
 
-    trim = commands.add_parser("calibrate-trim", help="draft-then-trim's survival per drafter confidence, from acceptance tables")
+    trim = commands.add_parser(
+        "calibrate-trim", help="draft-then-trim's survival per drafter confidence, from acceptance tables"
+    )
     trim.add_argument("--target", type=model_ref, required=True)
     trim.add_argument("--drafter", type=model_ref, required=True)
-    trim.add_argument("--prompts", required=True, help="prompt sources, as `label --prompts` takes them (zoo:DIR, jsonl:PATH, ...)")
+    trim.add_argument(
+        "--prompts", required=True, help="prompt sources, as `label --prompts` takes them (zoo:DIR, jsonl:PATH, ...)"
+    )
     trim.add_argument("--limit", type=positive_int_arg, default=64, help="prompts per source")
     trim.add_argument("--block-size", type=positive_int_arg, default=None, help="the drafted block size (default: 2B)")
-    trim.add_argument("--cost", type=Path, default=None, help="cost curve (blockpilot calibrate) that prices the verify")
+    trim.add_argument(
+        "--cost", type=Path, default=None, help="cost curve (blockpilot calibrate) that prices the verify"
+    )
     trim.add_argument("--temperature", type=non_negative_float_arg, default=0.0)
     trim.add_argument("--max-new-tokens", type=positive_int_arg, default=128)
     trim.add_argument("--out", type=Path, required=True, help="the calibration (JSON) to write")
@@ -346,8 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     step.set_defaults(handler=cmd_train_step)
 
     srv = commands.add_parser("serve", help="the adaptive decoder behind an OpenAI-style endpoint on Ray Serve")
-    add_options(srv, ServeJob)
-    srv.set_defaults(handler=cmd_serve)
+    try:
+        from pipelines.serve import ServeJob
+    except ImportError as missing:  # installed without the `ray` extra: every other command still runs
+        srv.set_defaults(handler=partial(cmd_serve_unavailable, missing), takes_any_arguments=True)
+    else:
+        add_options(srv, ServeJob)
+        srv.set_defaults(handler=cmd_serve)
 
     demo = commands.add_parser("demo", help="the main job on embedded defaults")
     add_options(demo, DemoJob)
@@ -356,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as error:

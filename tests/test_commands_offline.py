@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 
 import pytest
 from commands import PROMPT, ROOT, run, user_env
@@ -16,6 +17,19 @@ from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_ma
 from blockpilot.decoding.static_engine import StaticEngine
 
 pytestmark = pytest.mark.slow
+
+# As an install without the `ray` and `mlflow` extras (the lent GPU machine has neither): those packages do not import.
+WITHOUT_EXTRAS = """import importlib.abc, sys
+
+
+class MissingExtras(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in {"ray", "fastapi", "starlette", "mlflow"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, MissingExtras())
+"""
 
 
 def test_zoo_random_build_and_evaluate(tiny_zoo, tmp_path):
@@ -40,9 +54,12 @@ def test_zoo_random_build_and_evaluate(tiny_zoo, tmp_path):
 
 
 def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training(
-    tiny_zoo, tiny_models, tmp_path, capsys
+    tiny_zoo, tiny_models, tmp_path, capsys, monkeypatch
 ):
     env = user_env(tmp_path / "home")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(WITHOUT_EXTRAS)
+    without_extras = user_env(tmp_path / "home", PYTHONPATH=str(tmp_path / "site"))
     models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
     small = "--block-sizes 1,2,4 --repeats 1 --cycles 2"
     printed = run(f"blockpilot calibrate {models} {small} --out {tmp_path / 'cost.json'}", env)
@@ -64,13 +81,13 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     prompt_ids = tiny_models.encode_prompt(PROMPT)
     greedy = greedy_reference(tiny_models.target, prompt_ids, 24, tiny_models.stop_token_ids())
     generate = f"generate {models} --prompt '{PROMPT}' --max-new-tokens 24"
-    # The command as a user types it, in both forms; the other policies through the same entry point in process (a
-    # subprocess costs about 8 s of imports here).
-    for command, policy in [
-        (f"blockpilot {generate} --policy fixed:3 --json", "fixed"),
-        (f"python -m blockpilot {generate} --policy autoregressive --json", "autoregressive"),
+    # The command as a user types it, in both forms (the second where Ray and MLflow are not installed); the other
+    # policies through the same entry point in process (a subprocess costs about 8 s of imports here).
+    for command, policy, environment in [
+        (f"blockpilot {generate} --policy fixed:3 --json", "fixed", env),
+        (f"python -m blockpilot {generate} --policy autoregressive --json", "autoregressive", without_extras),
     ]:
-        payload = json.loads(run(command, env))
+        payload = json.loads(run(command, environment))
         assert payload["token_ids"] == greedy, command  # at T = 0 every policy decodes the target's greedy output
         assert payload["policy"] == policy
     for flags, policy, engine in [
@@ -82,6 +99,10 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
         assert main(shlex.split(f"{generate} {flags} --json")) == 0
         payload = json.loads(capsys.readouterr().out)
         assert payload["token_ids"] == greedy and payload["policy"] == policy and payload["engine"] == engine, flags
+    monkeypatch.setitem(sys.modules, "pipelines.serve", None)  # as without Ray Serve: `serve` says what to install
+    assert main(shlex.split(f"serve {models}")) == 2
+    assert "pip install 'blockpilot[ray]'" in capsys.readouterr().err
+    monkeypatch.undo()
     assert main(shlex.split(f"{generate} --policy entropy --temperature 0.8 --verify rejection")) == 0
     printed = capsys.readouterr().out
     assert "mean tau:" in printed and "block size:" in printed
