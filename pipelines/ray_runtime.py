@@ -8,6 +8,9 @@ from typing import Any
 
 from blockpilot.home import blockpilot_home
 
+# Where the embedded cluster's workers look for a State API: a port nothing listens on (see `ensure_ray`).
+NO_STATE_API = "http://127.0.0.1:9"
+
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     """Connect to `address` (or `$RAY_ADDRESS`), else start an embedded Ray for this process; True when this call
@@ -47,6 +50,13 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
                 # Train's watcher of node preemption (draining nodes) has nothing to watch on one machine, and its
                 # actor's start logged a core_worker error line in every run.
                 "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                # This cluster serves no State API (no dashboard). Unset, Ray's State API clients in its workers
+                # (Train's placement-group cleaner asks whether the controller lives) look for one in another
+                # cluster: the one /tmp/ray/ray_current_cluster names or the dashboard at 127.0.0.1:8265. With a
+                # `ray start --head` cluster running, the cleaner found no controller there and quit, warning; with
+                # that cluster gone but its file left, it waited 40 s for its GCS and printed a traceback. An
+                # address where nothing listens fails each query at once, and the cleaner's warning is quieted.
+                "RAY_API_SERVER_ADDRESS": NO_STATE_API,
             },
         },
     )

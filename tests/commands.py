@@ -34,8 +34,9 @@ UNACTIONABLE = (
     "graceful_shutdown failed",  # Serve's controller killed under its own shutdown task
 )
 # On the embedded one-machine Ray also Train's preemption watcher, which has no node to watch there (on a cluster it
-# watches real nodes, and the line its start logs is Ray's own).
-EMBEDDED_UNACTIONABLE = (*UNACTIONABLE, "'PreemptionWatcher'")
+# watches real nodes, and the line its start logs is Ray's own), and Train's placement-group cleaner, which looked
+# for its controller in another cluster running on the machine.
+EMBEDDED_UNACTIONABLE = (*UNACTIONABLE, "'PreemptionWatcher'", "PlacementGroupCleaner")
 
 
 def check_quiet(output: str, command: str, noise: tuple[str, ...] = EMBEDDED_UNACTIONABLE) -> None:

@@ -20,10 +20,14 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
 import hashlib  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from commands import BIN, free_port, user_env, wait_healthy  # noqa: E402
 
 # Each xdist worker gets its share of the cores: two workers of two threads each on 2 cores made torch's
 # OpenMP threads wait on one another (a 2 s sampling test took 80 s).
@@ -219,10 +223,52 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
     with built_once(shared, "tiny-labels"):
         if all((path / "labels.parquet").is_file() for path in out.values()):
             return out
-        labeler = Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16), max_batch=16)
+        labeler = Labeler(
+            tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16), max_batch=16
+        )
         for split, path in out.items():
             tasks = [(record, t) for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}") for t in (0.0, 1.0)]
             rows = [row for rows in labeler.label_many(tasks) for row in rows]
             with atomic_folder(path) as staging:
                 pq.write_table(rows_to_table(rows), staging / "labels.parquet")
     return out
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head with its dashboard (the job server) on free ports, as `ray start --head` starts one; stopped by
+    killing its process tree, so no other cluster on this machine is touched (`ray stop` would stop them all), and
+    its address file removed, as `ray stop` does, where it still names this head."""
+    home = tmp_path / "home"
+    dashboard, gcs = free_port(), free_port()
+    env = user_env(home, RAY_AUTH_MODE="disabled")
+    command = (
+        f"{BIN / 'ray'} start --head --block --num-cpus 4 --port {gcs} --dashboard-host 127.0.0.1 "
+        f"--dashboard-port {dashboard} --ray-client-server-port {free_port()} "
+        f"--dashboard-agent-listen-port {free_port()} --include-dashboard true --disable-usage-stats"
+    )
+    head = subprocess.Popen(
+        command.split(),
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        wait_healthy(f"{address}/api/version", head, timeout_s=120)
+        yield address, env, home
+    finally:
+        processes: list[psutil.Process] = []
+        with contextlib.suppress(psutil.NoSuchProcess):  # a head already gone leaves nothing to find
+            root = psutil.Process(head.pid)
+            processes = [root, *root.children(recursive=True)]
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(processes, timeout=30)
+        address_file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(FileNotFoundError):
+            if address_file.read_text().strip().endswith(f":{gcs}"):
+                address_file.unlink()

@@ -3,55 +3,18 @@ head the test starts (`ray start --head`, with the dashboard that serves jobs) o
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
-from commands import BIN, ROOT, UNACTIONABLE, check_endpoint, free_port, run, user_env, wait_healthy
+from commands import ROOT, UNACTIONABLE, check_endpoint, free_port, run, wait_healthy
 
 from blockpilot.data.labels import read_labels
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head with its dashboard (the job server) on free ports, as `ray start --head` starts one; stopped by
-    killing its process tree, so no other cluster on this machine is touched (`ray stop` would stop them all)."""
-    home = tmp_path / "home"
-    dashboard, gcs = free_port(), free_port()
-    env = user_env(home, RAY_AUTH_MODE="disabled")
-    command = (
-        f"{BIN / 'ray'} start --head --block --num-cpus 4 --port {gcs} --dashboard-host 127.0.0.1 "
-        f"--dashboard-port {dashboard} --ray-client-server-port {free_port()} "
-        f"--dashboard-agent-listen-port {free_port()} --include-dashboard true --disable-usage-stats"
-    )
-    head = subprocess.Popen(
-        command.split(),
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        wait_healthy(f"{address}/api/version", head, timeout_s=120)
-        yield address, env, home
-    finally:
-        processes: list[psutil.Process] = []
-        with contextlib.suppress(psutil.NoSuchProcess):  # a head already gone leaves nothing to find
-            root = psutil.Process(head.pid)
-            processes = [root, *root.children(recursive=True)]
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(processes, timeout=30)
 
 
 def local_runtime_env(path: Path, home: Path) -> Path:
