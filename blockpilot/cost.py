@@ -60,7 +60,9 @@ class CycleCost:
             if wider:
                 raise ValueError(f"a curve of cycles that draft {self.drafted} cannot verify b = {wider}")
         if bool(self.trees) != (self.tree_depth is not None):
-            raise ValueError(f"tree prices ({sorted(self.trees)} batches) come with the trees' depth, got {self.tree_depth!r}")
+            raise ValueError(
+                f"tree prices ({sorted(self.trees)} batches) come with the trees' depth, got {self.tree_depth!r}"
+            )
         for batch, by_b in [*self.seconds.items(), *self.trees.items()]:
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -163,7 +165,9 @@ class CycleCost:
         trees = ""
         if self.trees:
             by_nodes = self.trees[nearest_batch_size(self.trees, batch)]
-            trees = f"; trees {self.tree_depth} deep: " + ", ".join(f"{n} nodes: {v * 1000:.2f} ms" for n, v in sorted(by_nodes.items()))
+            trees = f"; trees {self.tree_depth} deep: " + ", ".join(
+                f"{n} nodes: {v * 1000:.2f} ms" for n, v in sorted(by_nodes.items())
+            )
         return f"{self.device} {self.dtype}, batch {batch}{drafting}: {curve}{trees}"
 
 
@@ -189,6 +193,20 @@ def nondecreasing_in_block_size(by_b: dict[int, float]) -> dict[int, float]:
         pools.append((total, count))
     fitted = [total / count for total, count in pools for _ in range(count)]
     return dict(zip(sorted(by_b), fitted, strict=True))
+
+
+def one_cost_per_bucket(by_b: dict[int, float], buckets: Sequence[int]) -> dict[int, float]:
+    """c(b) for an engine that runs each b at the narrowest of a few compiled widths (`buckets`) that holds it:
+    every b of a bucket gets the median of its bucket's times. Those b run the same shape, so they cost the same;
+    the differences between their times are noise, which a fit that kept them would turn into a slope."""
+    bucket_of = {b: next((w for w in sorted(buckets) if w >= b), None) for b in by_b}
+    if None in bucket_of.values():
+        raise ValueError(f"block sizes {sorted(by_b)} do not all fit the widths {sorted(buckets)}")
+    pooled = {
+        width: statistics.median(value for b, value in by_b.items() if bucket_of[b] == width)
+        for width in set(bucket_of.values())
+    }
+    return {b: pooled[bucket_of[b]] for b in sorted(by_b)}
 
 
 def round_relative_medians(rounds: Sequence[dict[int, float]]) -> dict[int, float]:

@@ -66,10 +66,13 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     assert json.loads((tmp_path / "cost.json").read_text())["seconds"]["1"].keys() == {"1", "2", "4"}
     assert "b=4" in printed
     run(f"blockpilot calibrate {models} --drafted 8 {small} --out {tmp_path / 'cost-trim.json'}", env)
-    static = f"blockpilot calibrate {models} {small} --engine static --tree-nodes 4,8"
+    static = (
+        f"blockpilot calibrate {models} --block-sizes 1,3,4 --repeats 1 --cycles 2 --engine static --tree-nodes 4,8"
+    )
     printed = run(f"{static} --out {tmp_path / 'cost-static.json'}", env)
     curve = json.loads((tmp_path / "cost-static.json").read_text())
-    assert curve["seconds"]["1"].keys() == {"1", "2", "4"} and curve["trees"]["1"].keys() == {"4", "8"}
+    assert curve["seconds"]["1"].keys() == {"1", "3", "4"} and curve["trees"]["1"].keys() == {"4", "8"}
+    assert curve["seconds"]["1"]["3"] == curve["seconds"]["1"]["4"]  # both run the width-4 cycle
     assert curve["tree_depth"] == 4 and "trees 4 deep: 4 nodes" in printed
     printed = run(
         f"blockpilot calibrate-trim {models} --prompts zoo:{tiny_zoo} --block-size 8 "

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockpilot.cost import CycleCost, load_cost, nondecreasing_in_block_size, round_relative_medians
+from blockpilot.cost import (
+    CycleCost,
+    load_cost,
+    nondecreasing_in_block_size,
+    one_cost_per_bucket,
+    round_relative_medians,
+)
 from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.decoding.calibration import _DraftThenVerify, calibrate, ladder, random_prompts, seconds_per_cycle
 
@@ -35,6 +41,15 @@ def test_a_wider_block_is_never_priced_below_a_narrower_one():
     fitted = nondecreasing_in_block_size(raw)
     assert fitted == pytest.approx({1: 9.75, 2: 9.75, 3: 9.75, 4: 9.75, 5: 13.0})
     assert sum(fitted.values()) == pytest.approx(sum(raw.values()))
+
+
+def test_block_sizes_that_run_at_one_compiled_width_cost_the_same():
+    # the static engine runs b = 3, 4 at width 4 and b = 5..8 at width 8: the times within a width are noise
+    timed = {1: 0.54, 2: 0.97, 3: 1.32, 4: 1.23, 5: 1.41, 6: 1.36, 7: 1.46, 8: 1.50}
+    priced = one_cost_per_bucket(timed, [1, 2, 4, 8])
+    assert priced == pytest.approx({1: 0.54, 2: 0.97, 3: 1.275, 4: 1.275, 5: 1.435, 6: 1.435, 7: 1.435, 8: 1.435})
+    with pytest.raises(ValueError, match="do not all fit"):
+        one_cost_per_bucket({9: 1.0}, [1, 2, 4, 8])
 
 
 def test_rounds_of_a_drifting_machine_change_the_curves_level_not_its_shape():
@@ -113,7 +128,9 @@ def test_a_short_calibration_climbs_a_ladder_to_the_top():
 
 
 def test_tree_cycles_have_their_own_prices_that_travel_with_the_curve(tmp_path):
-    cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 5.0}}, trees={1: {8: 4.0, 16: 6.0}, 8: {8: 9.0}}, tree_depth=4)
+    cost = CycleCost(
+        {1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 5.0}}, trees={1: {8: 4.0, 16: 6.0}, 8: {8: 9.0}}, tree_depth=4
+    )
     assert cost.tree(8) == 4.0 and cost.tree(12) == pytest.approx(5.0) and cost.tree(8, batch=6) == 9.0
     assert load_cost(cost.save(tmp_path / "trees.json")) == cost
     assert cost.at_batch(8).tree(16) == 9.0 and cost.scaled(2.0).tree(16) == 12.0

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
-from blockpilot.cost import CycleCost, nondecreasing_in_block_size, round_relative_medians
+from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
 from blockpilot.decoding.engine import RowScheduler, SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.static_engine import StaticEngine
@@ -112,7 +112,8 @@ def calibrate(
     (`nondecreasing_in_block_size`); the raw ones are kept as `measured`.
 
     With `compile` (`static.COMPILE_MODES`), the cycle timed is the static engine's (`static_engine.py`) run that
-    way, one engine per batch size: its cost steps with the width bucket of b, which is what that engine pays.
+    way, one engine per batch size: it runs each b at the narrowest width compiled that holds it, so every b of a
+    width costs the same, and each is priced at the median of its width's times (`one_cost_per_bucket`).
     With `tree_nodes` too, the cycles of draft trees of each of those budgets, max(block_sizes) deep (the trees
     the labels walk), on a static engine built for the largest: `CycleCost.trees`, timed and fitted the same way.
     """
@@ -127,6 +128,7 @@ def calibrate(
         raise ValueError("draft trees run on the static engine only: calibrate tree nodes with --engine static")
     generator = torch.Generator().manual_seed(0)
     measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
+    fitted: dict[int, dict[int, float]] = {}  # batch -> b -> the curve
     trees: dict[int, dict[int, float]] = {}  # batch -> nodes -> median seconds, before the fit
     depth = max(block_sizes)
     for batch in batch_sizes:
@@ -152,10 +154,12 @@ def calibrate(
                 rounds.append(timed)
                 tree_rounds.append(timed_trees)
         measured[batch] = round_relative_medians(rounds)
+        by_width = measured[batch] if engine is None else one_cost_per_bucket(measured[batch], engine.widths)
+        fitted[batch] = nondecreasing_in_block_size(by_width)
         if tree_nodes:
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
     return CycleCost(
-        {batch: nondecreasing_in_block_size(by_b) for batch, by_b in measured.items()},
+        fitted,
         device=_device_name(models.device),
         dtype=str(models.target.dtype).removeprefix("torch."),
         versions=_versions(),
@@ -184,9 +188,7 @@ def serving_calibration(
 ) -> CycleCost:
     """A short `calibrate` for an engine about to serve: b = 1, 2, 4, ... up to `max_block_size` (the cost is
     linear in b between them) at batch sizes 1, 4, 16, ... up to `max_batch` (the nearest one prices a batch)."""
-    return calibrate(
-        models, ladder(max_block_size, 2), ladder(max_batch, 4), cycles=cycles, repeats=repeats, warmup=1
-    )
+    return calibrate(models, ladder(max_block_size, 2), ladder(max_batch, 4), cycles=cycles, repeats=repeats, warmup=1)
 
 
 def _device_name(device: Any) -> str:
