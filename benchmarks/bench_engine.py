@@ -7,14 +7,16 @@ On the zoo's held-out prompts (one at a time, batch 1), each decoder generating 
 --max-new-tokens, tokens/s = generated tokens over the wall time of the whole generation, prefill included:
 
 - transformers: the target's plain greedy loop (`DynamicCache`, one token a step), and a `StaticCache` step under
-  `torch.compile` (compiled once, before timing);
+  `torch.compile` (compiled once, before timing), with inductor's default wrapper (the baseline of the ratios) and
+  with its C++ wrapper (what the static engine compiles with on a CPU);
 - the engine (`blockpilot.decoding.engine`, transformers' modules, eager): autoregressive and fixed b;
 - the static engine (`blockpilot.decoding.static_engine`, its cycle compiled once per width before timing):
   autoregressive and fixed b, at every --widths (the best of them is the best fixed b).
 
 T > 0 rows run where the decoder samples (the engines), the static engine's with both acceptance rules (`match`,
 and `rejection` at every --widths). With --batch N, both engines also decode the prompts N at a time, each row at its
-own b (cycling through --widths), rows leaving as they finish. Compile times are printed; the figures are timings of
+own b (cycling through --widths), rows leaving as they finish. Each temperature's decoders take turns, a pass over
+the prompts each, --repeats rounds (the median is shown). Compile times are printed; the figures are timings of
 this machine, so compare rows of one run only. First, each static cycle's time at batch 1 beside its arithmetic (its
 FLOPs at this machine's matmul rate).
 """
@@ -44,15 +46,17 @@ def say(text: str) -> None:
 
 
 class HFCompiled:
-    """transformers' StaticCache with the one-token step under torch.compile; the prefill runs eager."""
+    """transformers' StaticCache with the one-token step under torch.compile; the prefill runs eager. With
+    `cpp_wrapper`, inductor's C++ wrapper, as the static engine compiles on a CPU."""
 
-    def __init__(self, models, capacity: int) -> None:
+    def __init__(self, models, capacity: int, cpp_wrapper: bool = False) -> None:
         from transformers import StaticCache
 
         self.target = models.target
         self.cache = StaticCache(config=models.target.config, max_cache_len=capacity)
         self.keyword = cache_keyword(models.target)
-        self.step = torch.compile(self._step, fullgraph=True, dynamic=False)
+        options = {"cpp_wrapper": True} if cpp_wrapper else None
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         out = self.target(input_ids=token, **{self.keyword: self.cache}, cache_position=position, use_cache=True)
@@ -73,15 +77,21 @@ class HFCompiled:
         return tokens
 
 
-def rate(decode: Callable[[list[int]], list[int]], prompts: list[list[int]], repeats: int) -> tuple[float, float]:
-    """(tokens/s, mean tokens a prompt): the median over `repeats` passes over every prompt, one at a time."""
-    speeds, count = [], 0
+def rates(
+    decoders: list[tuple[str, Callable[[list[int]], list[int]]]], prompts: list[list[int]], repeats: int
+) -> list[tuple[str, float, float]]:
+    """(name, tokens/s, mean tokens a prompt) of each decoder: the median over `repeats` rounds, each round one pass
+    of every decoder in turn over every prompt, one at a time (so the machine's drift falls on all of them alike)."""
+    speeds: dict[str, list[float]] = {name: [] for name, _ in decoders}
+    means: dict[str, float] = {}
     for _ in range(repeats):
-        started, count = time.perf_counter(), 0
-        for prompt in prompts:
-            count += len(decode(prompt))
-        speeds.append(count / (time.perf_counter() - started))
-    return statistics.median(speeds), count / len(prompts)
+        for name, decode in decoders:
+            started, count = time.perf_counter(), 0
+            for prompt in prompts:
+                count += len(decode(prompt))
+            speeds[name].append(count / (time.perf_counter() - started))
+            means[name] = count / len(prompts)
+    return [(name, statistics.median(speeds[name]), means[name]) for name, _ in decoders]
 
 
 def engine_decode(
@@ -190,23 +200,25 @@ def main() -> None:
         static[width] = engine
         say(f"  static cycle compiled at width {width} in {engine.compile_seconds:.0f} s")
     cycle_against_arithmetic(static, prompts[0])
-    hf_compiled = HFCompiled(models, capacity)
-    started = time.perf_counter()
-    hf_compiled(prompts[0], 4, stop)
-    say(f"  transformers' static step compiled in {time.perf_counter() - started:.0f} s")
+    hf_compiled, hf_cpp = HFCompiled(models, capacity), HFCompiled(models, capacity, cpp_wrapper=True)
+    for name, loop in [("", hf_compiled), (" (C++ wrapper)", hf_cpp)]:
+        started = time.perf_counter()
+        loop(prompts[0], 4, stop)
+        say(f"  transformers' static step{name} compiled in {time.perf_counter() - started:.0f} s")
+
+    decoders: list[tuple[str, Callable]] = []  # one temperature's, timed together
+
+    def add(name: str, decode: Callable) -> None:
+        decoders.append((name, decode))
 
     for temperature in temperatures:
-        rows: list[tuple[str, float, float]] = []
-
-        def add(name: str, decode: Callable) -> None:
-            speed, mean = rate(decode, prompts, args.repeats)
-            rows.append((name, speed, mean))
-            say(f"  T = {temperature:g}  {name:<36} {speed:9.1f} tokens/s  ({mean:.1f} tokens a prompt)")
+        decoders.clear()
 
         if temperature == 0:
             greedy = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
-            add("transformers, plain loop", lambda p: plain_loop(models, p, greedy))
+            add("transformers, plain loop", lambda p, greedy=greedy: plain_loop(models, p, greedy))
             add("transformers, static cache + compile", lambda p: hf_compiled(p, args.max_new_tokens, stop))
+            add("transformers, the same, C++ wrapper", lambda p: hf_cpp(p, args.max_new_tokens, stop))
         add("engine, autoregressive", engine_decode(models, Autoregressive(), temperature, args.max_new_tokens, stop))
         for width in widths:
             add(
@@ -226,7 +238,11 @@ def main() -> None:
             )
             rejection(prompts[0])
             add(f"static, fixed b = {width}, rejection", rejection)
+        rows = rates(decoders, prompts, args.repeats)
+        for name, speed, mean in rows:
+            say(f"  T = {temperature:g}  {name:<36} {speed:9.1f} tokens/s  ({mean:.1f} tokens a prompt)")
         baseline = next((speed for name, speed, _ in rows if name == "transformers, static cache + compile"), None)
+        cpp = next((speed for name, speed, _ in rows if name == "transformers, the same, C++ wrapper"), None)
         best = max(
             (r for r in rows if r[0].startswith("static, fixed") and "rejection" not in r[0]), key=lambda r: r[1]
         )
@@ -234,8 +250,9 @@ def main() -> None:
         say(
             f"T = {temperature:g}: static fixed B {fixed_B[1]:.1f}, best fixed ({best[0]}) {best[1]:.1f} tokens/s"
             + (
-                f"; x compiled transformers: {fixed_B[1] / baseline:.2f} and {best[1] / baseline:.2f}"
-                if baseline
+                f"; x compiled transformers: {fixed_B[1] / baseline:.2f} and {best[1] / baseline:.2f} "
+                f"(x its C++ wrapper: {fixed_B[1] / cpp:.2f} and {best[1] / cpp:.2f})"
+                if baseline and cpp
                 else ""
             )
         )
