@@ -34,7 +34,7 @@ import torch
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.speed import plain_loop
-from blockpilot.decoding.static import span_bucket
+from blockpilot.decoding.static import inductor_options, span_bucket
 from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
 from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
@@ -47,7 +47,7 @@ def say(text: str) -> None:
 
 class HFCompiled:
     """transformers' StaticCache with the one-token step under torch.compile; the prefill runs eager. With
-    `cpp_wrapper`, inductor's C++ wrapper, as the static engine compiles on a CPU."""
+    `cpp_wrapper`, compiled as the static engine compiles (`inductor_options`: the C++ wrapper on a CPU)."""
 
     def __init__(self, models, capacity: int, cpp_wrapper: bool = False) -> None:
         from transformers import StaticCache
@@ -55,7 +55,7 @@ class HFCompiled:
         self.target = models.target
         self.cache = StaticCache(config=models.target.config, max_cache_len=capacity)
         self.keyword = cache_keyword(models.target)
-        options = {"cpp_wrapper": True} if cpp_wrapper else None
+        options = inductor_options(models.device) if cpp_wrapper else None
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -246,9 +246,10 @@ def main() -> None:
         best = max(
             (r for r in rows if r[0].startswith("static, fixed") and "rejection" not in r[0]), key=lambda r: r[1]
         )
-        fixed_B = next(r for r in rows if r[0] == f"static, fixed b = {B}")
+        fixed_B = next((r for r in rows if r[0] == f"static, fixed b = {B}"), best)  # B, when --widths has it
         say(
-            f"T = {temperature:g}: static fixed B {fixed_B[1]:.1f}, best fixed ({best[0]}) {best[1]:.1f} tokens/s"
+            f"T = {temperature:g}: static fixed b = {fixed_B[0].rsplit(' ', 1)[-1]} {fixed_B[1]:.1f}, best fixed "
+            f"({best[0]}) {best[1]:.1f} tokens/s"
             + (
                 f"; x compiled transformers: {fixed_B[1] / baseline:.2f} and {best[1] / baseline:.2f} "
                 f"(x its C++ wrapper: {fixed_B[1] / cpp:.2f} and {best[1] / cpp:.2f})"

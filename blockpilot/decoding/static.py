@@ -56,6 +56,13 @@ from blockpilot.tree import TOP_K
 COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
 
 
+def inductor_options(device: torch.device) -> dict[str, bool] | None:
+    """What the engine compiles with. On a CPU, inductor's C++ wrapper: its default Python wrapper re-checked every
+    input and view at each call, about 0.1 ms of a 1 ms mini-zoo cycle. A GPU replays CUDA graphs, where the
+    wrapper costs nothing."""
+    return {"cpp_wrapper": True} if device.type == "cpu" else None
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """murmur3's 32-bit finalizer on the low 32 bits of int64 `x` (products wrap mod 2^64: the low bits stay exact)."""
     mask = 0xFFFFFFFF
@@ -491,7 +498,7 @@ class StaticDecoder:
         self._prefill_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
         if "compile" in compile and self.device.type == "cpu":
             self._prefill_compiled = torch.compile(
-                self._prefill_pass, fullgraph=True, dynamic=True, options={"cpp_wrapper": True}
+                self._prefill_pass, fullgraph=True, dynamic=True, options=inductor_options(self.device)
             )
         self._prefill_built = False
 
@@ -670,10 +677,9 @@ class StaticDecoder:
                 # One compiled variant per shape the engine runs at (rows, span, width or tree slots): a few
                 # buckets each, more than dynamo's default of 8 recompiles of one function.
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-                # On a CPU, inductor's C++ wrapper: its default Python wrapper re-checked every input and view
-                # each call, about 0.1 ms of a 1 ms mini-zoo cycle. (A GPU replays graphs, where it costs nothing.)
-                options = {"cpp_wrapper": True} if self.device.type == "cpu" else None
-                self._compiled[name] = torch.compile(function, fullgraph=True, dynamic=False, options=options)
+                self._compiled[name] = torch.compile(
+                    function, fullgraph=True, dynamic=False, options=inductor_options(self.device)
+                )
             function = self._compiled[name]
         step: Callable[[], None] = lambda: function(*shape)  # noqa: E731
         if "graph" in self.mode:
