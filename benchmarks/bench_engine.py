@@ -248,8 +248,7 @@ def main() -> None:
         )
         fixed_B = next((r for r in rows if r[0] == f"static, fixed b = {B}"), best)  # B, when --widths has it
         say(
-            f"T = {temperature:g}: static fixed b = {fixed_B[0].rsplit(' ', 1)[-1]} {fixed_B[1]:.1f}, best fixed "
-            f"({best[0]}) {best[1]:.1f} tokens/s"
+            f"T = {temperature:g}: {fixed_B[0]} {fixed_B[1]:.1f}, best fixed ({best[0]}) {best[1]:.1f} tokens/s"
             + (
                 f"; x compiled transformers: {fixed_B[1] / baseline:.2f} and {best[1] / baseline:.2f} "
                 f"(x its C++ wrapper: {fixed_B[1] / cpp:.2f} and {best[1] / cpp:.2f})"

@@ -21,7 +21,6 @@ import contextlib  # noqa: E402
 import fcntl  # noqa: E402
 import hashlib  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import psutil  # noqa: E402
@@ -268,7 +267,9 @@ def ray_head(tmp_path):
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(processes, timeout=30)
-        address_file = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        from ray._common.utils import get_ray_address_file  # where `ray start` wrote the head's address
+
+        address_file = Path(get_ray_address_file(None))
         with contextlib.suppress(FileNotFoundError):
             if address_file.read_text().strip().endswith(f":{gcs}"):
                 address_file.unlink()
