@@ -20,7 +20,9 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
 import hashlib  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import psutil  # noqa: E402
@@ -233,23 +235,27 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head with its dashboard (the job server) on free ports, as `ray start --head` starts one; stopped by
-    killing its process tree, so no other cluster on this machine is touched (`ray stop` would stop them all), and
-    its address file removed, as `ray stop` does, where it still names this head."""
-    home = tmp_path / "home"
+@contextlib.contextmanager
+def started_ray_head(folder: Path, temp_dir: Path | None) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """A Ray head with its dashboard (the job server) on free ports, as `ray start --head` starts one, in Ray's temp
+    dir `temp_dir` (None: the machine's); stopped by killing its process tree, so no other cluster on this machine is
+    touched (`ray stop` would stop them all), and its address file removed where it still names this head, as `ray
+    stop` does. Yields (dashboard URL, environment, BLOCKPILOT_HOME)."""
+    from ray._common.utils import get_ray_address_file  # where `ray start` writes the head's address
+
+    home = folder / "home"
     dashboard, gcs = free_port(), free_port()
     env = user_env(home, RAY_AUTH_MODE="disabled")
     command = (
         f"{BIN / 'ray'} start --head --block --num-cpus 4 --port {gcs} --dashboard-host 127.0.0.1 "
         f"--dashboard-port {dashboard} --ray-client-server-port {free_port()} "
         f"--dashboard-agent-listen-port {free_port()} --include-dashboard true --disable-usage-stats"
+        + (f" --temp-dir {temp_dir}" if temp_dir is not None else "")
     )
     head = subprocess.Popen(
         command.split(),
         env=env,
-        cwd=tmp_path,
+        cwd=folder,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -267,9 +273,28 @@ def ray_head(tmp_path):
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(processes, timeout=30)
-        from ray._common.utils import get_ray_address_file  # where `ray start` wrote the head's address
-
-        address_file = Path(get_ray_address_file(None))
+        address_file = Path(get_ray_address_file(None if temp_dir is None else str(temp_dir)))
         with contextlib.suppress(FileNotFoundError):
             if address_file.read_text().strip().endswith(f":{gcs}"):
                 address_file.unlink()
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A head for `ray job submit` and `serve deploy`, in a Ray temp dir of its own. In the machine's, a job's driver
+    joins the cluster that dir's address file names, the last one `ray start` started: with two heads up at once
+    (the other xdist worker's `local_ray_head`), a job of this one ran in the other, which had none of its files."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        with started_ray_head(tmp_path, temp_dir) as head:
+            yield head
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def local_ray_head(tmp_path):
+    """A head as a user starts one with `ray start --head`, in the machine's Ray temp dir: the cluster the commands'
+    embedded Ray must leave alone."""
+    with started_ray_head(tmp_path, None) as head:
+        yield head

@@ -22,8 +22,8 @@ STEP_MODEL = "models:/blockpilot-step-policy@champion"
 LABEL_LIMITS = "--temperatures 0,1 --max-new-tokens 16 --top-k 8 --samples 2"
 
 
-def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, ray_head):
-    """Beside a local cluster that `ray start --head` started (`ray_head`), as on a machine where one runs: the
+def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_ray_head):
+    """Beside a local cluster that `ray start --head` started (`local_ray_head`), as on a machine where one runs: the
     commands start their own embedded Ray all the same, and nothing in them reaches for that cluster."""
     env = user_env(tmp_path / "home")
     models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
