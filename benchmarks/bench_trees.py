@@ -1,16 +1,19 @@
 """Draft trees against chains on the static engine, in one run: tau and tokens/s on the same prompts and weights.
 
     python benchmarks/bench_trees.py --zoo $ZOO [--prompts 32] [--max-new-tokens 128] [--budgets 3,7,15,31] \\
-        [--widths 4,5,6,7,8] [--temperatures 0,1] [--compile compile] [--batch 8] [--predictor PATH]
+        [--widths 4,5,6,7,8] [--temperatures 0,1] [--compile compile] [--batch 8] [--predictor PATH] \\
+        [--device cuda --compile compile+graph] [--no-priced]
 
 On the zoo's held-out prompts, one at a time (and --batch N at a time), each decoder generating to a stop token or
 --max-new-tokens: tau (tokens a cycle commits, the target's own token included) and tokens/s over whole generations,
 prefill included, for the static engine's chains at every --widths (fixed b) and its trees of every --budgets nodes
 (`tree:N`, --depth deep, every slot's top 8), and the largest budget's trees cut each cycle to the size its measured
-cost prices best (`StaticEngine.calibrate_trees`), and with --predictor a per-request predictor over shapes
+cost prices best (`StaticEngine.calibrate_trees`; --no-priced skips them, which on a GPU saves compiling every
+tree size), and with --predictor a per-request predictor over shapes
 (`blockpilot train --trees`) against the best fixed shape. Each decoder's cycle is compiled (or not, per
 --compile) by a first pass, then timed in --repeats rounds over every decoder (the median of each); the figures
-are timings of this machine, so compare rows of one run only.
+are timings of this machine, so compare rows of one run only. The zoo runs in the device's default dtype (bf16 on a
+GPU: in float32 there, cuBLAS picked a kernel 10x slower for some widths' products, the log's 2026-11-26 (morning)).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from blockpilot.policies.resolve import resolve_policy
 
 def say(text: str) -> None:
     print(text, flush=True)
+
+
+def where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"the CPU, {torch.get_num_threads()} threads"
 
 
 def one_pass(models, engine, requests, batch: int) -> tuple[int, int, int, float]:
@@ -63,10 +72,13 @@ def main() -> None:
     parser.add_argument(
         "--predictor", default=None, help="also a per-request predictor over shapes (`train --trees`): learned:PATH"
     )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: the device's (float32 on a CPU, bfloat16 on a GPU)")
+    parser.add_argument("--priced", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     keep_compiled_kernels()
-    models = load_models(args.zoo / "target", args.zoo / "drafter", device="cpu")
+    models = load_models(args.zoo / "target", args.zoo / "drafter", device=args.device, dtype=args.dtype)
     prompts = [models.encode_prompt(r.turns[0]) for r in zoo_prompts(args.zoo, "heldout")[: args.prompts]]
     B = models.train_block_size
     widths = list(args.widths or range(max(2, B - 2), B + 3))
@@ -75,13 +87,16 @@ def main() -> None:
     capacity = max(map(len, prompts)) + args.max_new_tokens + reach + 8
     say(
         f"{args.zoo.name}: B = {B}, {len(prompts)} held-out prompts, up to {args.max_new_tokens} new tokens, batch "
-        f"{args.batch}, static engine ({args.compile}), torch {torch.__version__} on {torch.get_num_threads()} threads"
+        f"{args.batch}, static engine ({args.compile}), torch {torch.__version__} on {where(models.device)}"
     )
     decoders = [(f"chain b = {b}", FixedBlockSize(b), dict(width=b)) for b in widths]
     depth = args.depth or B
-    decoders += [(f"tree:{n} (depth {depth})", FixedTree(n, depth), dict(width=depth, tree_nodes=n)) for n in args.budgets]
+    decoders += [
+        (f"tree:{n} (depth {depth})", FixedTree(n, depth), dict(width=depth, tree_nodes=n)) for n in args.budgets
+    ]
     largest = max(args.budgets)  # the same trees, each cycle cut to the size its cost curve prices best
-    decoders.append((f"tree:{largest} priced", FixedTree(largest, depth), dict(width=depth, tree_nodes=largest)))
+    if args.priced:
+        decoders.append((f"tree:{largest} priced", FixedTree(largest, depth), dict(width=depth, tree_nodes=largest)))
     if learned is not None:
         width, nodes = shape_for(learned)
         decoders.append(("learned (shapes)", learned, dict(width=max(width or 0, *widths), tree_nodes=nodes)))
@@ -117,7 +132,9 @@ def main() -> None:
             sizes = ""
             if name.endswith("priced") or name.startswith("learned"):
                 sizes = ", cycles by tree size " + str(dict(sorted(engine.verified_nodes.items())))
-            say(f"  T = {temperature:g}  {name:<22} tau {tau:5.2f}  {speed:8.1f} tokens/s  (built in {built:.0f} s{sizes})")
+            say(
+                f"  T = {temperature:g}  {name:<22} tau {tau:5.2f}  {speed:8.1f} tokens/s  (built in {built:.0f} s{sizes})"
+            )
         chains = [r for r in rows if r[0].startswith("chain")]
         trees = [r for r in rows if r[0].startswith("tree")]
         best_chain_tau, best_chain_speed = max(chains, key=lambda r: r[1]), max(chains, key=lambda r: r[2])
