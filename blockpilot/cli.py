@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=None,
         help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, learned-step:STEP_MODEL, "
-        "learned+step:PREDICTOR,STEP_MODEL, trim:CALIBRATION, tree:NODES (--engine static), autoregressive "
+        "learned+step:PREDICTOR,STEP_MODEL, trim:CALIBRATION, tree:NODES[:DEPTH] (--engine static), autoregressive "
         "(default fixed)",
     )
     gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")

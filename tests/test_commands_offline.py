@@ -97,7 +97,7 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
         ("--policy entropy", "entropy", "eager"),
         (f"--policy trim:{tmp_path / 'trim.json'}", "trim", "eager"),
         ("--engine static --policy entropy", "entropy", "static"),
-        ("--engine static --policy tree:8", "tree", "static"),
+        ("--engine static --policy tree:8:6", "tree", "static"),  # 6 deep: past the tiny drafter's B = 4
     ]:
         assert main(shlex.split(f"{generate} {flags} --json")) == 0
         payload = json.loads(capsys.readouterr().out)

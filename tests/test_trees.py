@@ -69,7 +69,9 @@ def test_trees_grown_on_the_device_are_the_best_first_trees(seed):
     with its ancestors, for random distributions, depths, widths, budgets and slots."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(60):
-        levels, k, slots = (int(torch.randint(low, high, (), generator=generator)) for low, high in ((1, 7), (1, 9), (2, 40)))
+        levels, k, slots = (
+            int(torch.randint(low, high, (), generator=generator)) for low, high in ((1, 7), (1, 9), (2, 40))
+        )
         logprobs = torch.log_softmax(3 * torch.randn(3, levels, 40, generator=generator), dim=-1)
         top_logprobs, top_ids = logprobs.topk(k, dim=-1)
         depth = torch.randint(0, levels + 1, (3,), generator=generator)
@@ -79,7 +81,11 @@ def test_trees_grown_on_the_device_are_the_best_first_trees(seed):
         for row in range(3):
             nodes = min(int(budgets[row]), slots - 1)
             tree = best_first_tree(top_logprobs[row].tolist(), top_ids[row].tolist(), nodes, slots)
-            assert (tokens[row].tolist(), depths[row].tolist(), parents[row].tolist()) == (tree.tokens, tree.depths, tree.parents)
+            assert (tokens[row].tolist(), depths[row].tolist(), parents[row].tolist()) == (
+                tree.tokens,
+                tree.depths,
+                tree.parents,
+            )
             assert ancestors[row].tolist() == tree.ancestors()
             assert probabilities[row].tolist() == pytest.approx(tree.probabilities, rel=1e-5)
 
@@ -134,9 +140,15 @@ def test_a_sampled_rows_output_for_a_seed_does_not_depend_on_its_tree(tiny_model
 def test_tree_policies_resolve_and_are_refused_where_they_cannot_run(tiny_models):
     policy = resolve_policy("tree:24", tiny_models)
     assert isinstance(policy, FixedTree) and policy.tree_nodes == 24 and policy.name == "tree"
-    assert str(PolicySpec.parse("tree:24")) == "tree:24"
+    assert str(PolicySpec.parse("tree:24")) == "tree:24" and policy.tree_depth == tiny_models.train_block_size
+    deep = resolve_policy("tree:24:9", tiny_models)
+    assert (deep.tree_nodes, deep.tree_depth, str(PolicySpec.parse("tree:24:9"))) == (24, 9, "tree:24:9")
     with pytest.raises(ValueError, match="tree:<integer node budget>"):
         PolicySpec.parse("tree:many")
+    with pytest.raises(ValueError, match="tree:<node budget>:<integer depth>"):
+        PolicySpec.parse("tree:24:deep")
+    with pytest.raises(ValueError, match="at least 2 deep"):
+        PolicySpec.parse("tree:24:1")
     request = GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4), policy)
     with pytest.raises(ValueError, match="run on the static engine"):
         SpeculativeEngine(tiny_models).submit(request)
@@ -190,7 +202,9 @@ def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_e
     used = {}
     for name, cost in [("flat", {3: 1.0, 7: 1.0, 15: 1.0}), ("steep", {3: 1.0, 7: 10.0, 15: 100.0})]:
         engine.tree_cost, engine.verified_nodes = cost, Counter()
-        results = generate_many(tiny_models, requests(tiny_models, prompts, [FixedTree(15, B)] * 4, 40, stop=False), engine=engine)
+        results = generate_many(
+            tiny_models, requests(tiny_models, prompts, [FixedTree(15, B)] * 4, 40, stop=False), engine=engine
+        )
         assert [r.token_ids for r in results] == expected
         used[name] = set(engine.verified_nodes)
     # Flat: every cycle verifies the smallest bucket holding its largest tree (15, or less near a row's budget).
@@ -220,11 +234,15 @@ def test_tree_labels_grow_with_the_budget_and_a_top_1_tree_is_the_chain(tiny_mod
     B = tiny_models.train_block_size
     candidates = (B - 1, B + 1)
     prompt = tiny_models.encode_prompt(PROMPTS[0])
-    (reference,) = generate_many(tiny_models, [GenerationRequest(prompt, GenerationConfig(max_new_tokens=40), FixedBlockSize(B), record=True)])
+    (reference,) = generate_many(
+        tiny_models, [GenerationRequest(prompt, GenerationConfig(max_new_tokens=40), FixedBlockSize(B), record=True)]
+    )
     features = reference.record.context_features
 
     def table(budgets, top_k):
-        return acceptance_table(tiny_models, len(prompt), reference.token_ids, features, candidates, 40, tree_budgets=budgets, top_k=top_k)
+        return acceptance_table(
+            tiny_models, len(prompt), reference.token_ids, features, candidates, 40, tree_budgets=budgets, top_k=top_k
+        )
 
     wide = table((2, 5, 30), 8)
     assert (np.diff(wide.tree_commits.astype(int), axis=0) >= 0).all()
@@ -246,7 +264,13 @@ def test_tree_policies_are_scored_on_the_labels_beside_the_chains():
     from blockpilot.walks import fixed_walks_of_tables, tree_walks_of_tables, walk_metrics
 
     def table(chain, trees):  # 6 tokens: cursors 1 .. 5
-        return AcceptanceTable((1, 3), np.array([[1] * 5, chain], dtype=np.int16), 6, tree_budgets=(4, 16), tree_commits=np.array(trees, dtype=np.int16))
+        return AcceptanceTable(
+            (1, 3),
+            np.array([[1] * 5, chain], dtype=np.int16),
+            6,
+            tree_budgets=(4, 16),
+            tree_commits=np.array(trees, dtype=np.int16),
+        )
 
     rows = [
         [table([3, 2, 2, 2, 1], [[3, 2, 2, 2, 1], [5, 4, 3, 2, 1]])],  # chain 3: 2 cycles; tree 16: 1 cycle
@@ -262,11 +286,19 @@ def test_tree_policies_are_scored_on_the_labels_beside_the_chains():
         assert metrics["tau_best_fixed"] == pytest.approx(10 / 4)
         assert ("throughput_tree16" in metrics) == priced
     uniform = walk_metrics(
-        fixed_walks_of_tables(rows, CycleCost.uniform()), everyone, (1, 3), 3, trees=tree_walks_of_tables(rows, CycleCost.uniform())
+        fixed_walks_of_tables(rows, CycleCost.uniform()),
+        everyone,
+        (1, 3),
+        3,
+        trees=tree_walks_of_tables(rows, CycleCost.uniform()),
     )
     assert uniform["best_tree_nodes"] == 16 and uniform["tau_shape_oracle"] == pytest.approx(10 / 3)  # 1 + 2 cycles
-    priced = walk_metrics(fixed_walks_of_tables(rows, cost), everyone, (1, 3), 3, trees=tree_walks_of_tables(rows, cost))
-    assert priced["throughput_tree16"] == pytest.approx(10 / 12) and priced["throughput_best_shape"] == pytest.approx(10 / 4)
+    priced = walk_metrics(
+        fixed_walks_of_tables(rows, cost), everyone, (1, 3), 3, trees=tree_walks_of_tables(rows, cost)
+    )
+    assert priced["throughput_tree16"] == pytest.approx(10 / 12) and priced["throughput_best_shape"] == pytest.approx(
+        10 / 4
+    )
     assert priced["throughput_shape_oracle"] == pytest.approx(10 / 4)  # at 3 s a tree cycle, chains win both rows
 
 
@@ -282,7 +314,9 @@ def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_mode
 
     B = tiny_models.train_block_size
     vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
-    config = PredictorConfig("sparse", (B - 1, B, B + 1), vocab, top_k=8, hidden_size=4, train_block_size=B, tree_budgets=(8, 16))
+    config = PredictorConfig(
+        "sparse", (B - 1, B, B + 1), vocab, top_k=8, hidden_size=4, train_block_size=B, tree_budgets=(8, 16)
+    )
     predictor = BlockSizePredictor(config)
     with torch.no_grad():  # logit of tree:16 = 10 T; of b = B, 5: a tree at T = 1, the chain at T = 0
         for parameter in predictor.parameters():
@@ -307,14 +341,18 @@ def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_mode
     assert tree.token_ids == alone.token_ids
     # Behind the endpoint's decoder as its adaptive policy: the blockpilot object shows each request's shape.
     limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=256)
-    decoder = BatchedDecoder(tiny_models, adaptive="learned:shapes", predictor=predictor, limits=limits, engine="static").start()
+    decoder = BatchedDecoder(
+        tiny_models, adaptive="learned:shapes", predictor=predictor, limits=limits, engine="static"
+    ).start()
     try:
         bodies = [
             {"prompt": "Count from 1 to 9.", "max_tokens": 30, "temperature": t, "seed": 1, "ignore_eos": True}
             for t in (0.0, 1.0)
         ]
         handles = [decoder.submit(decode_request(decoder, parse_request(b, CompletionRequest))) for b in bodies]
-        shown = [next(v for kind, v in handle.events(timeout_s=120) if kind == "done")["blockpilot"] for handle in handles]
+        shown = [
+            next(v for kind, v in handle.events(timeout_s=120) if kind == "done")["blockpilot"] for handle in handles
+        ]
         assert [bp["policy"] for bp in shown] == ["learned", "learned"]
         assert max(shown[0]["tree_nodes"]) <= B - 1 and max(shown[1]["tree_nodes"]) > B - 1  # a chain; a tree
     finally:

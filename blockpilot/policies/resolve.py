@@ -16,6 +16,8 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
                       prefix whose calibrated survival pays for its priced cost (`blockpilot calibrate-trim`)
     tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.tree`; the static
                       engine only)
+    tree:N:D          the same, D deep (D - 1 levels below the root: a tree's block size; a drafter may draft
+                      past its B, and trees gain more from depth than chains do)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
 The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "tree", "autoregressive") is what
@@ -58,7 +60,7 @@ _ARGUMENTS: dict[str, tuple[tuple[str, ...], str]] = {
 @dataclass(frozen=True)
 class PolicySpec:
     kind: str = "fixed"
-    block_size: int | None = None  # fixed: None means the drafter's training block size
+    block_size: int | None = None  # fixed, tree (its depth): None means the drafter's training block size
     predictor: str | None = None  # learned, learned+step: the per-request predictor (folder or MLflow URI)
     step_model: str | None = None  # learned-step, learned+step: the per-step model (folder or MLflow URI)
     calibration: str | None = None  # trim: the calibration file
@@ -66,11 +68,17 @@ class PolicySpec:
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
-            raise ValueError(f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.policies.resolve), got {self.kind!r}")
+            raise ValueError(
+                f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.policies.resolve), got {self.kind!r}"
+            )
         if self.block_size is not None:
-            positive_int(self.block_size, "the fixed policy's block size")
+            positive_int(self.block_size, "the tree's depth (tree:N:D)" if self.kind == "tree" else "the block size")
         if self.kind == "tree":
             positive_int(self.tree_nodes, "the tree policy's node budget (tree:N)")
+            if self.block_size is not None and self.block_size < 2:
+                raise ValueError(
+                    f"a tree is at least 2 deep (its root and one level), got tree depth {self.block_size}"
+                )
         if self.kind in _ARGUMENTS:
             fields, needed = _ARGUMENTS[self.kind]
             if not all(getattr(self, name) for name in fields):
@@ -78,7 +86,8 @@ class PolicySpec:
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
-        """`fixed`, `fixed:8`, `entropy`, `learned:PATH_OR_URI`, `learned+step:P,S`, `trim:FILE`, `autoregressive`."""
+        """`fixed`, `fixed:8`, `entropy`, `learned:PATH_OR_URI`, `learned+step:P,S`, `trim:FILE`, `tree:N`,
+        `tree:N:D`, `autoregressive`."""
         kind, _, argument = text.strip().partition(":")
         if kind == "fixed" and argument:
             try:
@@ -86,10 +95,14 @@ class PolicySpec:
             except ValueError:
                 raise ValueError(f"policy {text!r}: expected fixed:<integer block size>") from None
         if kind == "tree":
+            nodes, _, depth = argument.partition(":")
             try:
-                return cls("tree", tree_nodes=int(argument))
+                budget, deep = int(nodes), int(depth) if depth else None
             except ValueError:
-                raise ValueError(f"policy {text!r}: expected tree:<integer node budget>") from None
+                raise ValueError(
+                    f"policy {text!r}: expected tree:<integer node budget> or tree:<node budget>:<integer depth>"
+                ) from None
+            return cls("tree", tree_nodes=budget, block_size=deep)
         if kind in _ARGUMENTS:
             fields, _ = _ARGUMENTS[kind]
             if len(fields) == 1:
@@ -106,7 +119,7 @@ class PolicySpec:
         if self.kind == "fixed" and self.block_size is not None:
             return f"fixed:{self.block_size}"
         if self.kind == "tree":
-            return f"tree:{self.tree_nodes}"
+            return f"tree:{self.tree_nodes}" + (f":{self.block_size}" if self.block_size is not None else "")
         if self.kind in _ARGUMENTS:
             return f"{self.kind}:" + ",".join(str(getattr(self, name)) for name in _ARGUMENTS[self.kind][0])
         return self.kind
@@ -136,7 +149,7 @@ def resolve_policy(
     if spec.kind == "fixed":
         return FixedBlockSize(spec.block_size or train)
     if spec.kind == "tree":
-        return FixedTree(spec.tree_nodes, train)
+        return FixedTree(spec.tree_nodes, spec.block_size or train)
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
