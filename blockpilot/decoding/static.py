@@ -810,6 +810,8 @@ class StaticDecoder:
         same draw (`pick_tokens`) as every token the cycle commits."""
         if any(t > 0 for t in temperatures) and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
+        if not any(t > 0 for t in temperatures):  # pick_tokens' argmax, without its draw (0.15 ms a join on a CPU)
+            return logits.argmax(dim=-1).tolist()
         device = self.device
         tokens = pick_tokens(
             logits[:, None],
