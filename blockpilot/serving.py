@@ -28,7 +28,7 @@ import torch
 from blockpilot.checks import check_fits_context
 from blockpilot.cost import CycleCost
 from blockpilot.decoding.calibration import serving_calibration
-from blockpilot.decoding.engine import CACHE_SCRATCH, SpeculativeEngine
+from blockpilot.decoding.engine import CACHE_SCRATCH, SpeculativeEngine, generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.static_engine import ENGINES, StaticEngine, keep_compiled_kernels, shape_for
 from blockpilot.models.loading import SpeculativeModels, cache_bytes_per_token
@@ -80,7 +80,9 @@ class ServeLimits:
     request_timeout_s: float = option(120.0, type=positive_float_arg, help="decoding time per request")
     queue_timeout_s: float = option(30.0, type=positive_float_arg, help="wait for a free row before 503")
     stall_timeout_s: float = option(
-        120.0, type=positive_float_arg, help="an engine step longer than this (a hung kernel) marks the replica unhealthy"
+        120.0,
+        type=positive_float_arg,
+        help="an engine step longer than this (a hung kernel) marks the replica unhealthy",
     )
     max_messages: int = option(256, type=positive_int_arg, help="messages per chat request")
     prefill_chunk_tokens: int = option(
@@ -270,7 +272,9 @@ class BatchedDecoder:
                 models,
                 max_batch=self.limits.max_batch,
                 width=width,
-                capacity=min(self.context, self.max_prompt_tokens + self.limits.max_tokens_cap + width + (tree_nodes or 0)),
+                capacity=min(
+                    self.context, self.max_prompt_tokens + self.limits.max_tokens_cap + width + (tree_nodes or 0)
+                ),
                 compile=compile,
                 prefill_chunk=self.limits.prefill_chunk_tokens,
                 tree_nodes=tree_nodes,
@@ -287,6 +291,7 @@ class BatchedDecoder:
         self._beat = time.monotonic()  # the engine loop's last sign of life
         self.cache_budget = self._cache_budget()
         self.failure: BaseException | None = None
+        self.warm_up_seconds: float | None = None  # what `start` spent building a static engine's steps
 
     # ---------------------------------------------------------------- prompts
 
@@ -413,7 +418,9 @@ class BatchedDecoder:
         except ValueError as error:
             raise RequestError("max_tokens", str(error)) from None
         if not (math.isfinite(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature <= 2)):
-            raise RequestError("temperature", f"must be 0 (greedy) or between {MIN_TEMPERATURE} and 2, got {temperature}")
+            raise RequestError(
+                "temperature", f"must be 0 (greedy) or between {MIN_TEMPERATURE} and 2, got {temperature}"
+            )
         if len(stop) > self.limits.max_stop_strings:
             raise RequestError("stop", f"at most {self.limits.max_stop_strings} stop strings, got {len(stop)}")
         for text in stop:
@@ -463,6 +470,21 @@ class BatchedDecoder:
         return cost
 
     def start(self) -> BatchedDecoder:
+        """Start the engine loop; a static engine first decodes one short request under the adaptive policy, so that
+        its compiled prefill and batch-1 cycle are built before the first request (which on the mini zoo waited
+        14 s for them): `warm_up_seconds`."""
+        with self._lock:
+            if self._running:
+                return self
+        if isinstance(self._engine, StaticEngine) and self.warm_up_seconds is None:
+            started = time.perf_counter()
+            warm_up = GenerationConfig(max_new_tokens=2 * self._engine.width + 1)  # a few cycles, no stop
+            generate_many(
+                self.models,
+                [GenerationRequest(self.models.encode_prompt("Hello"), warm_up, self.adaptive)],
+                engine=self._engine,
+            )
+            self.warm_up_seconds = time.perf_counter() - started
         with self._lock:
             if self._running:
                 return self
@@ -492,9 +514,7 @@ class BatchedDecoder:
         """Rows decoding and requests waiting, right now."""
         return {"active": len(self._active), "waiting": len(self._waiting), "max_batch": self.limits.max_batch}
 
-    def submit(
-        self, request: DecodeRequest, listener: Callable[[tuple[str, Any]], None] | None = None
-    ) -> DecodeHandle:
+    def submit(self, request: DecodeRequest, listener: Callable[[tuple[str, Any]], None] | None = None) -> DecodeHandle:
         """Queue a request; its events go to `listener` (called from the engine thread) or to `handle.events()`.
         `Overloaded` when the queue is full or the engine has failed."""
         handle = DecodeHandle(
@@ -508,7 +528,9 @@ class BatchedDecoder:
             if self.failure is not None:
                 raise Overloaded(f"the decoder failed: {self.failure}", retry_after_s=60)
             if len(self._waiting) >= self.limits.max_queue:
-                raise Overloaded(f"{len(self._waiting)} requests are waiting; retry later", retry_after_s=self._retry_after())
+                raise Overloaded(
+                    f"{len(self._waiting)} requests are waiting; retry later", retry_after_s=self._retry_after()
+                )
             self._waiting.append(handle)
             self._lock.notify_all()
         return handle

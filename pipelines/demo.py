@@ -1,7 +1,7 @@
 """The main job on embedded defaults: zoo -> cycle cost -> labels -> predictor + per-step model -> one traced
 generation -> every policy on the held-out prompts -> endpoint.
 
-    make demo                                  # = python -m blockpilot demo (the mini zoo, ~10 minutes)
+    make demo                                  # = python -m blockpilot demo (the mini zoo, ~12 minutes)
     python -m blockpilot demo --size small     # the bigger zoo the benchmarks use (~40 minutes to build once)
 
 Everything runs on this machine: an embedded Ray (Ray Data labels, Ray Train fits the predictor, Ray Serve
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from blockpilot.data.labels import LABEL_SCHEMA_VERSION
 from blockpilot.data.sources import PromptRecord, zoo_prompts
+from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.home import HOME_ENV, blockpilot_home
 from blockpilot.options import option, positive_int_arg
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
@@ -57,7 +58,8 @@ class DemoPaths:
 
     @property
     def cost(self) -> Path:
-        return self.run / "cost.json"
+        """The static engine's curve (chains and trees), which the labels, the models and the live table share."""
+        return self.run / "cost-static.json"
 
     @property
     def labels(self) -> Path:
@@ -79,11 +81,17 @@ class DemoJob:
     size: str = option(
         DEFAULT_SIZE,
         choices=tuple(RECIPES),
-        help="which zoo the flow runs on: mini (default) ends in about 10 minutes on 2 cores, small is the bigger "
+        help="which zoo the flow runs on: mini (default) ends in about 12 minutes on 2 cores, small is the bigger "
         "zoo the benchmarks use (about 40 minutes to build once), tiny is the test suite's",
     )
     port: int = option(8000, type=positive_int_arg, help="port of the endpoint on 127.0.0.1")
     live_prompts: int = option(24, type=positive_int_arg, help="held-out prompts the policy table decodes live")
+    compile: str = option(
+        "compile",
+        choices=COMPILE_MODES,
+        help="how the static engine runs the cycle the demo prices, decodes and serves with (compile+graph on a GPU; "
+        "off: its eager cycle, no compile time)",
+    )
 
 
 # Families whose answers can be checked by eye; the example is taken from them first.
@@ -112,7 +120,11 @@ class StageClock:
     def summary(self) -> str:
         self._stop()
         total = sum(seconds for _, seconds in self.times)
-        return "stage times: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in self.times) + f" (total {total:.0f}s)"
+        return (
+            "stage times: "
+            + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in self.times)
+            + f" (total {total:.0f}s)"
+        )
 
 
 def reference_answers(zoo: Path) -> dict[str, str]:
@@ -166,24 +178,31 @@ def policy_table(
     specs: dict[str, str],
     prompts: int,
     baseline: PolicySpeed | None = None,
+    decoder: str = "",
 ) -> str:
-    """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live, and
-    each live speed over `baseline`'s (transformers' plain loop), which closes the table."""
+    """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live (by
+    `decoder`, named in the header), and each live speed over `baseline`'s (transformers' plain loop), which closes
+    the table; a dash where a figure was not measured."""
     lines = [
         f"policies on the held-out prompts at T = 0: tau and modeled throughput (tokens per unit of calibrated "
-        f"cost) walked on their acceptance tables; tau and tokens/s decoded live, {prompts} prompts one at a time, "
-        "and the speed over transformers' plain greedy loop of the target",
+        f"cost) walked on their acceptance tables; tau and tokens/s decoded live{decoder}, {prompts} prompts one at a "
+        "time, and the speed over transformers' plain greedy loop of the target",
         f"  {'policy':<28} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9} {'x loop':>7}",
     ]
     rows = [(key, name, live.get(key)) for key, name in specs.items()]
     if baseline is not None:
         rows.append((None, baseline.policy, baseline))
+
+    def shown(value: float | None, width: int, digits: int) -> str:
+        return f"{'-':>{width}}" if value is None or math.isnan(value) else f"{value:>{width}.{digits}f}"
+
     for key, name, speed in rows:
-        tau, modeled = label_metrics.get(f"T0/tau_{key}", math.nan), label_metrics.get(f"T0/throughput_{key}", math.nan)
-        live_tau = f"{speed.tau:>9.2f}" if speed else f"{'-':>9}"
-        rate = f"{speed.tokens_per_s:>9.1f}" if speed else f"{'-':>9}"
-        over = f"{speed.tokens_per_s / baseline.tokens_per_s:>7.2f}" if speed and baseline else f"{'-':>7}"
-        lines.append(f"  {name:<28} {tau:>6.2f} {modeled:>9.1f} {live_tau} {rate} {over}")
+        tau, modeled = label_metrics.get(f"T0/tau_{key}"), label_metrics.get(f"T0/throughput_{key}")
+        over = speed.tokens_per_s / baseline.tokens_per_s if speed and baseline else None
+        lines.append(
+            f"  {name:<28} {shown(tau, 6, 2)} {shown(modeled, 9, 1)} {shown(speed and speed.tau, 9, 2)} "
+            f"{shown(speed and speed.tokens_per_s, 9, 1)} {shown(over, 7, 2)}"
+        )
     return "\n".join(lines)
 
 
@@ -192,9 +211,11 @@ def run_demo(job: DemoJob) -> int:
 
     if job.home is not None:
         os.environ[HOME_ENV] = str(job.home)
+    from blockpilot.blocks import candidates_around
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.calibration import calibrate
     from blockpilot.decoding.speed import measure_plain_loop, measure_speed
+    from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
@@ -205,6 +226,7 @@ def run_demo(job: DemoJob) -> int:
     from pipelines.train_predictor import TrainJob, run_train_job
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
 
+    keep_compiled_kernels()  # compiled cycles under the home folder: a second run loads them
     size = job.size
     paths = DemoPaths(size)
     recipe = RECIPES[size]
@@ -218,14 +240,17 @@ def run_demo(job: DemoJob) -> int:
     )
     models = load_models(zoo / "target", zoo / "drafter")
 
-    clock.start("cost", "the cost of a draft/verify cycle at each block size, on this machine")
+    # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
+    settings = LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4)
+    depth = max(candidates_around(recipe.block_size))  # the widest candidate: the labels' trees are this deep
+    clock.start(
+        "cost", f"the cost of the static engine's cycle ({job.compile}) at each block size and tree budget, here"
+    )
     if not paths.cost.is_file():
-        calibrate(models, range(1, 2 * recipe.block_size + 1)).save(paths.cost)
+        calibrate(models, range(1, depth + 1), compile=job.compile, tree_nodes=settings.tree_budgets).save(paths.cost)
     print(f"cost curve: {paths.cost}")
 
     clock.start("labels", "labels: the acceptance table of every prompt on Ray Data")
-    # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
-    settings = LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4)
     for split in ("train", "heldout"):
         run_label_job(
             LabelJob(
@@ -298,23 +323,38 @@ def run_demo(job: DemoJob) -> int:
         "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
     }
     specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}
-    if "T0/best_tree_nodes" in step.metrics:  # trees run on the static engine: tables only here
-        nodes = int(step.metrics["T0/best_tree_nodes"])
-        specs |= {"best_tree": (None, f"best fixed tree ({nodes} nodes)"), "shape_oracle": (None, "shape oracle")}
+    tree_nodes = None
+    if "T0/best_tree_nodes" in step.metrics:
+        tree_nodes = int(step.metrics["T0/best_tree_nodes"])
+        specs["best_tree"] = (f"tree:{tree_nodes}:{depth}", f"best fixed tree ({tree_nodes} nodes)")
+        specs["shape_oracle"] = (None, "shape oracle")
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
-    measure_speed(models, prompts_ids[:2], resolve_policy(f"fixed:{recipe.block_size}", models), config)  # warm-up
+    # The static engine, as the cost curve measured it: one for the chains (every b up to the widest candidate),
+    # one for the trees.
+    engine = StaticEngine(models, width=depth, compile=job.compile, sampling=False)
+    trees = tree_nodes and StaticEngine(models, width=depth, compile=job.compile, sampling=False, tree_nodes=tree_nodes)
+    runs = {key: resolve_policy(spec, models) for key, (spec, _) in specs.items() if spec is not None}
+    engines = {key: trees if key == "best_tree" else engine for key in runs}
+    for key, policy in runs.items():  # a first pass compiles every shape the generations meet (not timed)
+        measure_speed(models, prompts_ids, policy, config, engine=engines[key])
     live = {
-        key: measure_speed(models, prompts_ids, resolve_policy(spec, models), config)
-        for key, (spec, _) in specs.items()
-        if spec is not None
+        key: measure_speed(models, prompts_ids, policy, config, engine=engines[key]) for key, policy in runs.items()
     }
     loop = measure_plain_loop(models, prompts_ids, config)
-    print(policy_table(step.metrics, live, {key: name for key, (_, name) in specs.items()}, len(prompts_ids), loop))
+    names = {key: name for key, (_, name) in specs.items()}
+    decoder = f" on the static engine ({job.compile})"
+    print(policy_table(step.metrics, live, names, len(prompts_ids), loop, decoder))
 
     clock.start("endpoint", f"the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")
     loader = ModelLoader(
-        str(zoo / "target"), str(zoo / "drafter"), predictor, step_model=str(step.model_dir), model_name=f"zoo-{size}"
+        str(zoo / "target"),
+        str(zoo / "drafter"),
+        predictor,
+        step_model=str(step.model_dir),
+        model_name=f"zoo-{size}",
+        engine="static",
+        compile=job.compile,
     )
     server = serve_locally(loader, port=job.port, log_level="WARNING")
     try:

@@ -102,7 +102,10 @@ class ModelLoader:
             cost = decoder.calibrate()
             elapsed = time.perf_counter() - started
             logging.getLogger("ray.serve").info("cycle cost measured in %.1f s: %s", elapsed, cost.describe())
-        return decoder.start()
+        decoder.start()
+        if decoder.warm_up_seconds is not None:
+            logging.getLogger("ray.serve").info("static engine warmed up in %.1f s", decoder.warm_up_seconds)
+        return decoder
 
 
 # No /docs, /redoc or /openapi.json: the API is OpenAI's (documented there), and those routes would answer without

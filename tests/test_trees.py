@@ -159,12 +159,14 @@ def test_tree_policies_resolve_and_are_refused_where_they_cannot_run(tiny_models
 
 
 def test_the_serving_decoder_serves_trees_on_the_static_engine(tiny_models):
-    """The endpoint's decoder with `tree:8` as its adaptive policy: a tree request and a forced chain (block_size)
-    share the engine and each decodes the greedy output; the eager engine refuses a tree policy as it is built."""
+    """The endpoint's decoder with `tree:8` as its adaptive policy, warmed up by a request of its own at start: a tree
+    request and a forced chain (block_size) share the engine and each decodes the greedy output; the eager engine
+    refuses a tree policy as it is built."""
     limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=256)
     with pytest.raises(ValueError, match="serve it with the static engine"):
         BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits)
     decoder = BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits, engine="static").start()
+    assert decoder.warm_up_seconds is not None  # one request decoded before the first: the requests below still exact
     try:
         bodies = [
             {"prompt": "Count from 1 to 9.", "max_tokens": 40, "temperature": 0},
