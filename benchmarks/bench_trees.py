@@ -28,6 +28,7 @@ import torch
 
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.calibration import device_name
 from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels, shape_for
 from blockpilot.models.loading import load_models
@@ -38,12 +39,6 @@ from blockpilot.policies.resolve import resolve_policy
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def where(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"the CPU, {torch.get_num_threads()} threads"
 
 
 def one_pass(models, engine, requests, batch: int) -> tuple[int, int, int, float]:
@@ -87,7 +82,7 @@ def main() -> None:
     capacity = max(map(len, prompts)) + args.max_new_tokens + reach + 8
     say(
         f"{args.zoo.name}: B = {B}, {len(prompts)} held-out prompts, up to {args.max_new_tokens} new tokens, batch "
-        f"{args.batch}, static engine ({args.compile}), torch {torch.__version__} on {where(models.device)}"
+        f"{args.batch}, static engine ({args.compile}), torch {torch.__version__} on {device_name(models.device)}"
     )
     decoders = [(f"chain b = {b}", FixedBlockSize(b), dict(width=b)) for b in widths]
     depth = args.depth or B

@@ -160,7 +160,7 @@ def calibrate(
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
     return CycleCost(
         fitted,
-        device=_device_name(models.device),
+        device=device_name(models.device),
         dtype=str(models.target.dtype).removeprefix("torch."),
         versions=_versions(),
         target_id=models.target_id,
@@ -191,7 +191,7 @@ def serving_calibration(
     return calibrate(models, ladder(max_block_size, 2), ladder(max_batch, 4), cycles=cycles, repeats=repeats, warmup=1)
 
 
-def _device_name(device: Any) -> str:
+def device_name(device: Any) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -71,14 +71,12 @@ class PolicySpec:
             raise ValueError(
                 f"policy must be one of {list(POLICY_KINDS)} (see blockpilot.policies.resolve), got {self.kind!r}"
             )
-        if self.block_size is not None:
-            positive_int(self.block_size, "the tree's depth (tree:N:D)" if self.kind == "tree" else "the block size")
+        if self.block_size is not None and self.kind != "tree":
+            positive_int(self.block_size, "the fixed policy's block size")
         if self.kind == "tree":
             positive_int(self.tree_nodes, "the tree policy's node budget (tree:N)")
-            if self.block_size is not None and self.block_size < 2:
-                raise ValueError(
-                    f"a tree is at least 2 deep (its root and one level), got tree depth {self.block_size}"
-                )
+            if self.block_size is not None:  # tree:N:D, checked as the policy checks it
+                FixedTree(self.tree_nodes, self.block_size)
         if self.kind in _ARGUMENTS:
             fields, needed = _ARGUMENTS[self.kind]
             if not all(getattr(self, name) for name in fields):
