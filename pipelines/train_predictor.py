@@ -281,14 +281,14 @@ def _worker(config: dict[str, Any]) -> None:
 def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[Any, int, int]:
     """(trained predictor, first epoch of the last attempt, last epoch) from a `TorchTrainer` run."""
     import ray
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from blockpilot.predictor.model import BlockSizePredictor
     from blockpilot.predictor.training import PredictorTrainConfig, training_columns
     from blockpilot.scoring import label_columns
     from blockpilot.tracking import tracking_uri
-    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
+    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_run_config
 
     storage = job.storage or blockpilot_home() / "ray_results" / "predictor"
     _check_run_folder(job, prepared, storage)
@@ -317,12 +317,11 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
             "tracking_uri": tracking_uri() if run_id else None,
         },
         scaling_config=ScalingConfig(num_workers=job.workers, use_gpu=job.use_gpu),
-        run_config=RunConfig(
+        run_config=train_run_config(
             name=job.name,
             storage_path=str(storage),
             failure_config=FailureConfig(max_failures=job.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            logging_config=train_logging(),
         ),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"]),

@@ -110,7 +110,7 @@ def _worker(config: dict[str, Any]) -> None:
 
 def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from blockpilot.cost import load_cost
@@ -126,7 +126,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         start_run,
         tracking_uri,
     )
-    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_logging
+    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_run_config
     from pipelines.train_checkpoints import refuse_existing_run
 
     storage = job.storage or blockpilot_home() / "ray_results" / "step"
@@ -172,12 +172,11 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
                 "tracking_uri": tracking_uri() if tracker.run_id else None,
             },
             scaling_config=ScalingConfig(num_workers=1),
-            run_config=RunConfig(
+            run_config=train_run_config(
                 name=job.name,
                 storage_path=str(storage),
                 failure_config=FailureConfig(max_failures=job.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
-                logging_config=train_logging(),
             ),
             datasets={"train": ray.data.from_items([{"features": x, "regret": r} for x, r in zip(features, regret)])},
         )

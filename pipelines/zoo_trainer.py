@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.ray_runtime import ensure_ray, ray_storage, train_logging
+from pipelines.ray_runtime import ensure_ray, ray_storage, train_run_config
 
 
 def _reporter(name: str, total_steps: int, every: int):
@@ -112,7 +112,7 @@ class RayTrainer:
     use_gpu: bool = False
 
     def _fit(self, worker: Any, config: dict[str, Any], name: str) -> tuple[dict[str, Any], list[float]]:
-        from ray.train import RunConfig, ScalingConfig
+        from ray.train import ScalingConfig
         from ray.train.torch import TorchTrainer
 
         ensure_ray()
@@ -120,7 +120,7 @@ class RayTrainer:
             worker,
             train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=self.num_workers, use_gpu=self.use_gpu),
-            run_config=RunConfig(name=name, storage_path=str(ray_storage("zoo")), logging_config=train_logging()),
+            run_config=train_run_config(name=name, storage_path=str(ray_storage("zoo"))),
         )
         return _read_final(trainer.fit())
 

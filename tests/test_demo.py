@@ -1,15 +1,19 @@
-"""The main job's own pieces: the live speed measurement, the example it traces, its policy table, its clock."""
+"""The main job: its own pieces (the live speed measurement, the example it traces, its policy table, its clock), and
+`blockpilot demo` itself, as a user runs it."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+from commands import free_port, run, user_env
 
+from blockpilot.data.labels import read_labels
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.speed import PolicySpeed, measure_speed
 from blockpilot.policies.resolve import resolve_policy
+from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 from pipelines.demo import (
     DEFAULT_SIZE,
     SIZE_ENV,
@@ -110,3 +114,31 @@ def test_the_plain_loop_baseline_decodes_the_targets_greedy_output(random_models
     speed = measure_plain_loop(random_models, prompts, config)
     expected = [greedy_reference(random_models.target, p, 6, config.stop_token_ids) for p in prompts]
     assert speed.policy == PLAIN_LOOP and speed.tokens == sum(map(len, expected)) and speed.tokens_per_s > 0
+
+
+
+@pytest.mark.slow
+def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path):
+    """`blockpilot demo` (what `make demo` runs) on the tiny zoo, in a fresh home that already holds that zoo, as a
+    second run finds it; the static engine's cycle uncompiled (compiling every shape it prices takes minutes)."""
+    home = tmp_path / "home"
+    cached = zoo_cache_dir(RECIPES["tiny"], 0, home)
+    cached.parent.mkdir(parents=True)
+    cached.symlink_to(tiny_zoo, target_is_directory=True)
+
+    command = f"blockpilot demo --size tiny --compile off --live-prompts 4 --port {free_port()}"
+    printed = run(command, user_env(home), timeout=400)
+    assert f"[zoo] reusing {cached}" in printed and "=== 7/7 the endpoint" in printed and "stage times: zoo" in printed
+    table = printed[printed.index("policies on the held-out prompts") :]
+    rows = [f"fixed B = {RECIPES['tiny'].block_size}", "best fixed b", "learned (per request)", "learned+step"]
+    rows += ["autoregressive", "static oracle", "per-step oracle", "transformers loop"]
+    for row in rows:
+        assert f"\n  {row}" in table, f"the policy table has no {row!r} row:\n{table[:3000]}"
+    # The traced example and the endpoint's reply are both the target's greedy decoding of one prompt (T = 0).
+    traced = printed.split("\nanswer:    ", 1)[1].split("\n", 1)[0]
+    assert "POST /v1/chat/completions -> 200" in printed
+    assert f"\nanswer: {traced}\n" in printed, "the endpoint answered otherwise than the traced greedy generation"
+    paths = DemoPaths("tiny", home)  # what the notebooks read
+    assert paths.cost.is_file() and (paths.predictor / "config.json").is_file()
+    assert (paths.step_model / "config.json").is_file()
+    assert read_labels(paths.labels / "train").num_rows > 0 and read_labels(paths.labels / "heldout").num_rows > 0

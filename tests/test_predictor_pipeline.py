@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -242,3 +243,16 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     pyfunc = mlflow.pyfunc.load_model(f"models:/blockpilot-step-policy/{champion.version}")
     expected = [model.config.candidates[k] for k in model.choose(features)]
     assert list(pyfunc.predict(pd.DataFrame(features, columns=list(model.config.features.names)))) == expected
+
+
+def test_train_runs_poll_their_reports_often_unless_the_user_says_otherwise(monkeypatch):
+    """Ray Train's default 2 s poll made every reported epoch of a small fit wait up to 2 s."""
+    from pipelines.ray_runtime import REPORT_POLL_ENV, REPORT_POLL_S, train_run_config
+
+    monkeypatch.delenv(REPORT_POLL_ENV, raising=False)
+    config = train_run_config(name="poll")
+    assert config.name == "poll" and config.logging_config.log_level == "WARNING"
+    assert float(REPORT_POLL_S) < 2.0 and os.environ[REPORT_POLL_ENV] == REPORT_POLL_S
+    monkeypatch.setenv(REPORT_POLL_ENV, "1.5")
+    train_run_config(name="poll")
+    assert os.environ[REPORT_POLL_ENV] == "1.5"
