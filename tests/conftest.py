@@ -31,9 +31,13 @@ import torch  # noqa: E402
 from commands import BIN, free_port, user_env, wait_healthy  # noqa: E402
 
 # Each xdist worker gets its share of the cores: two workers of two threads each on 2 cores made torch's
-# OpenMP threads wait on one another (a 2 s sampling test took 80 s).
+# OpenMP threads wait on one another (a 2 s sampling test took 80 s). The processes a test starts (the commands, a
+# notebook's kernel) get the same share: a notebook took 62 s beside `blockpilot demo` on two threads each, 9 s alone.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS, torch.get_num_threads())))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS, torch.get_num_threads()))
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 def shared_folder(tmp_path_factory: pytest.TempPathFactory, *, kept: bool = False) -> Path:
