@@ -1,7 +1,7 @@
 """The main job on embedded defaults: zoo -> cycle cost -> labels -> predictor + per-step model -> one traced
 generation -> every policy on the held-out prompts -> endpoint.
 
-    make demo                                  # = python -m blockpilot demo (the mini zoo, ~12 minutes)
+    make demo                                  # = python -m blockpilot demo (the mini zoo, ~10 minutes)
     python -m blockpilot demo --size small     # the bigger zoo the benchmarks use (~40 minutes to build once)
 
 Everything runs on this machine: an embedded Ray (Ray Data labels, Ray Train fits the predictor, Ray Serve
@@ -81,7 +81,7 @@ class DemoJob:
     size: str = option(
         DEFAULT_SIZE,
         choices=tuple(RECIPES),
-        help="which zoo the flow runs on: mini (default) ends in about 12 minutes on 2 cores, small is the bigger "
+        help="which zoo the flow runs on: mini (default) ends in about 10 minutes on 2 cores, small is the bigger "
         "zoo the benchmarks use (about 40 minutes to build once), tiny is the test suite's",
     )
     port: int = option(8000, type=positive_int_arg, help="port of the endpoint on 127.0.0.1")
