@@ -12,10 +12,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tests run without it and write nothing to the home directory.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# Ray Train's controller polls its workers every 2 s by default, and notices a finished (or killed) worker only at
-# the next poll: about 3 s of every fit in this suite's small runs. A missed poll is not a failure (a worker is
-# declared dead after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, 10 minutes), so polling faster only ends fits sooner.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402

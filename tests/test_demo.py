@@ -116,7 +116,6 @@ def test_the_plain_loop_baseline_decodes_the_targets_greedy_output(random_models
     assert speed.policy == PLAIN_LOOP and speed.tokens == sum(map(len, expected)) and speed.tokens_per_s > 0
 
 
-
 @pytest.mark.slow
 def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path):
     """`blockpilot demo` (what `make demo` runs) on the tiny zoo, in a fresh home that already holds that zoo, as a
