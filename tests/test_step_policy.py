@@ -223,6 +223,23 @@ def test_a_choice_is_the_argmax_of_the_model_before_and_after_its_weights_change
     with torch.no_grad():
         model.net[2].bias.copy_(torch.arange(len(CANDIDATES), dtype=torch.float32) * 1000)
     assert model.choose(features).tolist() == argmax() == [len(CANDIDATES) - 1] * 64 != before
+    model.load_state_dict(random_step_model(4).state_dict())
+    assert model.choose(features).tolist() == argmax() != [len(CANDIDATES) - 1] * 64
+
+
+def test_the_folded_choice_is_the_forward_argmax_for_every_head_and_token():
+    """`choose` computes `forward` folded (numpy, fewer operations): the same choices, load-aware heads and ids
+    outside the vocabulary included, whatever the weights."""
+    torch.manual_seed(5)
+    model = StepModel(step_config(hidden_size=16, loads=(1, 8, 32)))
+    view = random_views(400, 2, batch_rows=np.random.default_rng(2).integers(1, 64, 400))
+    tokens = np.random.default_rng(3).integers(-1, VOCAB + 3, size=(400, 2))  # NO_TOKEN and unknown ids too
+    features = model.config.features.build(replace(view, tokens=tokens))
+    model.standardize(features)
+    with torch.no_grad():
+        scores = model.eval()(torch.as_tensor(features))
+    assert len(set(scores.argmax(dim=-1).tolist())) > 1  # the test can tell choices apart
+    assert model.choose(features).tolist() == scores.argmax(dim=-1).tolist()
 
 
 def test_the_regrets_of_a_walk_add_up_to_its_cost_over_the_per_step_oracle(tiny_labels):

@@ -75,6 +75,25 @@ class StepModelConfig:
         return config
 
 
+@dataclass(frozen=True)
+class FoldedHead:
+    """One MLP of a `StepModel` with its input's standardization folded into the first layer's numeric weights and
+    the token embedding into one table of first-layer rows per token column: the same scores, fewer operations."""
+
+    numeric: np.ndarray  # (numeric features, H): the first layer's weights over standardized features, unscaled
+    bias: np.ndarray  # (H,) the first layer's bias, the features' means folded in
+    tables: tuple[np.ndarray, ...]  # per token column (V + 1, H): the first layer's rows for each embedded id
+    second: np.ndarray  # (H, K)
+    second_bias: np.ndarray  # (K,)
+
+    def __call__(self, numeric: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """(N, K) scores from raw numeric features (N, numeric) and embedding rows (N, token columns)."""
+        hidden = numeric @ self.numeric + self.bias
+        for column, table in enumerate(self.tables):
+            hidden += table[ids[:, column]]
+        return np.maximum(hidden, 0.0) @ self.second + self.second_bias
+
+
 class StepModel(nn.Module):
     """(N, F) features -> (N, K) scores of the candidates (minus the regret it predicts for each)."""
 
@@ -101,6 +120,9 @@ class StepModel(nn.Module):
             self.heads = nn.ModuleList(mlp() for _ in config.loads)
         else:
             self.net = mlp()
+        self._folded_heads: list[FoldedHead] = []
+        self._folded_from: list[torch.Tensor] = []  # the weights `_folded_heads` was built from, at these versions
+        self._folded_versions: tuple[int, ...] = ()
 
     @torch.no_grad()
     def standardize(self, features: np.ndarray) -> StepModel:
@@ -117,24 +139,30 @@ class StepModel(nn.Module):
         self.feature_scale[self._tokens] = 1.0
         return self
 
-    def _heads_of_rows(self, features: torch.Tensor) -> torch.Tensor:
-        """(N,) the head (index into `config.loads`) of each row: its batch size's nearest load, the rule that
-        prices a cycle at that batch (`nearest_batch_size`)."""
+    def _heads_of_rows(self, features: np.ndarray) -> np.ndarray:
+        """(N,) the head (index into `config.loads`) of each row of `features` (N, F): its batch size's nearest
+        load, the rule that prices a cycle at that batch (`nearest_batch_size`)."""
         loads = self.config.loads
-        rows = torch.exp(features[:, self._load].double()).round().long()
-        distinct, inverse = torch.unique(rows, return_inverse=True)
-        heads = [loads.index(nearest_batch_size(loads, int(n))) for n in distinct]
-        return torch.as_tensor(heads, device=features.device)[inverse]
+        rows = np.rint(np.exp(features[:, self._load].astype(np.float64))).astype(np.int64)
+        distinct, inverse = np.unique(rows, return_inverse=True)
+        return np.asarray([loads.index(nearest_batch_size(loads, int(n))) for n in distinct])[inverse.reshape(-1)]
+
+    def _token_ids(self, features: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """(N, 2) the token columns as embedding rows: an id outside the vocabulary (NO_TOKEN among them) reads the
+        row past it."""
+        vocab = self.config.vocab_size
+        if torch.is_tensor(features):
+            ids = features[:, self._tokens].round().long()
+            return torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
+        ids = np.rint(features[:, self._tokens]).astype(np.int64)
+        return np.where((ids >= 0) & (ids < vocab), ids, vocab)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = ((features - self.feature_mean) / self.feature_scale)[:, self._numeric]
-        ids = features[:, self._tokens].round().long()
-        vocab = self.config.vocab_size
-        ids = torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
-        x = torch.cat([x, self.token_embedding(ids).flatten(1)], dim=1)
+        x = torch.cat([x, self.token_embedding(self._token_ids(features)).flatten(1)], dim=1)
         if not self.config.loads:
             return self.net(x)
-        heads = self._heads_of_rows(features)
+        heads = torch.as_tensor(self._heads_of_rows(features.detach().cpu().numpy()), device=features.device)
         out = x.new_zeros(x.shape[0], len(self.config.candidates))
         for index, head in enumerate(self.heads):
             rows = (heads == index).nonzero().flatten()
@@ -142,10 +170,48 @@ class StepModel(nn.Module):
                 out = out.index_copy(0, rows, head(x[rows]))
         return out
 
-    @torch.no_grad()
     def choose(self, features: np.ndarray) -> np.ndarray:
-        """(N,) the index of the best-scored candidate for each row of `features` (N, F)."""
-        return self(torch.tensor(np.asarray(features, dtype=np.float32))).argmax(dim=-1).numpy()  # a copy: inputs may be read-only
+        """(N,) the index of the best-scored candidate for each row of `features` (N, F): `forward`'s argmax, by
+        its folded form (`_folded`)."""
+        features = np.asarray(features, dtype=np.float32)
+        heads, numeric, ids = self._folded(), features[:, self._numeric], self._token_ids(features)
+        if not self.config.loads:
+            return heads[0](numeric, ids).argmax(axis=1)
+        scores = np.empty((len(features), len(self.config.candidates)), dtype=np.float32)
+        of_row = self._heads_of_rows(features)
+        for index, head in enumerate(heads):
+            rows = of_row == index
+            if rows.any():
+                scores[rows] = head(numeric[rows], ids[rows])
+        return scores.argmax(axis=1)
+
+    def _folded(self) -> list[FoldedHead]:
+        """`forward` at eval time in numpy, one `FoldedHead` per head: a live decision (one row, before every cycle)
+        costs a few numpy calls instead of a dozen torch ones (36 against 127 us a cycle inside the static engine's
+        loop on the CPU, docs/log.md). Rebuilt when a weight changes in place (a tensor's version counts its
+        in-place writes: an optimizer step, `load_state_dict`)."""
+        if self._folded_heads and self._folded_versions == tuple(t._version for t in self._folded_from):
+            return self._folded_heads
+
+        def array(t: torch.Tensor) -> np.ndarray:
+            return np.ascontiguousarray(t.float().cpu().numpy())
+
+        numeric, dims = self._numeric, self.config.token_dims
+        mean, scale = (t.detach().double()[numeric] for t in (self.feature_mean, self.feature_scale))
+        embedding = self.token_embedding.weight.detach().double()
+        self._folded_heads = []
+        for mlp in self.heads if self.config.loads else [self.net]:
+            first, first_bias, second, second_bias = (t.detach().double() for t in mlp.parameters())
+            weights = first[:, : len(numeric)] / scale  # (H, numeric features): (x - mean) / scale folded in
+            tokens = first[:, len(numeric) :].reshape(len(first), len(self._tokens), dims)  # (H, columns, dims)
+            tables = tuple(array(embedding @ tokens[:, j].T) for j in range(len(self._tokens)))
+            folded = FoldedHead(
+                array(weights.T), array(first_bias - weights @ mean), tables, array(second.T), array(second_bias)
+            )
+            self._folded_heads.append(folded)
+        self._folded_from = [*self.parameters(), *self.buffers()]
+        self._folded_versions = tuple(t._version for t in self._folded_from)
+        return self._folded_heads
 
     def save(self, directory: str | Path) -> Path:
         return save_weights_folder(directory, self.config.to_dict(), self.state_dict())
