@@ -9,7 +9,7 @@ import shlex
 import sys
 
 import pytest
-from commands import PROMPT, ROOT, run, user_env
+from commands import EMBEDDED_UNACTIONABLE, PROMPT, ROOT, run, user_env
 from support import greedy_reference
 
 from blockpilot.cli import main
@@ -113,8 +113,12 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     assert "engine static (off): " in printed and "mean tau:" in printed
     # Compiled (inductor, about 20 s here): the same sampled tokens as the eager cycle for the seed, which are the
     # autoregressive sample of the seed whatever the policy (so an in-process run stands for the eager command).
-    compiled = json.loads(
-        run(f"blockpilot {generate} --engine static --compile compile --temperature 0.8 --seed 3 --json", env)
+    compiled = json.loads(  # its steps replayed, not through dynamo each call (`compiled_replay`)
+        run(
+            f"blockpilot {generate} --engine static --compile compile --temperature 0.8 --seed 3 --json",
+            env,
+            noise=(*EMBEDDED_UNACTIONABLE, "cannot be replayed"),
+        )
     )
     sampled = GenerationConfig(
         max_new_tokens=24, temperature=0.8, seed=3, stop_token_ids=tuple(tiny_models.stop_token_ids())

@@ -13,7 +13,15 @@ from support import greedy_reference
 from test_step_policy import growing_step_model, random_step_model, vocab_of
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.static import COMPILE_MODES, StaticDecoder, StaticTarget, span_bucket
+from blockpilot.decoding.static import (
+    COMPILE_MODES,
+    StaticDecoder,
+    StaticTarget,
+    compiled_replay,
+    inductor_calls,
+    inductor_options,
+    span_bucket,
+)
 from blockpilot.decoding.static_engine import StaticEngine, power_buckets, tree_buckets
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
@@ -185,6 +193,42 @@ def test_buckets_bound_the_compiled_variants():
     assert power_buckets(64, smallest=4) == [4, 8, 16, 32, 64] and power_buckets(3, smallest=4) == [3]
     assert tree_buckets(64) == [3, 7, 15, 31, 63, 64] and tree_buckets(7) == [3, 7] and tree_buckets(2) == [2]
     assert span_bucket(10, 2048) == 256 and span_bucket(257, 2048) == 512 and span_bucket(3000, 2048) == 2048
+
+
+class Accumulator:
+    """A step in the decoder's manner: it reads and writes, in place, only tensors that outlive its calls."""
+
+    def __init__(self) -> None:
+        self.state, self.weight = torch.zeros(4), torch.arange(4.0)
+
+    def step(self, scale: int) -> None:
+        self.state.mul_(scale).add_(self.weight.sin())
+
+    def step_returning(self, scale: int) -> torch.Tensor:
+        return self.state * scale
+
+
+def test_a_compiled_step_replays_without_dynamo_what_dynamo_computes():
+    options = dict(fullgraph=True, dynamic=False, options=inductor_options(torch.device("cpu")))
+    replayed, reference = Accumulator(), Accumulator()
+    compiled = torch.compile(replayed.step, **options)
+    with inductor_calls() as calls:
+        compiled(3)
+    replay = compiled_replay(calls)
+    assert replay is not None
+    torch._dynamo.reset()  # dynamo keeps nothing compiled now, and may not compile again: the replay needs neither
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(3):
+            replay()
+        with pytest.raises(RuntimeError):
+            compiled(3)
+    for _ in range(4):
+        reference.step(3)
+    assert torch.allclose(replayed.state, reference.state) and replayed.state.abs().sum() > 0
+    # A step that returns a tensor is not replayed: its output would be lost (the engine keeps dynamo's path).
+    with inductor_calls() as calls:
+        torch.compile(replayed.step_returning, fullgraph=True)(2)
+    assert len(calls) == 1 and compiled_replay(calls) is None
 
 
 def test_the_static_target_computes_the_targets_logits(tiny_models):
