@@ -37,6 +37,7 @@ decoding: no drafter, one verify slot.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -69,21 +70,22 @@ def inductor_options(device: torch.device) -> dict[str, bool] | None:
 
 @contextmanager
 def inductor_calls() -> Iterator[list[tuple[Any, list[Any], Any]]]:
-    """Every call of an inductor-compiled graph inside the block, as (the graph, its inputs, its outputs); nothing
-    where this torch's inductor does not have the class this reads (its internals: `compiled_replay` then keeps
-    dynamo's path)."""
+    """Every call of an inductor-compiled graph made by this thread inside the block, as (the graph, its inputs, its
+    outputs); nothing where this torch's inductor does not have the class this reads (its internals:
+    `compiled_replay` then keeps dynamo's path)."""
     calls: list[tuple[Any, list[Any], Any]] = []
     try:
         from torch._inductor.output_code import CompiledFxGraph
     except ImportError:
         yield calls
         return
-    original = CompiledFxGraph.__call__
+    original, thread = CompiledFxGraph.__call__, threading.get_ident()
 
     def recording(graph: Any, inputs: Sequence[Any]) -> Any:
         given = list(inputs)  # the compiled call empties the list it is given
         out = original(graph, inputs)
-        calls.append((graph, given, out))
+        if threading.get_ident() == thread:  # another thread's compiled step is not this one's
+            calls.append((graph, given, out))
         return out
 
     CompiledFxGraph.__call__ = recording
