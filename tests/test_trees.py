@@ -200,7 +200,8 @@ def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_e
     engine = StaticEngine(tiny_models, max_batch=2, tree_nodes=15)
     assert engine.tree_sizes == [3, 7, 15]  # 4, 8 and 16 slots, the root included
     costs = engine.calibrate_trees(cycles=2)
-    assert set(costs) == {3, 7, 15} and all(seconds > 0 for seconds in costs.values())
+    assert list(costs) == [3, 7, 15] and all(seconds > 0 for seconds in costs.values())
+    assert list(costs.values()) == sorted(costs.values()) and engine.tree_cost == costs  # a larger tree never cheaper
     used = {}
     for name, cost in [("flat", {3: 1.0, 7: 1.0, 15: 1.0}), ("steep", {3: 1.0, 7: 10.0, 15: 100.0})]:
         engine.tree_cost, engine.verified_nodes = cost, Counter()

@@ -33,6 +33,7 @@ from collections import Counter
 import torch
 
 from blockpilot.checks import positive_int
+from blockpilot.cost import nondecreasing_in_block_size, round_relative_medians
 from blockpilot.decoding.engine import (
     PREFILL_MAX_PADDING,
     NonFiniteLogits,
@@ -384,29 +385,35 @@ class StaticEngine(RowScheduler):
         return max(expected, key=lambda size: expected[size] / self.tree_cost[size])
 
     @torch.inference_mode()
-    def calibrate_trees(self, cycles: int = 20) -> dict[int, float]:
+    def calibrate_trees(self, cycles: int = 10, rounds: int = 3) -> dict[int, float]:
         """Seconds a tree cycle costs at every size bucket (batch 1, on a row of its own; the engine must be idle),
-        measured with whatever compiling the engine does; kept as `tree_cost`, which prices each cycle's size."""
+        measured with whatever compiling the engine does; kept as `tree_cost`, which prices each cycle's size.
+        Every size is timed once a round (the median of `cycles`), and the rounds fitted as a cost curve's trees
+        are (`round_relative_medians`, then non-decreasing in nodes): timed one size after another, the machine's
+        drift priced 15 nodes below 7 (docs/log.md)."""
         if self.tree_nodes is None or self.busy:
             raise ValueError("calibrate_trees needs an idle engine built with tree_nodes")
         decoder = self.decoder
         span = span_bucket(8 + self.reach, self.capacity)
         decoder.prefill(0, [torch.arange(1, 9)])
-        costs = {}
-        for size in self.tree_sizes:
-            samples = []
-            for _ in range(cycles + 1):  # the first builds the shape
-                decoder.place(0, length=8, last_token=1, temperature=0.0, seed=0)
-                decoder.set_block_sizes([self.width])
-                decoder.set_tree_shapes([size], [decoder.top_k])
-                started = time.perf_counter()  # what a priced cycle runs: grow whole, read, verify the size
-                decoder.draft_tree(1, span).tolist()
-                decoder.verify_tree(1, span, size + 1)[1].tolist()
-                samples.append(time.perf_counter() - started)
-            costs[size] = statistics.median(samples[1:])
+        timed_rounds = []
+        for _ in range(rounds):
+            timed = {}
+            for size in self.tree_sizes:
+                samples = []
+                for _ in range(cycles + 1):  # the first builds the shape, or warms it
+                    decoder.place(0, length=8, last_token=1, temperature=0.0, seed=0)
+                    decoder.set_block_sizes([self.width])
+                    decoder.set_tree_shapes([size], [decoder.top_k])
+                    started = time.perf_counter()  # what a priced cycle runs: grow whole, read, verify the size
+                    decoder.draft_tree(1, span).tolist()
+                    decoder.verify_tree(1, span, size + 1)[1].tolist()
+                    samples.append(time.perf_counter() - started)
+                timed[size] = statistics.median(samples[1:])
+            timed_rounds.append(timed)
         decoder.free(0)
-        self.tree_cost = costs
-        return costs
+        self.tree_cost = nondecreasing_in_block_size(round_relative_medians(timed_rounds))
+        return self.tree_cost
 
     # ---------------------------------------------------------------- leaving
 
