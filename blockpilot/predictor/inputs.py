@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from blockpilot.policies.base import PrefillState
+from blockpilot.policies.base import PrefillState, distribution_summary
 
 INPUT_COLUMNS = ("topk_ids", "topk_probs", "entropy", "temperature")
 DENSE_COLUMN = "probs_fp16"  # the whole prefill distribution, only the dense kind reads it
@@ -22,11 +22,11 @@ DENSE_COLUMN = "probs_fp16"  # the whole prefill distribution, only the dense ki
 
 def prefill_columns(prefill: PrefillState, top_k: int, dense: bool) -> dict[str, Any]:
     """The input columns of one prefill (numpy arrays and numbers; a label row stores them as lists)."""
-    ids, probs = prefill.top_k(top_k)
+    entropy, ids, probs = distribution_summary(prefill.next_token_logits, top_k)  # one pass for all three
     return {
         "topk_ids": ids.cpu().numpy(),
         "topk_probs": probs.cpu().numpy(),
-        "entropy": prefill.entropy,
+        "entropy": float(entropy),
         "temperature": float(prefill.temperature),
         DENSE_COLUMN: prefill.probs.half().cpu().numpy() if dense else None,
     }
