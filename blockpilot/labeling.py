@@ -28,6 +28,7 @@ from blockpilot.decoding.engine import is_device_failure as engine_device_failur
 from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list, tree_budget_list
+from blockpilot.predictor.inputs import DENSE_COLUMN, prefill_columns
 from blockpilot.sweep import SWEEP_MODES
 
 if TYPE_CHECKING:
@@ -302,7 +303,7 @@ class Labeler:
         if not any(sweep.cycles):
             message = "the generation ended at its first token: no draft/verify cycle to measure"
             return {**base, "error": message, "error_kind": "no_cycle"}, None
-        ids, probs = sweep.prefill.top_k(self.settings.top_k)
+        inputs = prefill_columns(sweep.prefill, self.settings.top_k, self.settings.dense)
         row = {
             **base,
             "prompt_tokens": len(prompt_ids),
@@ -315,11 +316,11 @@ class Labeler:
             **table_columns(sweep.tables),
             "anchor_entropy": None if sweep.anchor_entropy is None else sweep.anchor_entropy.tolist(),
             "anchor_top_probs": None if sweep.anchor_top_probs is None else sweep.anchor_top_probs[:, :ANCHOR_TOP_K].tolist(),
-            "topk_ids": ids.tolist(),
-            "topk_probs": probs.tolist(),
-            "entropy": sweep.prefill.entropy,
-            "vocab_size": int(sweep.prefill.probs.shape[-1]),
-            "probs_fp16": sweep.prefill.probs.half().tolist() if self.settings.dense else None,
+            "topk_ids": inputs["topk_ids"].tolist(),
+            "topk_probs": inputs["topk_probs"].tolist(),
+            "entropy": inputs["entropy"],
+            "vocab_size": int(sweep.prefill.next_token_logits.shape[-1]),
+            DENSE_COLUMN: None if inputs[DENSE_COLUMN] is None else inputs[DENSE_COLUMN].tolist(),
         }
         tokenizer = self.models.tokenizer
         answer = tokenizer.decode(sweep.token_ids, skip_special_tokens=True) if tokenizer else ""
