@@ -404,6 +404,18 @@ class RowScheduler:
             self.rows[index].stop_reason = "cancelled"
             self._retire(index, updates)
 
+    def _end_cycle(
+        self, going_on: list[tuple[Row, int, torch.Tensor]], finished: list[int], updates: list[RowUpdate]
+    ) -> None:
+        """After a cycle: the next b of every row going on (row, tokens it committed, its anchor's logits), priced at
+        the batch the next cycle runs (those rows and the waiting ones that will join them); then the finished rows
+        and any row that failed meanwhile (its policy's hook) leave."""
+        next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
+        decide_block_sizes([(row, cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
+        failed = {index for index, row in enumerate(self.rows) if row.failure is not None}
+        for index in sorted(set(finished) | failed, reverse=True):
+            self._retire(index, updates)
+
     def _retire(self, index: int, updates: list[RowUpdate]) -> None:
         """Finish row `index`: the last active row takes over its cache row; its result joins this step's update."""
         row = self.rows[index]
@@ -660,12 +672,7 @@ class SpeculativeEngine(RowScheduler):
                 going_on.append((row, len(new_tokens), logits[index, accepted]))
             else:
                 finished.append(index)
-        # The hooks price the next cycle: the rows going on and the waiting ones that will join them.
-        next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        decide_block_sizes([(row, cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
-        finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
-        for index in reversed(finished):
-            self._retire(index, updates)
+        self._end_cycle(going_on, finished, updates)
 
     def _first_token(self, row: Row, logits: torch.Tensor, finite: bool) -> int:
         """The row's first token from its prefill distribution; 0 (unused) for a row that fails here."""

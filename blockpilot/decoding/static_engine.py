@@ -40,7 +40,6 @@ from blockpilot.decoding.engine import (
     Row,
     RowScheduler,
     RowUpdate,
-    cycle_state,
     decide_block_sizes,
     new_record,
     prefill_groups,
@@ -331,11 +330,7 @@ class StaticEngine(RowScheduler):
                 going_on.append((row, len(new_tokens), self.decoder.anchor_logits[index]))
             else:
                 finished.append(index)
-        next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        decide_block_sizes([(row, cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
-        finished = sorted(set(finished) | {i for i, row in enumerate(rows) if row.failure is not None})
-        for index in reversed(finished):
-            self._retire(index, updates)
+        self._end_cycle(going_on, finished, updates)
 
     def _record(self, row: Row, index: int, kept: int) -> None:
         """The row's committed positions' features and the distributions that drew its new tokens, from the cycle's
