@@ -10,7 +10,9 @@ prefill included, for the static engine's chains at every --widths (fixed b) and
 (`tree:N`, --depth deep, every slot's top 8), and the largest budget's trees cut each cycle to the size its measured
 cost prices best (`StaticEngine.calibrate_trees`; --no-priced skips them, which on a GPU saves compiling every
 tree size), and with --predictor a per-request predictor over shapes
-(`blockpilot train --trees`) against the best fixed shape. Each decoder's cycle is compiled (or not, per
+(`blockpilot train --trees`) against the best fixed shape. At batch 1 it also prints, for each tree, its cycle's
+cost against the best chain's and what its tau alone is worth: the tokens/s it would reach were its cycle to cost
+the chain's (its prefill and host work as measured). Each decoder's cycle is compiled (or not, per
 --compile) by a first pass, then timed in --repeats rounds over every decoder (the median of each); the figures
 are timings of this machine, so compare rows of one run only. The zoo runs in the device's default dtype (bf16 on a
 GPU: in float32 there, cuBLAS picked a kernel 10x slower for some widths' products, the log's 2026-11-26 (morning)).
@@ -41,15 +43,28 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def one_pass(models, engine, requests, batch: int) -> tuple[int, int, int, float]:
-    """(tokens, tokens committed by cycles, cycles, seconds) of one pass over `requests`, `batch` at a time."""
-    started, tokens, committed, cycles = time.perf_counter(), 0, 0, 0
+def one_pass(models, engine, requests, batch: int) -> tuple[int, int, int, float, float]:
+    """(tokens, tokens committed by cycles, cycles, seconds, seconds in cycles) of one pass over `requests`, `batch`
+    at a time. The seconds in cycles add up each generation's (at batch 1, the engine's own)."""
+    started, tokens, committed, cycles, in_cycles = time.perf_counter(), 0, 0, 0, 0.0
     for first in range(0, len(requests), batch):
         for result in generate_many(models, requests[first : first + batch], engine=engine):
             tokens += len(result.token_ids)
             committed += sum(result.acceptance_lengths)
             cycles += len(result.acceptance_lengths)
-    return tokens, committed, cycles, time.perf_counter() - started
+            in_cycles += result.decode_time_s
+    return tokens, committed, cycles, time.perf_counter() - started, in_cycles
+
+
+def tree_ceiling(tree: tuple[int, int, float, float], chain: tuple[int, int, float, float]) -> tuple[float, float]:
+    """(a tree's cycle cost over the chain's, the tokens/s it would reach over the chain's were its cycle to cost the
+    chain's), from each decoder's (tokens, cycles, seconds, seconds in cycles) at batch 1: what the tree's tau alone
+    is worth, with its prefill and host work as measured."""
+    tokens, cycles, seconds, in_cycles = tree
+    chain_tokens, chain_cycles, chain_seconds, chain_in_cycles = chain
+    chain_cycle = chain_in_cycles / chain_cycles
+    at_chain_cost = seconds - in_cycles + cycles * chain_cycle
+    return (in_cycles / cycles) / chain_cycle, (tokens / at_chain_cost) / (chain_tokens / chain_seconds)
 
 
 def main() -> None:
@@ -115,11 +130,13 @@ def main() -> None:
             engines.append((name, engine, ours))
         # Rounds over every decoder, so that the machine's drift falls on all of them alike.
         speeds: dict[str, list[float]] = {name: [] for name, *_ in engines}
+        passes: dict[str, list[tuple[int, int, float, float]]] = {name: [] for name, *_ in engines}
         taus: dict[str, float] = {}
         for _ in range(args.repeats):
             for name, engine, ours in engines:
-                tokens, committed, cycles, seconds = one_pass(models, engine, ours, args.batch)
+                tokens, committed, cycles, seconds, in_cycles = one_pass(models, engine, ours, args.batch)
                 speeds[name].append(tokens / seconds)
+                passes[name].append((tokens, cycles, seconds, in_cycles))
                 taus[name] = committed / max(cycles, 1)
         rows = [(name, taus[name], statistics.median(speeds[name])) for name, *_ in engines]
         for (name, tau, speed), (_, engine, _) in zip(rows, engines, strict=True):
@@ -140,6 +157,15 @@ def main() -> None:
             f"best tree ({best_tree_speed[0]}) {best_tree_speed[2]:.1f} against best chain ({best_chain_speed[0]}) "
             f"{best_chain_speed[2]:.1f}: {best_tree_speed[2] / best_chain_speed[2]:.2f}x"
         )
+        if args.batch == 1:  # what each tree's tau alone is worth against the best chain, this run's medians
+            chain = best_chain_speed[0]
+            median_pass = lambda name: tuple(statistics.median(p[i] for p in passes[name]) for i in range(4))  # noqa: E731
+            for name, *_ in (r for r in trees if not r[0].endswith("priced")):
+                cost, ceiling = tree_ceiling(median_pass(name), median_pass(chain))
+                say(
+                    f"T = {temperature:g}: {name}: a cycle {cost:.2f}x the best chain's ({chain}); were it to cost "
+                    f"the chain's, {ceiling:.2f}x the best chain's tokens/s"
+                )
         for name, tau, speed in (r for r in rows if r[0].startswith("learned")):
             best_fixed = max(chains + trees, key=lambda r: r[2])
             say(

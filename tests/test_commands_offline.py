@@ -168,3 +168,4 @@ def test_the_tree_benchmark_runs_on_the_tiny_zoo(tiny_zoo, tmp_path):
     )
     assert "chain b = 3" in printed and "tree:8 priced" in printed and "cycles by tree size" in printed
     assert "T = 0: tau, best tree" in printed
+    assert "T = 0: tree:4 (depth 4): a cycle" in printed and "were it to cost the chain's" in printed
