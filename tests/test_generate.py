@@ -8,7 +8,7 @@ from support import OracleDrafter, check_stats_invariants, greedy_reference, wit
 
 from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
-from blockpilot.decoding.engine import PREFILL_MAX_PADDING, prefill_groups
+from blockpilot.decoding.rows import PREFILL_MAX_PADDING, prefill_groups
 from blockpilot.policies.fixed import EntropyHeuristic, FixedBlockSize
 from blockpilot.policies.resolve import resolve_policy
 

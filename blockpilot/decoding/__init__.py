@@ -2,8 +2,9 @@
 rules. Block-size policies are `blockpilot.policies`."""
 
 from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
-from blockpilot.decoding.engine import RowUpdate, SpeculativeEngine, generate, generate_many
+from blockpilot.decoding.engine import SpeculativeEngine, generate, generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
+from blockpilot.decoding.rows import RowUpdate
 
 __all__ = [
     "VERIFY_RULES",

@@ -12,8 +12,9 @@ import torch
 
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
-from blockpilot.decoding.engine import RowScheduler, SpeculativeEngine
+from blockpilot.decoding.engine import SpeculativeEngine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.decoding.rows import RowScheduler
 from blockpilot.decoding.static_engine import StaticEngine
 from blockpilot.models.loading import synchronize
 from blockpilot.policies.base import BlockSizePolicy

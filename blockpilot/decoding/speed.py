@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blockpilot.decoding.engine import RowScheduler, generate_many
+from blockpilot.decoding.engine import generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.decoding.rows import RowScheduler
 from blockpilot.decoding.width import CyclePrice
 from blockpilot.models.loading import SpeculativeModels, cache_keyword
 from blockpilot.policies.base import BlockSizePolicy

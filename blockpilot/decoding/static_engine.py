@@ -34,7 +34,8 @@ import torch
 
 from blockpilot.checks import positive_int
 from blockpilot.cost import nondecreasing_in_block_size, round_relative_medians
-from blockpilot.decoding.engine import (
+from blockpilot.decoding.request import GenerationRequest
+from blockpilot.decoding.rows import (
     PREFILL_MAX_PADDING,
     NonFiniteLogits,
     Row,
@@ -46,7 +47,6 @@ from blockpilot.decoding.engine import (
     record_distributions,
     truncate_at_stop,
 )
-from blockpilot.decoding.request import GenerationRequest
 from blockpilot.decoding.static import StaticDecoder, span_bucket
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
