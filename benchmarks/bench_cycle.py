@@ -18,6 +18,7 @@ target), random weights, bf16 on a GPU (timing does not depend on weight values)
 5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph;
 6. with --tree-points (BATCHxNODES), the static engine's whole tree cycle in one step: draft, best-first trees grown
    on the device, verify, walk and commit (`--tree-mode`, compile+graph on a GPU; --tree-compile-points too);
+   with --tree-parts, also its two halves apart: the drafter's pass with the trees' growth, and the verify;
 7. the points that compile, last: --compile-points, --sampled-points, --tree-compile-points, --hf-compile. A point
    that fails is printed and skipped; with --time-budget, so is every costly point left once that many seconds
    have passed.
@@ -165,10 +166,14 @@ def static_cycle(
     return seconds, decoder.compile_seconds or 0.0
 
 
-def tree_cycle(models, batch: int, nodes: int, mode: str, capacity: int, cycles: int) -> tuple[float, float]:
-    """(seconds per cycle, build seconds) of the static engine's whole tree cycle at (batch, nodes) in `mode`: the
-    drafter's pass B deep, every row's best-first tree grown on the device, the verify over the N + 1 nodes, the walk
-    and the commit in one step, and the host's read of the outcome."""
+def tree_cycle(
+    models, batch: int, nodes: int, mode: str, capacity: int, cycles: int, parts: bool = False
+) -> tuple[float, float, tuple[float, float] | None]:
+    """(seconds per cycle, build seconds, parts) of the static engine's whole tree cycle at (batch, nodes) in `mode`:
+    the drafter's pass B deep, every row's best-first tree grown on the device, the verify over the N + 1 nodes, the
+    walk and the commit in one step, and the host's read of the outcome. With `parts`, also (seconds, seconds) of its
+    two halves run as steps of their own, each built in `mode` (two more builds): the drafter's pass with the trees'
+    growth (`draft_tree`), then the verify with the walk and the commit (`verify_tree`)."""
     width = models.train_block_size
     decoder = StaticDecoder(models, rows=batch, width=width, capacity=capacity, compile=mode, tree_nodes=nodes)
     decoder.prefill(0, random_prompts(models, batch, 64, torch.Generator().manual_seed(batch * 1000 + nodes)))
@@ -183,7 +188,23 @@ def tree_cycle(models, batch: int, nodes: int, mode: str, capacity: int, cycles:
     cycle()  # builds (compiles, captures) the step
     repeats = max(1, (capacity - 64 - nodes - 2 * width) // cycles - 1)  # random weights: one token a cycle
     seconds = timed(lambda: [cycle() for _ in range(cycles)], min(5, repeats), models.device) / cycles
-    return seconds, decoder.compile_seconds or 0.0
+    if not parts:
+        return seconds, decoder.compile_seconds or 0.0, None
+    decoder.length[:batch] = 64  # a verify commits a token a call: each timed run starts where the first did
+    decoder.draft_tree(batch, capacity)
+    decoder.verify_tree(batch, capacity, nodes + 1)  # builds both halves
+
+    def halves(half: Callable[[], object]) -> float:
+        def run() -> None:
+            decoder.length[:batch] = 64
+            for _ in range(cycles):
+                half()
+
+        return timed(run, 5, models.device) / cycles
+
+    grow = halves(lambda: decoder.draft_tree(batch, capacity))
+    verify = halves(lambda: decoder.verify_tree(batch, capacity, nodes + 1))
+    return seconds, decoder.compile_seconds or 0.0, (grow, verify)
 
 
 def tree_verify(models, batch: int, nodes: int, capacity: int) -> float:
@@ -244,6 +265,11 @@ def main() -> None:
     parser.add_argument("--tree-mode", default=None, help="its mode (default: compile+graph on a GPU, else off)")
     parser.add_argument(
         "--tree-compile-points", type=points, default=[], help="BATCHxNODES,... the tree cycle compile+graph too"
+    )
+    parser.add_argument(
+        "--tree-parts",
+        action="store_true",
+        help="also time each tree point's two halves as steps of their own (two more builds a point)",
     )
     parser.add_argument(
         "--time-budget", type=float, default=0, help="seconds after which the costly points left are skipped (0: none)"
@@ -337,13 +363,20 @@ def main() -> None:
                 release(device)
 
         def tree_point(mode: str, batch: int, nodes: int) -> None:
-            seconds, build = tree_cycle(models, batch, nodes, mode, args.capacity, args.cycles)
+            seconds, build, parts = tree_cycle(models, batch, nodes, mode, args.capacity, args.cycles, args.tree_parts)
             say(
                 f"tree cycle ({mode}, trees grown on the device), batch {batch}, {nodes} nodes "
                 f"{models.train_block_size} deep: {seconds * 1000:.2f} ms (built in {build:.0f} s; x floor "
                 f"{seconds / floor:.2f})"
             )
             RESULTS.setdefault("tree_cycle_s", {}).setdefault(mode, {})[f"{batch}x{nodes}"] = [seconds, build]
+            if parts is not None:
+                grow, verify = parts
+                say(
+                    f"  as two steps: the drafter's pass and the trees' growth {grow * 1000:.2f} ms, the verify, walk "
+                    f"and commit {verify * 1000:.2f} ms"
+                )
+                RESULTS.setdefault("tree_parts_s", {}).setdefault(mode, {})[f"{batch}x{nodes}"] = [grow, verify]
 
         def compiled_point(batch: int, width: int, sampling: bool) -> None:
             seconds, build = static_cycle(models, batch, width, compiled, args.capacity, args.cycles, sampling)

@@ -149,13 +149,16 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
     out = tmp_path / "results.json"
     printed = run(
         f"python benchmarks/bench_cycle.py --drafter-config {tmp_path / 'config.json'} --device cpu --batches 1,2 "
-        f"--widths 1,4 --modes off --tree-nodes 8 --tree-points 2x6 --capacity 128 --cycles 2 --hf-steps 2 --engine-widths 4 "
+        f"--widths 1,4 --modes off --tree-nodes 8 --tree-points 2x6 --tree-parts --capacity 128 --cycles 2 --hf-steps 2 "
+        "--engine-widths 4 "
         f"--out {out}",
         user_env(tmp_path / "home"),
     )
     results = json.loads(out.read_text())
     assert set(results["static_cycle_s"]["off"]) == {"1", "4"} and results["floor_s"] > 0
     assert "static cycle" in printed and "tree verify" in printed and "2x6" in results["tree_cycle_s"]["off"]
+    grow, verify = results["tree_parts_s"]["off"]["2x6"]
+    assert grow > 0 and verify > 0 and "as two steps: the drafter's pass and the trees' growth" in printed
     assert "failed" not in printed and "skipped" not in printed
 
 
