@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from blockpilot.cost import load_cost
 from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.speed import measure_speed
@@ -36,9 +35,9 @@ PROMPTS = [
 ]
 
 
-def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int, cost=None) -> tuple[str, float, float]:
+def measure(models, prompts_ids, spec: str, config: GenerationConfig, batch: int) -> tuple[str, float, float]:
     """(policy name, generated tokens per wall second, mean tau) of `prompts_ids` at `batch` rows at a time."""
-    speed = measure_speed(models, prompts_ids, resolve_policy(spec, models), config, max_batch=batch, cost=cost)
+    speed = measure_speed(models, prompts_ids, resolve_policy(spec, models), config, max_batch=batch)
     return speed.policy, speed.tokens_per_s, speed.tau
 
 
@@ -59,9 +58,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=None, help="a prompts .jsonl (e.g. a zoo's heldout.jsonl)")
     parser.add_argument("--limit", type=int, default=16, help="prompts taken from --prompts")
     parser.add_argument("--predictor", default=None, help="also time learned:PREDICTOR (folder or models:/ URI)")
-    parser.add_argument(
-        "--cost", type=Path, default=None, help="price batched verify widths with this cost curve (blockpilot calibrate)"
-    )
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -73,7 +69,6 @@ def main() -> None:
         paths = write_random_zoo(Path(tempfile.mkdtemp()) / "zoo")
         args.target, args.drafter = paths["target"], paths["drafter"]
     models = load_models(args.target, args.drafter, device=args.device)
-    cost = load_cost(args.cost) if args.cost else None
     if args.prompts is None:
         prompts = PROMPTS
         # No stop tokens: every run decodes exactly max_new_tokens, so the runs are comparable.
@@ -96,7 +91,6 @@ def main() -> None:
         f"device={models.device} dtype={models.target.dtype} threads={torch.get_num_threads()} "
         f"prompts={len(prompts)} max_new_tokens={args.max_new_tokens} T={args.temperature:g} rounds={args.rounds}"
         f" ends={'at a stop token' if config.stop_token_ids else 'at max_new_tokens'}"
-        f" widths={f'priced by {args.cost}' if cost else 'each row its own b (not priced)'}"
     )
     measure(models, prompts_ids[:2], "fixed:2", config, 2)  # warm-up
     print(f"{'batch':>5} {'policy':<22} {'tokens/s':>10} {'tau':>6} {'speedup':>8}")
@@ -108,7 +102,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             shift = round_index % len(specs)
             for spec in specs[shift:] + specs[:shift]:
-                name, rate, tau = measure(models, prompts_ids, spec, config, batch, cost)
+                name, rate, tau = measure(models, prompts_ids, spec, config, batch)
                 rates[spec].append(rate)
                 seen[spec] = (name, tau)
         first = rates[specs[0]]

@@ -33,9 +33,9 @@ import torch
 
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.engine import Engine, keep_compiled_kernels
 from blockpilot.decoding.speed import plain_loop
 from blockpilot.decoding.static import inductor_options, span_bucket
-from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
 from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
@@ -132,7 +132,7 @@ def matmul_rate(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / statistics.median(times)
 
 
-def cycle_against_arithmetic(static: dict[int, StaticEngine], prompt: list[int], cycles: int = 200) -> None:
+def cycle_against_arithmetic(static: dict[int, Engine], prompt: list[int], cycles: int = 200) -> None:
     """Each compiled cycle's time at batch 1 (the best of 3 rounds of `cycles`) beside its arithmetic: the FLOPs of
     the eager cycle (`FlopCounterMode`: matmuls and attention) at this machine's matmul rate."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -193,9 +193,9 @@ def main() -> None:
     )
 
     keep_compiled_kernels()
-    static: dict[int, StaticEngine] = {}
+    static: dict[int, Engine] = {}
     for width in [1, *widths]:
-        engine = StaticEngine(models, width=width, capacity=capacity, compile="compile")
+        engine = Engine(models, width=width, capacity=capacity, compile="compile")
         generate_many(models, [GenerationRequest(prompts[0], GenerationConfig(max_new_tokens=4))], engine=engine)
         static[width] = engine
         say(f"  static cycle compiled at width {width} in {engine.compile_seconds:.0f} s")
@@ -261,7 +261,7 @@ def main() -> None:
         for batch_size in sorted({args.batch, *([32] if args.batch < 32 <= len(prompts) else [])}):
             batch = prompts[:batch_size]
             sizes = [widths[i % len(widths)] for i in range(len(batch))]
-            engine = StaticEngine(models, max_batch=len(batch), width=max(sizes), capacity=capacity, compile="compile")
+            engine = Engine(models, max_batch=len(batch), width=max(sizes), capacity=capacity, compile="compile")
             for temperature in temperatures:
                 requests = batch_requests(batch, sizes, temperature, args.max_new_tokens, stop)
                 batch_rate(models, requests, engine)  # compiles the row counts it meets

@@ -1,7 +1,7 @@
 """Endpoint throughput and latency under load, per policy, and the HTTP overhead over the library.
 
-    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI] [--cost COST_JSON|auto]
-    # ZOO from `blockpilot zoo build --out ZOO`; COST_JSON from `blockpilot calibrate --batch-sizes 1,8,32`
+    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI]
+    # ZOO from `blockpilot zoo build --out ZOO`
 
 Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch
 rows), then for each policy (the server's adaptive one, and fixed b = B) and each concurrency (1, 8, 32)
@@ -14,7 +14,6 @@ concurrency 1 is the HTTP + Serve overhead per request.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import socket
 import statistics
 import time
@@ -38,12 +37,6 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=8, help="rows in the replica's engine")
-    parser.add_argument(
-        "--cost",
-        default=None,
-        help="cycle cost curve (blockpilot calibrate), or auto (measured as the replica starts): the engine prices "
-        "verify widths",
-    )
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (its torch threads)")
     args = parser.parse_args()
 
@@ -55,12 +48,10 @@ def main() -> None:
     prompts = [texts[i % len(texts)] for i in range(args.requests)]
     limits = ServeLimits(max_batch=args.max_batch, max_queue=max(64, args.requests))
     loader = ModelLoader(
-        str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, cost=args.cost, limits=limits
+        str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, limits=limits
     )
 
-    # One request at a time: a batch of one has no verify width to price, so the library skips --cost auto's
-    # calibration here (the replica below measures its own).
-    decoder = dataclasses.replace(loader, cost=None)()
+    decoder = loader()
     requests = [
         decoder.check(decoder.encode_completion(p), max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         for p in prompts
@@ -100,8 +91,7 @@ def main() -> None:
 
     print(
         f"requests per level: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T=0, one replica, "
-        f"engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs; adaptive = {adaptive_name}; verify widths "
-        + (f"priced by {args.cost}" if args.cost else "each row its own b (not priced)")
+        f"engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs; adaptive = {adaptive_name}"
     )
     print(f"{'policy':<16} {'concurrency':>11} {'req/s':>8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     latencies_at_one = []

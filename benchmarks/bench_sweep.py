@@ -21,8 +21,8 @@ import torch
 
 from blockpilot.blocks import candidates_around
 from blockpilot.data.sources import prompt_texts
+from blockpilot.decoding.engine import Engine, keep_compiled_kernels
 from blockpilot.decoding.static import COMPILE_MODES
-from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
 from blockpilot.models import load_models
 from blockpilot.sweep import SweepConfig, sweep_prompts
 
@@ -57,7 +57,7 @@ def main() -> None:
         f"{'candidates':<34} {'live p/s':>9} {'table p/s':>10} {'static p/s':>11} {'ratio':>6} {'static':>7} "
         f"{'same tau':>9} {'live s':>7} {'ref s':>6} {'static ref s':>13} {'tables s':>9}"
     )
-    engine = StaticEngine(models, max_batch=args.batch, compile=args.compile, record=True)
+    engine = Engine(models, max_batch=args.batch, compile=args.compile, record=True)
     for candidates in (candidates_around(models.train_block_size), BLOCKPILOT_CANDIDATES):
         configs = {
             mode: SweepConfig(

@@ -2,14 +2,12 @@
 
     python benchmarks/bench_trees.py --zoo $ZOO [--prompts 32] [--max-new-tokens 128] [--budgets 3,7,15,31] \\
         [--widths 4,5,6,7,8] [--temperatures 0,1] [--compile compile] [--batch 8] [--predictor PATH] \\
-        [--device cuda --compile compile+graph] [--no-priced]
+        [--device cuda --compile compile+graph]
 
 On the zoo's held-out prompts, one at a time (and --batch N at a time), each decoder generating to a stop token or
 --max-new-tokens: tau (tokens a cycle commits, the target's own token included) and tokens/s over whole generations,
 prefill included, for the static engine's chains at every --widths (fixed b) and its trees of every --budgets nodes
-(`tree:N`, --depth deep, every slot's top 8), and the largest budget's trees cut each cycle to the size its measured
-cost prices best (`StaticEngine.calibrate_trees`; --no-priced skips them, which on a GPU saves compiling every
-tree size), and with --predictor a per-request predictor over shapes
+(`tree:N`, --depth deep, every slot's top 8), and with --predictor a per-request predictor over shapes
 (`blockpilot train --trees`) against the best fixed shape. At batch 1 it also prints, for each tree, its cycle's
 cost against the best chain's and what its tau alone is worth: the tokens/s it would reach were its cycle to cost
 the chain's (its prefill and host work as measured). Each decoder's cycle is compiled (or not, per
@@ -31,8 +29,8 @@ import torch
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.calibration import device_name
+from blockpilot.decoding.engine import Engine, keep_compiled_kernels, shape_for
 from blockpilot.decoding.static import COMPILE_MODES
-from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels, shape_for
 from blockpilot.models.loading import load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
@@ -84,7 +82,6 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: the device's (float32 on a CPU, bfloat16 on a GPU)")
-    parser.add_argument("--priced", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     keep_compiled_kernels()
@@ -104,9 +101,6 @@ def main() -> None:
     decoders += [
         (f"tree:{n} (depth {depth})", FixedTree(n, depth), dict(width=depth, tree_nodes=n)) for n in args.budgets
     ]
-    largest = max(args.budgets)  # the same trees, each cycle cut to the size its cost curve prices best
-    if args.priced:
-        decoders.append((f"tree:{largest} priced", FixedTree(largest, depth), dict(width=depth, tree_nodes=largest)))
     if learned is not None:
         width, nodes = shape_for(learned)
         decoders.append(("learned (shapes)", learned, dict(width=max(width or 0, *widths), tree_nodes=nodes)))
@@ -118,13 +112,10 @@ def main() -> None:
         ]
         engines = []
         for name, policy, shape in decoders:
-            engine = StaticEngine(
+            engine = Engine(
                 models, max_batch=args.batch, capacity=capacity, compile=args.compile, sampling=temperature > 0, **shape
             )
             ours = [replace(r, policy=policy) for r in requests]
-            if name.endswith("priced"):
-                costs = engine.calibrate_trees()
-                say(f"  tree cycle ms by size: {', '.join(f'{k}: {v * 1000:.2f}' for k, v in costs.items())}")
             one_pass(models, engine, ours, args.batch)  # compiles every shape the pass meets
             engine.verified_nodes.clear()
             engines.append((name, engine, ours))
@@ -142,7 +133,7 @@ def main() -> None:
         for (name, tau, speed), (_, engine, _) in zip(rows, engines, strict=True):
             built = engine.compile_seconds or 0.0
             sizes = ""
-            if name.endswith("priced") or name.startswith("learned"):
+            if name.startswith("learned"):
                 sizes = ", cycles by tree size " + str(dict(sorted(engine.verified_nodes.items())))
             say(
                 f"  T = {temperature:g}  {name:<22} tau {tau:5.2f}  {speed:8.1f} tokens/s  (built in {built:.0f} s{sizes})"
@@ -160,7 +151,7 @@ def main() -> None:
         if args.batch == 1:  # what each tree's tau alone is worth against the best chain, this run's medians
             chain = best_chain_speed[0]
             median_pass = lambda name: tuple(statistics.median(p[i] for p in passes[name]) for i in range(4))  # noqa: E731
-            for name, *_ in (r for r in trees if not r[0].endswith("priced")):
+            for name, *_ in trees:
                 cost, ceiling = tree_ceiling(median_pass(name), median_pass(chain))
                 say(
                     f"T = {temperature:g}: {name}: a cycle {cost:.2f}x the best chain's ({chain}); were it to cost "

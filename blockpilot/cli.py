@@ -89,6 +89,7 @@ def _policy_spec(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+    from blockpilot.decoding.engine import engine_for, keep_compiled_kernels
     from blockpilot.models.loading import load_models
     from blockpilot.policies.resolve import resolve_policy
 
@@ -104,38 +105,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(models.stop_token_ids()),
         seed=args.seed,
     )
-    engine, extra = None, {"engine": args.engine}
-    if args.engine == "static":
-        from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels, shape_for
-
-        keep_compiled_kernels()
-        width, tree_nodes = shape_for(policy)
-        engine = StaticEngine(
-            models,
-            width=width,
-            capacity=len(prompt_ids)
-            + args.max_new_tokens
-            + max(width or 0, tree_nodes or 0, 2 * (models.train_block_size or 1))
-            + 8,
-            compile=args.compile,
-            sampling=args.temperature > 0,
-            tree_nodes=tree_nodes,
-        )
+    keep_compiled_kernels()
+    request = GenerationRequest(prompt_ids, config, policy)
+    engine = engine_for(models, [request], compile=args.compile)
     started = time.perf_counter()
-    (result,) = generate_many(models, [GenerationRequest(prompt_ids, config, policy)], engine=engine)
+    (result,) = generate_many(models, [request], engine=engine)
     seconds = time.perf_counter() - started
-    if engine is not None:
-        extra |= {"compile": args.compile, "compile_seconds": engine.compile_seconds}
     text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
+        extra = {"compile": engine.decoder.mode, "compile_seconds": engine.compile_seconds}
         print(json.dumps({"text": text, **result.to_dict(), **extra}))
     else:
         print(text)
         print("---")
         print(result.format_stats())
-        if engine is not None:
-            compiled = f", {engine.compile_seconds:.1f} s of it compiling" if engine.compile_seconds else ""
-            print(f"engine static ({args.compile}): {seconds:.3f} s{compiled}")
+        compiled = f", {engine.compile_seconds:.1f} s of it compiling" if engine.compile_seconds else ""
+        print(f"engine ({engine.decoder.mode}): {seconds:.3f} s{compiled}")
     return 0
 
 
@@ -143,6 +128,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from blockpilot.decoding.calibration import calibrate
+    from blockpilot.decoding.engine import keep_compiled_kernels
     from blockpilot.models.loading import load_models
 
     _quiet_transformers()
@@ -151,21 +137,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
     if models.drafter is None:
         raise ValueError("--drafter is required: a cycle drafts a block")
-    default_top = args.drafted or 2 * models.train_block_size
-    block_sizes = args.block_sizes or tuple(range(1, default_top + 1))
-    static = args.engine == "static"
-    if static:
-        from blockpilot.decoding.static_engine import keep_compiled_kernels
-
-        keep_compiled_kernels()
+    block_sizes = args.block_sizes or tuple(range(1, 2 * models.train_block_size + 1))
+    keep_compiled_kernels()
     cost = calibrate(
         models,
         block_sizes,
         args.batch_sizes,
         repeats=args.repeats,
         cycles=args.cycles,
-        drafted=args.drafted,
-        compile=args.compile if static else None,
+        compile=args.compile,
         tree_nodes=args.tree_nodes,
     )
     cost.save(args.out)
@@ -181,35 +161,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"batch {batch}, trees {cost.tree_depth} deep: "
             + ", ".join(f"{n} nodes {s * 1000:.2f}" for n, s in by_nodes.items())
         )
-    return 0
-
-
-def cmd_calibrate_trim(args: argparse.Namespace) -> int:
-    from blockpilot.cost import load_cost
-    from blockpilot.data.sources import prompt_texts
-    from blockpilot.models.loading import load_models
-    from blockpilot.sweep import calibrate_trim
-
-    _quiet_transformers()
-    models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
-    if models.drafter is None:
-        raise ValueError("--drafter is required: draft-then-trim drafts a block")
-    prompts = [models.encode_prompt(text) for text in prompt_texts(args.prompts, limit=args.limit)]
-    block_size = args.block_size or 2 * models.train_block_size
-    calibration = calibrate_trim(
-        models,
-        prompts,
-        block_size,
-        cost=load_cost(args.cost),
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-    )
-    calibration.save(args.out)
-    survival = ", ".join(f"{s:.2f} ({n})" for s, n in zip(calibration.survival, calibration.counts))
-    print(
-        f"trim calibration ({len(prompts)} prompts, b={block_size}) -> {args.out}; use it with --policy trim:{args.out}"
-    )
-    print(f"survival per confidence decile (drafts reached): {survival}")
     return 0
 
 
@@ -261,8 +212,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from blockpilot.decoding.acceptance import VERIFY_RULES
+    from blockpilot.decoding.engine import COMPILE_HELP
     from blockpilot.decoding.static import COMPILE_MODES
-    from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
     from blockpilot.options import add_options
     from pipelines.build_zoo import ZooBuildJob
     from pipelines.demo import DemoJob
@@ -297,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=None,
         help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, learned-step:STEP_MODEL, "
-        "learned+step:PREDICTOR,STEP_MODEL, trim:CALIBRATION, tree:NODES[:DEPTH] (--engine static), autoregressive "
+        "learned+step:PREDICTOR,STEP_MODEL, tree:NODES[:DEPTH], autoregressive "
         "(default fixed)",
     )
     gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")
@@ -309,8 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     gen.add_argument("--dtype", default=None, help="float32, bfloat16 ... (default: bf16 on cuda, fp32 on cpu)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text and stats")
-    gen.add_argument("--engine", choices=ENGINES, default="eager", help=ENGINE_HELP)
-    gen.add_argument("--compile", choices=COMPILE_MODES, default="off", help=COMPILE_HELP)
+    gen.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     gen.set_defaults(handler=cmd_generate)
 
     cal = commands.add_parser("calibrate", help="time a draft+verify cycle per block size (and batch size)")
@@ -322,43 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--repeats", type=positive_int_arg, default=5, help="timed runs per point (median)")
     cal.add_argument("--cycles", type=positive_int_arg, default=12, help="cycles per timed run")
     cal.add_argument(
-        "--drafted",
-        type=positive_int_arg,
-        default=None,
-        help="time draft-then-trim's cycles: draft this many slots, verify each block size (default: 1 .. this)",
-    )
-    cal.add_argument("--engine", choices=ENGINES, default="eager", help="the engine whose cycle is timed")
-    cal.add_argument(
         "--tree-nodes",
         type=tree_budget_list,
         default=(),
-        help="also time draft trees of these budgets, as deep as the largest block size (--engine static), e.g. 7,15,31,63",
+        help="also time draft trees of these budgets, as deep as the largest block size, e.g. 7,15,31,63",
     )
-    cal.add_argument("--compile", choices=COMPILE_MODES, default="off", help=COMPILE_HELP)
+    cal.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")
     cal.add_argument("--device", default=None)
     cal.add_argument("--dtype", default=None)
     cal.set_defaults(handler=cmd_calibrate)
-
-    trim = commands.add_parser(
-        "calibrate-trim", help="draft-then-trim's survival per drafter confidence, from acceptance tables"
-    )
-    trim.add_argument("--target", type=model_ref, required=True)
-    trim.add_argument("--drafter", type=model_ref, required=True)
-    trim.add_argument(
-        "--prompts", required=True, help="prompt sources, as `label --prompts` takes them (zoo:DIR, jsonl:PATH, ...)"
-    )
-    trim.add_argument("--limit", type=positive_int_arg, default=64, help="prompts per source")
-    trim.add_argument("--block-size", type=positive_int_arg, default=None, help="the drafted block size (default: 2B)")
-    trim.add_argument(
-        "--cost", type=Path, default=None, help="cost curve (blockpilot calibrate) that prices the verify"
-    )
-    trim.add_argument("--temperature", type=non_negative_float_arg, default=0.0)
-    trim.add_argument("--max-new-tokens", type=positive_int_arg, default=128)
-    trim.add_argument("--out", type=Path, required=True, help="the calibration (JSON) to write")
-    trim.add_argument("--device", default=None)
-    trim.add_argument("--dtype", default=None)
-    trim.set_defaults(handler=cmd_calibrate_trim)
 
     label = commands.add_parser("label", help="the block-size sweep of every prompt, on Ray Data, to Parquet")
     add_options(label, LabelJob)

@@ -44,8 +44,6 @@ class CycleCost:
     target_id: str = ""
     drafter_id: str = ""
     measured: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> b -> raw median seconds
-    # Draft-then-trim's cycles: every cycle drafted this many slots and b is what it verified (None: it drafted b).
-    drafted: int | None = None
     # Tree cycles (`blockpilot.tree`): batch -> drafted nodes -> seconds, the trees `tree_depth` deep (none measured:
     # empty, and trees have no price).
     trees: dict[int, dict[int, float]] = field(default_factory=dict)
@@ -54,11 +52,6 @@ class CycleCost:
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
             raise ValueError("a cost curve needs at least one (batch, block size) measurement")
-        if self.drafted is not None:
-            positive_int(self.drafted, "drafted")
-            wider = sorted(b for by_b in self.seconds.values() for b in by_b if b > self.drafted)
-            if wider:
-                raise ValueError(f"a curve of cycles that draft {self.drafted} cannot verify b = {wider}")
         if bool(self.trees) != (self.tree_depth is not None):
             raise ValueError(
                 f"tree prices ({sorted(self.trees)} batches) come with the trees' depth, got {self.tree_depth!r}"
@@ -151,7 +144,6 @@ class CycleCost:
             target_id=raw.get("target_id", ""),
             drafter_id=raw.get("drafter_id", ""),
             measured=curve(raw.get("measured", {})),
-            drafted=raw.get("drafted"),
             trees=curve(raw.get("trees", {})),
             tree_depth=raw.get("tree_depth"),
         )
@@ -161,14 +153,13 @@ class CycleCost:
             return "uniform (every cycle costs 1)"
         batch = min(self.seconds)
         curve = ", ".join(f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.seconds[batch].items()))
-        drafting = f", drafting {self.drafted} (b verified)" if self.drafted is not None else ""
         trees = ""
         if self.trees:
             by_nodes = self.trees[nearest_batch_size(self.trees, batch)]
             trees = f"; trees {self.tree_depth} deep: " + ", ".join(
                 f"{n} nodes: {v * 1000:.2f} ms" for n, v in sorted(by_nodes.items())
             )
-        return f"{self.device} {self.dtype}, batch {batch}{drafting}: {curve}{trees}"
+        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}"
 
 
 def _interpolate(points_by_x: dict[int, float], x: int) -> float:

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from blockpilot.checks import check_fits_context, distinct_block_sizes, distinct_tree_budgets, positive_int
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
+from blockpilot.decoding.engine import COMPILE_HELP
 from blockpilot.decoding.rows import is_device_failure as engine_device_failure
 from blockpilot.decoding.static import COMPILE_MODES
-from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list, tree_budget_list
 from blockpilot.predictor.inputs import DENSE_COLUMN, prefill_columns
 from blockpilot.sweep import SWEEP_MODES
@@ -60,10 +60,7 @@ class LabelSettings:
     samples: int = option(
         1, type=positive_int_arg, help="at T > 0, generations pooled per row (tau becomes a mean over them)"
     )
-    engine: str = option(
-        "eager", choices=ENGINES, help="what runs the replay's reference generations: " + ENGINE_HELP
-    )
-    compile: str = option("off", choices=COMPILE_MODES, help="the static engine's: " + COMPILE_HELP)
+    compile: str = option("auto", choices=COMPILE_MODES, help="the engine's cycle: " + COMPILE_HELP)
 
     def __post_init__(self) -> None:
         if self.candidates is not None:
@@ -79,14 +76,13 @@ class LabelSettings:
         positive_int(self.samples, "samples")
         if self.mode not in SWEEP_MODES:
             raise ValueError(f"mode must be one of {SWEEP_MODES}, got {self.mode!r}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.compile != "off" and self.engine != "static":
-            raise ValueError(f"compile {self.compile!r} compiles the static engine: label with --engine static")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
 
     def fingerprint(self) -> dict[str, Any]:
-        """What makes two runs' rows comparable: everything but the temperatures (more may be added later)."""
-        return {k: v for k, v in asdict(self).items() if k != "temperatures"}
+        """What makes two runs' rows comparable: everything but the temperatures (more may be added later) and how the
+        cycle runs (compiled or not, the same tokens)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("temperatures", "compile")}
 
 
 def task_seed(base_seed: int, prompt_id: str, temperature: float) -> int:
@@ -150,6 +146,10 @@ class _Turn:
     rows: list[dict[str, Any]]  # the task's rows, shared by its turns
 
 
+# The longest prompt a label row may have: the engine's rows hold it and max_new_tokens.
+LABEL_PROMPT_TOKENS = 2048
+
+
 @dataclass
 class Labeler:
     """Labels tasks with one set of loaded models."""
@@ -158,7 +158,8 @@ class Labeler:
     settings: LabelSettings
     max_batch: int = 8  # reference generations run together
     candidates: tuple[int, ...] = field(init=False)
-    engine: Any = field(init=False, default=None)  # the static engine of the reference generations, when asked
+    prompt_limit: int = field(init=False, default=LABEL_PROMPT_TOKENS)
+    engine: Any = field(init=False, default=None)  # the engine of the reference generations
 
     def __post_init__(self) -> None:
         from blockpilot.blocks import candidates_around
@@ -168,11 +169,34 @@ class Labeler:
             raise ValueError("labeling needs a drafter")
         self.candidates = self.settings.candidates or candidates_around(self.models.train_block_size)
         SweepConfig(candidates=self.candidates, mode=self.settings.mode)  # validate early, before any prompt
-        if self.settings.engine == "static":
-            from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
+        if self.settings.mode == "replay":
+            self.engine = self._reference_engine()
 
-            keep_compiled_kernels()
-            self.engine = StaticEngine(self.models, max_batch=self.max_batch, compile=self.settings.compile, record=True)
+    def _reference_engine(self) -> Any:
+        """The engine of the replay's reference generations, compiled once for every batch: its rows hold the longest
+        prompt a row may have (`LABEL_PROMPT_TOKENS`, at most what the context leaves) and `max_new_tokens`. Refused
+        before any row is written when the context leaves no room for a prompt."""
+        from blockpilot.decoding.engine import Engine, keep_compiled_kernels
+
+        new_tokens = self.settings.max_new_tokens
+        context = getattr(self.models.target.config.get_text_config(), "max_position_embeddings", None)
+        if context is not None and new_tokens >= context:
+            raise ValueError(
+                f"max_new_tokens {new_tokens} leaves no room for a prompt in the target's context of {context} "
+                "positions: ask for fewer new tokens"
+            )
+        self.prompt_limit = min(LABEL_PROMPT_TOKENS, context - new_tokens) if context else LABEL_PROMPT_TOKENS
+        reach = max(max(self.candidates), max(self.settings.tree_budgets, default=0) + 1)
+        keep_compiled_kernels()
+        return Engine(
+            self.models,
+            max_batch=self.max_batch,
+            width=max(self.candidates),
+            capacity=self.prompt_limit + new_tokens + reach,
+            compile=self.settings.compile,
+            sampling=any(t > 0 for t in self.settings.temperatures),
+            record=True,
+        )
 
     def label(self, record: PromptRecord, temperature: float) -> list[dict[str, Any]]:
         """The rows of one task: one per turn; after a failed turn, the later turns carry the error too."""
@@ -226,6 +250,10 @@ class Labeler:
             check_fits_context(len(prompt_ids), self.settings.max_new_tokens, context)
         except ValueError as error:
             raise PromptError("too_long", str(error)) from None
+        if self.engine is not None and len(prompt_ids) > self.prompt_limit:
+            raise PromptError(
+                "too_long", f"prompt of {len(prompt_ids)} tokens: labeling holds prompts of at most {self.prompt_limit}"
+            )
         return prompt_ids
 
     def _base_row(self, record: PromptRecord, prompt_id: str, turn: int, text: str, temperature: float) -> dict:

@@ -23,15 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from blockpilot.checks import check_fits_context
-from blockpilot.cost import CycleCost
-from blockpilot.decoding.calibration import serving_calibration
-from blockpilot.decoding.engine import CACHE_SCRATCH, SpeculativeEngine, generate_many
+from blockpilot.decoding.engine import Engine, generate_many, keep_compiled_kernels, shape_for
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
-from blockpilot.decoding.static_engine import ENGINES, StaticEngine, keep_compiled_kernels, shape_for
-from blockpilot.models.loading import SpeculativeModels, cache_bytes_per_token
+from blockpilot.models.loading import SpeculativeModels
 from blockpilot.options import option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
@@ -66,7 +61,7 @@ class ServeLimits:
 
     max_tokens_cap: int = option(512, type=positive_int_arg, help="largest max_tokens a request may ask for")
     default_max_tokens: int = option(128, type=positive_int_arg, help="max_tokens when a request gives none")
-    max_block_size: int | None = option(None, type=positive_int_arg, help="largest block_size (default: 2B)")
+    max_block_size: int | None = option(None, type=positive_int_arg, help="largest block_size: the engine's width (default: B + 2)")
     max_stop_strings: int = option(4, type=positive_int_arg, help="stop strings per request")
     max_stop_length: int = option(64, type=positive_int_arg, help="characters per stop string")
     max_prompt_chars: int = option(64_000, type=positive_int_arg, help="prompt characters, checked before tokenizing")
@@ -74,7 +69,8 @@ class ServeLimits:
     max_cache_tokens: int | None = option(
         None,
         type=positive_int_arg,
-        help="key/value cache tokens all rows together may hold (default: from the device's free memory at start)",
+        help="key/value cache slots the engine allocates for all its rows together (default: every row holds "
+        "max_prompt_tokens + max_tokens_cap)",
     )
     max_body_bytes: int = option(1 << 20, type=positive_int_arg, help="request body size (larger: 413)")
     request_timeout_s: float = option(120.0, type=positive_float_arg, help="decoding time per request")
@@ -231,8 +227,8 @@ class SerializedTokenizer:
 
 
 class BatchedDecoder:
-    """Target + drafter (+ per-request and per-step predictors) serving completions in one batched engine; with a
-    cycle `cost` curve of these models on this device, the engine prices each cycle's verify width."""
+    """Target + drafter (+ per-request and per-step predictors) serving completions in one batched engine, its cycle
+    run as `compile` says (`static.COMPILE_MODES`; `serve` passes "auto", what pays on the device)."""
 
     def __init__(
         self,
@@ -242,98 +238,67 @@ class BatchedDecoder:
         model_name: str = "blockpilot",
         limits: ServeLimits | None = None,
         predictor: Any | None = None,
-        cost: CycleCost | None = None,
-        engine: str = "eager",
         compile: str = "off",
     ) -> None:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        if engine == "static" and cost is not None:
-            raise ValueError("the static engine's rows all pay its width: a cost curve has no verify width to price")
-        if engine == "eager" and compile != "off":
-            raise ValueError(f"compile={compile!r} compiles the static engine's cycle: serve it with engine='static'")
         self.models, self.model_name = models, model_name
         self.tokenizer = SerializedTokenizer(models.tokenizer)
         self.limits = limits or ServeLimits()
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
-        if engine == "eager" and self.adaptive.tree_nodes is not None:
-            raise ValueError(f"policy {self.adaptive.name!r} drafts trees: serve it with the static engine")
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
         self.stop_token_ids = tuple(models.stop_token_ids())
-        self._engine: SpeculativeEngine | StaticEngine
-        if engine == "static":
-            keep_compiled_kernels()
-            depth, tree_nodes = shape_for(self.adaptive)  # a tree policy's depth and budget shape the cycle
-            width = self.limits.max_block_size or (models.train_block_size + 2 if models.drafter is not None else 1)
-            width = max(width, depth or 1) if tree_nodes else width
-            self._engine = StaticEngine(
-                models,
-                max_batch=self.limits.max_batch,
-                width=width,
-                capacity=min(
-                    self.context, self.max_prompt_tokens + self.limits.max_tokens_cap + width + (tree_nodes or 0)
-                ),
-                compile=compile,
-                prefill_chunk=self.limits.prefill_chunk_tokens,
-                tree_nodes=tree_nodes,
-            )
-        else:
-            self._engine = SpeculativeEngine(
-                models, max_batch=self.limits.max_batch, cost=cost, prefill_chunk=self.limits.prefill_chunk_tokens
-            )
+        keep_compiled_kernels()
+        depth, tree_nodes = shape_for(self.adaptive)  # a tree policy's depth and budget shape the cycle
+        width = self.limits.max_block_size or (models.train_block_size + 2 if models.drafter is not None else 1)
+        width = max(width, depth or 1) if tree_nodes else width
+        reach = max(width, (tree_nodes or 0) + 1)
+        # Every row holds the longest prompt and budget a request may ask for; --max-cache-tokens bounds what the
+        # engine allocates for its rows (and the spare row where long prompts are prefilled) together.
+        capacity = min(self.context, self.max_prompt_tokens + self.limits.max_tokens_cap) + reach
+        if self.limits.max_cache_tokens is not None:
+            capacity = min(capacity, self.limits.max_cache_tokens // (self.limits.max_batch + 1))
+            if capacity < reach + 2:
+                raise ValueError(
+                    f"max_cache_tokens {self.limits.max_cache_tokens} leaves {capacity} cache slots to each of "
+                    f"{self.limits.max_batch + 1} rows: a row needs more than {reach + 1} (raise it, or lower max_batch)"
+                )
+        self._engine = Engine(
+            models,
+            max_batch=self.limits.max_batch,
+            width=width,
+            capacity=capacity,
+            compile=compile,
+            prefill_chunk=self.limits.prefill_chunk_tokens,
+            tree_nodes=tree_nodes,
+        )
         self._waiting: deque[DecodeHandle] = deque()
         self._active: dict[int, DecodeHandle] = {}
         self._lock = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()  # the engine loop's last sign of life
-        self.cache_budget = self._cache_budget()
         self.failure: BaseException | None = None
-        self.warm_up_seconds: float | None = None  # what `start` spent building a static engine's steps
+        self.warm_up_seconds: float | None = None  # what `start` spent building the engine's steps
 
     # ---------------------------------------------------------------- prompts
 
     @property
     def max_block_size(self) -> int:
-        if isinstance(self._engine, StaticEngine):  # its cycle's width
-            return self._engine.width
-        if self.limits.max_block_size is not None:
-            return self.limits.max_block_size
-        return 2 * self.models.train_block_size if self.models.drafter is not None else 1
+        return self._engine.width
 
     @property
     def max_prompt_tokens(self) -> int:
         return min(self.limits.max_prompt_tokens, self.context - 1)
 
-    def _cache_budget(self) -> int:
-        """Cache tokens the rows may hold together: `max_cache_tokens`, else what the device's free memory holds
-        (half the CPU's free memory; four fifths of a GPU's), measured as the decoder is built."""
-        if isinstance(self._engine, StaticEngine):  # its caches are allocated: every admitted row fits
-            return self.limits.max_batch * self._engine.capacity
-        if self.limits.max_cache_tokens is not None:
-            return self.limits.max_cache_tokens
-        device = self.models.device
-        if device.type == "cuda":
-            free = int(torch.cuda.mem_get_info(device)[0] * 0.8)
-        else:  # free physical memory (POSIX); a machine that does not say gets no bound from here
-            try:
-                free = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
-            except (ValueError, OSError, AttributeError):
-                return 1 << 40
-        return max(1, free // cache_bytes_per_token(self.models))
+    @property
+    def cache_budget(self) -> int:
+        """Cache slots a row holds: what a request's prompt, max_tokens and one cycle's block must fit in."""
+        return self._engine.capacity
 
-    @staticmethod
-    def cache_need(request: DecodeRequest) -> int:
-        """Cache positions a request's row can need: its prompt, its token budget, a cycle's scratch slots."""
-        return len(request.prompt_ids) + request.max_tokens + 2 * CACHE_SCRATCH
-
-    def _fits(self, need: int) -> bool:
-        """Whether one more row of `need` positions fits the budget beside the active rows (the caches hold every
-        row at the longest one's length)."""
-        longest = max([need, *(self.cache_need(h.request) for h in self._active.values())])
-        return (len(self._active) + 1) * longest <= self.cache_budget
+    def cache_need(self, request: DecodeRequest) -> int:
+        """Cache slots a request's row can need: its prompt, its token budget, a cycle's block past them."""
+        return len(request.prompt_ids) + request.max_tokens + self._engine.reach
 
     def _check_text(self, text: str, field_name: str) -> None:
         if len(text) > self.limits.max_prompt_chars:
@@ -438,7 +403,7 @@ class BatchedDecoder:
         if self.cache_need(request) > self.cache_budget:
             raise RequestError(
                 "max_tokens",
-                f"the prompt and max_tokens need {self.cache_need(request)} cache tokens; this replica holds "
+                f"the prompt and max_tokens need {self.cache_need(request)} cache slots; a row of this replica holds "
                 f"{self.cache_budget} (ask for fewer tokens)",
             )
         return request
@@ -452,31 +417,14 @@ class BatchedDecoder:
 
     # ---------------------------------------------------------------- the engine loop
 
-    @property
-    def cost(self) -> CycleCost | None:
-        """The cycle cost curve pricing the engine's verify widths (None: every row verifies its own b, unpriced)."""
-        return self._engine.cost
-
-    def calibrate(self) -> CycleCost:
-        """Measure this engine's cycle cost on its device (`serving_calibration`: b up to `max_block_size`, batch
-        up to `max_batch`) and price its verify widths with it from now on. Before `start`: it runs the engine."""
-        with self._lock:
-            if self._running:
-                raise RuntimeError("calibrate the decoder before start(): calibration runs the engine")
-        if isinstance(self._engine, StaticEngine):
-            raise ValueError("the static engine's rows all pay its width: a cost curve has no verify width to price")
-        cost = serving_calibration(self.models, self.max_block_size, self.limits.max_batch)
-        self._engine.cost = cost
-        return cost
-
     def start(self) -> BatchedDecoder:
-        """Start the engine loop; a static engine first decodes one short request under the adaptive policy, so that
-        its compiled prefill and batch-1 cycle are built before the first request (which on the mini zoo waited
-        14 s for them): `warm_up_seconds`."""
+        """Start the engine loop; the engine first decodes one short request under the adaptive policy, so that its
+        compiled prefill and batch-1 cycle are built before the first request (which on the mini zoo waited 14 s for
+        them): `warm_up_seconds`."""
         with self._lock:
             if self._running:
                 return self
-        if isinstance(self._engine, StaticEngine) and self.warm_up_seconds is None:
+        if self.warm_up_seconds is None:
             started = time.perf_counter()
             warm_up = GenerationConfig(max_new_tokens=2 * self._engine.width + 1)  # a few cycles, no stop
             generate_many(
@@ -595,8 +543,6 @@ class BatchedDecoder:
                 self._waiting.popleft()
                 handle.emit("error", Overloaded("no decoding row became free in time", self._retry_after()))
                 continue
-            if not self._fits(self.cache_need(handle.request)):
-                break  # it waits (first in line) until rows leave and free cache
             config = GenerationConfig(
                 max_new_tokens=handle.request.max_tokens,
                 temperature=handle.request.temperature,

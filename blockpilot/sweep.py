@@ -26,14 +26,12 @@ import torch
 
 from blockpilot.blocks import best_block_size
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, mean_or_nan, positive_int
-from blockpilot.cost import CycleCost
 from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
 from blockpilot.decoding.engine import generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import PrefillState
 from blockpilot.policies.fixed import FixedBlockSize
-from blockpilot.policies.trim import TrimCalibration
 from blockpilot.table import AcceptanceTable, acceptance_table
 
 SweepMode = Literal["replay", "live"]
@@ -127,8 +125,8 @@ def sweep_prompts(
     engine: Any | None = None,
 ) -> list[PromptSweep]:
     """tau for every candidate on each prompt (prompt i seeded by seeds[i]); generations batched. `engine`: what
-    runs the replay's reference generations (a `StaticEngine` built with `record=True`: the compiled cycle), else
-    a new eager engine.
+    runs the replay's reference generations (an `Engine` built with `record=True`, its compiled shapes reused), else
+    one shaped for them, run eagerly.
 
     `stage_seconds`, when given, adds the wall seconds of each stage under its name: "reference" (the reference
     generations) and "tables" (building the acceptance tables) in replay, "live" (every candidate's generations)
@@ -232,21 +230,3 @@ def sweep_prompt(models: SpeculativeModels, prompt_ids: Sequence[int], config: S
     """One prompt's sweep; see `sweep_prompts`."""
     return sweep_prompts(models, [list(prompt_ids)], [seed], config, max_batch=1)[0]
 
-
-def calibrate_trim(
-    models: Any,
-    prompts: Sequence[Sequence[int]],
-    block_size: int,
-    *,
-    cost: CycleCost | None = None,
-    temperature: float = 0.0,
-    max_new_tokens: int = 128,
-    max_batch: int = 8,
-) -> TrimCalibration:
-    """Draft-then-trim's calibration (`blockpilot.policies.trim`): survival per confidence bin from the acceptance
-    tables of `prompts` swept at `block_size`."""
-    config = SweepConfig(
-        (block_size,), temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(models.stop_token_ids())
-    )
-    sweeps = sweep_prompts(models, prompts, list(range(len(prompts))), config, max_batch=max_batch)
-    return TrimCalibration.from_tables([table for sweep in sweeps for table in sweep.tables], cost)

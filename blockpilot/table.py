@@ -14,9 +14,7 @@ are a function of its sampled sequence, which is a sample of the target whatever
 sample are exact in distribution for every b, and couple the candidates (their differences have less variance).
 
 The table also keeps, for the largest candidate D, the drafter's confidence (top probability) in every slot of the
-block at every cursor: what draft-then-trim (`blockpilot.trim`) decides with. Its walk drafts D at each cursor,
-verifies the prefix its rule picks from those confidences and commits min(a(i, D), verified): a prefix of the same
-drafts, so the walk is as exact as a fixed-b walk.
+block at every cursor (the labels' `table_confidences`: what a confidence rule for the per-step choice reads).
 
 The table also holds draft trees (`blockpilot.tree`) of every budget N in `tree_budgets`, D deep: t(i, N) =
 1 + the nodes of the path of the best-first tree of N nodes, drafted from the D block's slots at cursor i, that spells
@@ -37,9 +35,9 @@ import numpy as np
 import torch
 
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, mean_or_nan
+from blockpilot.decoding.acceptance import draft_confidence
 from blockpilot.models.drafter import Blocks, DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
-from blockpilot.policies.base import draft_confidence
 from blockpilot.tree import TOP_K, best_first_tree, path_nodes
 
 # Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.
@@ -119,25 +117,6 @@ class AcceptanceTable:
             lengths.append(step)
             cursor += step
             previous_b, previous_a = b, step
-        return sizes, lengths
-
-    def walk_trim(self, verify_count: Callable[[np.ndarray], int]) -> tuple[list[int], list[int]]:
-        """(verified block sizes, acceptance lengths) of draft-then-trim at the largest candidate D: each cycle
-        drafts D slots (cut as a live run cuts them), verifies 1 + `verify_count(their confidences)` positions and
-        commits min(a(i, D), that)."""
-        if self.confidences is None:
-            raise ValueError("this table has no draft confidences (labels from before them): relabel to walk trim")
-        drafted = max(self.candidates)
-        row, sizes, lengths, cursor = self.row(drafted), [], [], 1
-        while cursor < self.n:
-            slots = self.block_size_at(cursor, drafted) - 1
-            kept = verify_count(self.confidences[cursor - 1, :slots]) if slots > 0 else 0
-            if not 0 <= kept <= slots:
-                raise ValueError(f"verify_count kept {kept} drafts of a block with {slots}")
-            step = min(int(row[cursor - 1]), kept + 1)
-            sizes.append(kept + 1)
-            lengths.append(step)
-            cursor += step
         return sizes, lengths
 
     def tau(self) -> list[float]:

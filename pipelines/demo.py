@@ -58,7 +58,7 @@ class DemoPaths:
 
     @property
     def cost(self) -> Path:
-        """The static engine's curve (chains and trees), which the labels, the models and the live table share."""
+        """The engine's curve (chains and trees), which the labels, the models and the live table share."""
         return self.run / "cost-static.json"
 
     @property
@@ -87,10 +87,10 @@ class DemoJob:
     port: int = option(8000, type=positive_int_arg, help="port of the endpoint on 127.0.0.1")
     live_prompts: int = option(24, type=positive_int_arg, help="held-out prompts the policy table decodes live")
     compile: str = option(
-        "compile",
+        "auto",
         choices=COMPILE_MODES,
-        help="how the static engine runs the cycle the demo prices, decodes and serves with (compile+graph on a GPU; "
-        "off: its eager cycle, no compile time)",
+        help="how the engine runs the cycle the demo prices, labels, decodes and serves with (auto: compile on a CPU, "
+        "compile+graph on a GPU; off: its eager cycle, no compile time)",
     )
 
 
@@ -215,8 +215,8 @@ def run_demo(job: DemoJob) -> int:
     from blockpilot.blocks import candidates_around
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.calibration import calibrate
+    from blockpilot.decoding.engine import Engine, keep_compiled_kernels
     from blockpilot.decoding.speed import measure_plain_loop, measure_speed
-    from blockpilot.decoding.static_engine import StaticEngine, keep_compiled_kernels
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
@@ -242,10 +242,12 @@ def run_demo(job: DemoJob) -> int:
     models = load_models(zoo / "target", zoo / "drafter")
 
     # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
-    settings = LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4)
+    settings = LabelSettings(
+        temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4, compile=job.compile
+    )
     depth = max(candidates_around(recipe.block_size))  # the widest candidate: the labels' trees are this deep
     clock.start(
-        "cost", f"the cost of the static engine's cycle ({job.compile}) at each block size and tree budget, here"
+        "cost", f"the cost of the engine's cycle ({job.compile}) at each block size and tree budget, here"
     )
     if not paths.cost.is_file():
         calibrate(models, range(1, depth + 1), compile=job.compile, tree_nodes=settings.tree_budgets).save(paths.cost)
@@ -331,10 +333,10 @@ def run_demo(job: DemoJob) -> int:
         specs["shape_oracle"] = (None, "shape oracle")
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
-    # The static engine, as the cost curve measured it: one for the chains (every b up to the widest candidate),
-    # one for the trees.
-    engine = StaticEngine(models, width=depth, compile=job.compile, sampling=False)
-    trees = tree_nodes and StaticEngine(models, width=depth, compile=job.compile, sampling=False, tree_nodes=tree_nodes)
+    # The engine, as the cost curve measured it: one for the chains (every b up to the widest candidate), one for
+    # the trees.
+    engine = Engine(models, width=depth, compile=job.compile, sampling=False)
+    trees = tree_nodes and Engine(models, width=depth, compile=job.compile, sampling=False, tree_nodes=tree_nodes)
     runs = {key: resolve_policy(spec, models) for key, (spec, _) in specs.items() if spec is not None}
     engines = {key: trees if key == "best_tree" else engine for key in runs}
     for key, policy in runs.items():  # a first pass compiles every shape the generations meet (not timed)
@@ -350,7 +352,7 @@ def run_demo(job: DemoJob) -> int:
     loop = median.pop(None)
     live = median
     names = {key: name for key, (_, name) in specs.items()}
-    decoder = f" on the static engine ({job.compile})"
+    decoder = f" on the engine ({engine.decoder.mode})"
     print(policy_table(step.metrics, live, names, len(prompts_ids), loop, decoder))
 
     clock.start("endpoint", f"the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")
@@ -360,7 +362,6 @@ def run_demo(job: DemoJob) -> int:
         predictor,
         step_model=str(step.model_dir),
         model_name=f"zoo-{size}",
-        engine="static",
         compile=job.compile,
     )
     server = serve_locally(loader, port=job.port, log_level="WARNING")

@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from blockpilot.decoding.engine import COMPILE_HELP
 from blockpilot.decoding.static import COMPILE_MODES
-from blockpilot.decoding.static_engine import COMPILE_HELP, ENGINE_HELP, ENGINES
 from blockpilot.options import (
     add_options,
     from_args,
@@ -48,7 +48,6 @@ from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, RowFail
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
-AUTO_COST = "auto"  # --cost auto: the replica measures its cycle cost as it starts
 # ----------------------------------------------------------------------------- the app
 
 
@@ -62,10 +61,7 @@ class ModelLoader:
     predictor: Optional[str] = None
     step_model: Optional[str] = None
     policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
-    # A cycle cost curve (`blockpilot calibrate`) the engine prices verify widths with, or "auto": measured at start.
-    cost: Optional[str] = None
-    engine: str = "eager"
-    compile: str = "off"
+    compile: str = "auto"
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -80,31 +76,15 @@ class ModelLoader:
 
         from transformers.utils import logging as hf_logging
 
-        from blockpilot.cost import CycleCost
         from blockpilot.models.loading import load_models
 
         hf_logging.disable_progress_bar()
-        measured = self.cost == AUTO_COST
-        # Read first: a bad path fails before the models load.
-        cost = CycleCost.load(self.cost) if self.cost and not measured else None
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
         decoder = BatchedDecoder(
-            models,
-            adaptive=self.adaptive_spec(),
-            model_name=self.model_name,
-            limits=self.limits,
-            cost=cost,
-            engine=self.engine,
-            compile=self.compile,
+            models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits, compile=self.compile
         )
-        if measured:
-            started = time.perf_counter()
-            cost = decoder.calibrate()
-            elapsed = time.perf_counter() - started
-            logging.getLogger("ray.serve").info("cycle cost measured in %.1f s: %s", elapsed, cost.describe())
         decoder.start()
-        if decoder.warm_up_seconds is not None:
-            logging.getLogger("ray.serve").info("static engine warmed up in %.1f s", decoder.warm_up_seconds)
+        logging.getLogger("ray.serve").info("engine (%s) warmed up in %.1f s", self.compile, decoder.warm_up_seconds)
         return decoder
 
 
@@ -470,13 +450,7 @@ class ServeJob:
     policy: Optional[str] = option(
         None, help="the adaptive policy's spec (default: learned+step, learned-step or learned from the models given, else fixed)"
     )
-    cost: Optional[str] = option(
-        None,
-        help="cycle cost curve of these models on this device (blockpilot calibrate), or 'auto' to measure one as the "
-        "replica starts: price each cycle's verify width",
-    )
-    engine: str = option("eager", choices=ENGINES, help=ENGINE_HELP)
-    compile: str = option("off", choices=COMPILE_MODES, help=COMPILE_HELP)
+    compile: str = option("auto", choices=COMPILE_MODES, help=COMPILE_HELP)
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")
     model_name: str = option("blockpilot", help="the model id the API reports")

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from blockpilot.models.attention import RaggedTokens
 from blockpilot.models.loading import SpeculativeModels
 
 
@@ -33,50 +31,36 @@ def greedy_reference(
         out = target(torch.tensor([[token]], device=device), **cache, use_cache=True)
 
 
-class OracleDrafter(nn.Module):
-    """A drafter double that proposes the target's own distributions along a reference continuation.
+def oracle_drafts(
+    monkeypatch,
+    target: nn.Module,
+    reference: Sequence[int],
+    wrong_positions: Sequence[int] = (),
+    sharpness: float = 1.0,
+) -> None:
+    """Make the engine's drafter propose the target's own distributions along a reference continuation.
 
-    For the block slot at absolute position t it returns the target's final (normed) hidden state at
-    t - 1 on `reference` (prompt + continuation), so the target's head turns it into exactly the target's
-    logits there: at T = 0 every draft along the greedy path is accepted. `wrong_positions` lists
-    absolute positions whose draft is replaced by a different token, to force rejections where wanted;
-    `sharpness` scales the drafted logits (a drafter close to the target but not equal to it).
-    It speaks the drafter interface the engine uses (`encode_context`, `draft_in_rows`, `block_size`,
-    `target_layer_ids`, `config.num_hidden_layers`).
-    """
+    The drafted slot at absolute position t gets the target's logits at t - 1 on `reference` (prompt + continuation):
+    at T = 0 every draft along the greedy path is accepted. `wrong_positions` lists absolute positions whose draft is
+    replaced by another position's (a different greedy token), to force rejections where wanted; `sharpness` scales
+    the drafted logits (a drafter close to the target but not equal to it). The drafter's own pass still runs (its
+    context too): only the logits it hands the cycle are replaced, in the cycle's `_draft_logits`."""
+    import blockpilot.decoding.static as static
 
-    def __init__(
-        self,
-        target: nn.Module,
-        reference: Sequence[int],
-        block_size: int,
-        wrong_positions: Sequence[int] = (),
-        sharpness: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.target = target
-        self.block_size = block_size
-        self.target_layer_ids = [0]
-        self.mask_token_id = 0
-        self.config = SimpleNamespace(num_hidden_layers=0)
-        device = next(target.parameters()).device
-        with torch.inference_mode():
-            out = target.model(torch.tensor([list(reference)], device=device))
-        hidden = out.last_hidden_state[0].clone()  # (len, H), already normed: lm_head(hidden) == logits
-        for position in wrong_positions:
-            # The hidden state of a position whose greedy token differs makes a wrong draft.
-            wanted = int(target.lm_head(hidden[position - 1]).argmax())
-            other = next(i for i in range(len(reference) - 1) if int(target.lm_head(hidden[i]).argmax()) != wanted)
-            hidden[position - 1] = hidden[other]
-        self.register_buffer("hidden", hidden * sharpness, persistent=False)
+    device = next(target.parameters()).device
+    with torch.no_grad():
+        logits = target(torch.tensor([list(reference)], device=device)).logits[0].float().clone()  # (len, V)
+    for position in wrong_positions:
+        wanted = int(logits[position - 1].argmax())
+        other = next(i for i in range(len(reference) - 1) if int(logits[i].argmax()) != wanted)
+        logits[position - 1] = logits[other]
+    logits = logits * sharpness
 
-    def encode_context(self, features: torch.Tensor, positions: torch.Tensor) -> list:
-        return []
+    def draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
+        positions = self.length[:n, None] + self.offsets[1:width]  # the drafted slots' positions
+        return logits[(positions - 1).clamp(0, len(reference) - 1)]
 
-    def draft_in_rows(self, embed, context_kv, blocks, mask_token_id, block_at, packed=False):
-        positions = blocks.anchors[:, None] + torch.arange(blocks.width, device=blocks.anchors.device)
-        hidden = self.hidden[(positions - 1).clamp(0, self.hidden.shape[0] - 1)]
-        return RaggedTokens.of(blocks.sizes, blocks.width).pack(hidden) if packed else hidden
+    monkeypatch.setattr(static.StaticDecoder, "_draft_logits", draft_logits)
 
 
 def with_drafter(models: SpeculativeModels, drafter: nn.Module) -> SpeculativeModels:

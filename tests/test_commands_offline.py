@@ -14,7 +14,7 @@ from support import greedy_reference
 
 from blockpilot.cli import main
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.static_engine import StaticEngine
+from blockpilot.decoding.engine import Engine
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,7 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
         max_new_tokens=24, temperature=0.8, seed=3, stop_token_ids=tuple(tiny_models.stop_token_ids())
     )
     (eager,) = generate_many(
-        tiny_models, [GenerationRequest(prompt_ids, sampled, None)], engine=StaticEngine(tiny_models)
+        tiny_models, [GenerationRequest(prompt_ids, sampled, None)], engine=Engine(tiny_models)
     )
     assert compiled["token_ids"] == eager.token_ids and compiled["compile_seconds"] > 0
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockpilot.decoding.cache import SlotStore
 from blockpilot.models.attention import RaggedTokens
 from blockpilot.models.drafter import Blocks, DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target, random_models_like
@@ -152,22 +151,6 @@ def test_loading_in_bf16(target_and_drafter, tmp_path):
     _, drafter = target_and_drafter
     loaded = DFlashDrafter.from_pretrained(drafter.save_pretrained(tmp_path / "d"), dtype=torch.bfloat16)
     assert loaded.dtype == torch.bfloat16 and loaded.device.type == "cpu"
-
-
-def test_context_written_chunk_by_chunk_into_slots_matches_one_shot(target_and_drafter):
-    """Context keys/values written into the slot cache in pieces (as decoding commits them) draft what the whole
-    context encoded at once drafts."""
-    target, drafter = target_and_drafter
-    features, embeds, positions, one_shot = _draft_hidden(drafter, target)
-    store = SlotStore(drafter.config.num_hidden_layers)
-    store.reserve(1, 9)
-    for start, stop in [(0, 4), (4, 5), (5, 9)]:
-        where = torch.arange(start, stop)[None]
-        for layer, (k, v) in enumerate(drafter.encode_context(features[:, start:stop], where)):
-            store.write(layer, slice(0, 1), where, k, v)
-    with torch.no_grad():
-        incremental = drafter(embeds, positions, store.read_all(slice(0, 1), 9))
-    torch.testing.assert_close(incremental, one_shot, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_context_equals_a_shorter_context(target_and_drafter):

@@ -1,15 +1,18 @@
 """One row's fault ends that row alone: its policy raising or answering a bad value (for the whole batch at once,
-then asked row by row), non-finite target logits (greedy or sampled), a bad verify count. The faulty row reports
-its error; the other rows of the batch decode what they decode alone; the engine goes on serving. The same through
+then asked row by row), non-finite target logits (NaN in its cache slots; greedy or sampled). The faulty row reports
+its error; the other rows of the batch decode what they decode alone; the engine goes on serving, and the next row
+placed in the faulty row's cache slots decodes exactly. A model pass that raises (out of memory) fails the rows of
+that step alone. The same through
 the serving decoder: the faulty request gets its error, the others their text, and the decoder stays healthy."""
 
 from __future__ import annotations
 
 import pytest
 
-from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
+import torch
+
+from blockpilot.decoding import Engine, GenerationConfig, GenerationRequest, generate_many
 from blockpilot.policies.base import BlockSizePolicy
-from blockpilot.policies.trim import DraftThenTrim, TrimCalibration
 
 PROMPTS = ("Count from 1 to 9.", "List four colors.", "Spell cat.")
 FAULTY = 1  # the index of the faulty request among PROMPTS
@@ -37,37 +40,35 @@ class Poisoned(BlockSizePolicy):
         return [3] * len(cycles)
 
 
-def nan_logits_for(engine: SpeculativeEngine, row_id: int, after_cycles: int):
-    """Wrap the engine's verify so that row `row_id`'s logits turn NaN from its `after_cycles`-th cycle on."""
-    verify, seen = engine._verify, {"cycles": 0}
-
-    def corrupted(block_ids, lengths, sizes):
-        logits, features = verify(block_ids, lengths, sizes)
-        index = next((i for i, row in enumerate(engine.rows) if row.id == row_id), None)
-        seen["cycles"] += index is not None
-        if index is not None and seen["cycles"] > after_cycles:
-            logits = logits.clone()
-            logits[index] = float("nan")
-        return logits, features
-
-    engine._verify = corrupted
+def nan_in_cache_of(engine: Engine, row_id: int) -> None:
+    """NaN into every cache slot of row `row_id`'s cache row (the target's keys and values): its next cycle's logits
+    are not finite, and a row placed there later reads the NaN past its own length unless the slots are cleared."""
+    index = next(i for i, row in enumerate(engine.rows) if row.id == row_id)
+    for buffer in engine.decoder.target.body.buffers():
+        buffer[index] = float("nan")
 
 
 def run_batch(models, requests, inject=None, engine=None):
-    """{row index: (tokens, stop reason, error)} of one engine (default: an eager one) over `requests`, then one more
-    request served."""
-    engine = engine or SpeculativeEngine(models, max_batch=len(requests))
+    """{row index: (tokens, stop reason, error)} of one engine over `requests` (`inject(engine, row id)` called after
+    its first step), then one more request served on the freed rows: it decodes what it decodes alone."""
+    engine = engine or Engine(models, max_batch=len(requests))
     ids = [engine.submit(request) for request in requests]
-    if inject is not None:
-        inject(engine, ids[FAULTY])
     tokens, ends = {i: [] for i in ids}, {}
-    for update in engine.run():
-        tokens[update.row_id] += update.new_tokens
-        if update.result is not None:
-            ends[update.row_id] = (update.result.stop_reason, update.error)
-    after = engine.submit(requests[0])  # the engine is still in a usable state
-    finished = [u.result for u in engine.run() if u.row_id == after and u.result is not None]
-    assert finished and finished[0].stop_reason in ("stop", "length") and finished[0].token_ids
+    for step, updates in enumerate(iter(engine.step, None)):
+        for update in updates:
+            tokens[update.row_id] += update.new_tokens
+            if update.result is not None:
+                ends[update.row_id] = (update.result.stop_reason, update.error)
+        if step == 0 and inject is not None:
+            inject(engine, ids[FAULTY])
+        if not engine.busy:
+            break
+    after = [engine.submit(request) for request in requests]  # the engine is still in a usable state
+    finished = {u.row_id: u.result for u in engine.run() if u.result is not None}
+    for index, (request, row_id) in enumerate(zip(requests, after, strict=True)):
+        if index != FAULTY:  # the faulty row's policy fails it again
+            alone = generate_many(models, [request], engine=Engine(models, tree_nodes=engine.tree_nodes))[0]
+            assert finished[row_id].token_ids == alone.token_ids, "a request on the freed rows decoded differently"
     return {index: (tokens[i], *ends[i]) for index, i in enumerate(ids)}
 
 
@@ -79,7 +80,6 @@ def run_batch(models, requests, inject=None, engine=None):
         ("answers for too few rows", 0.0),
         ("nan logits", 0.0),
         ("nan logits", 1.0),
-        ("verify count", 0.0),
     ],
 )
 def test_a_faulty_row_ends_alone_and_the_others_decode_as_alone(tiny_models, fault, temperature):
@@ -89,19 +89,10 @@ def test_a_faulty_row_ends_alone_and_the_others_decode_as_alone(tiny_models, fau
     inject = None
     if fault == "nan logits":
         policy = Poisoned((), "none")
-        inject = lambda engine, row_id: nan_logits_for(engine, row_id, after_cycles=1)  # noqa: E731
-    elif fault == "verify count":
-        policy = Poisoned((), "none")
+        inject = nan_in_cache_of
     else:
         policy = Poisoned(prompts[FAULTY], fault)
     policies = [policy] * 3
-    if fault == "verify count":
-
-        class BadCount(DraftThenTrim):
-            def verify_count(self, confidences):
-                return len(confidences) + 5
-
-        policies[FAULTY] = BadCount(TrimCalibration(4, (0.5,) * 10, (1,) * 10))
     requests = [GenerationRequest(p, c, q) for p, c, q in zip(prompts, configs, policies, strict=True)]
     ends = run_batch(tiny_models, requests, inject)
 
@@ -116,7 +107,7 @@ def test_a_faulty_row_ends_alone_and_the_others_decode_as_alone(tiny_models, fau
 @pytest.mark.parametrize("fault", ["raises", "answers 0", "answers past its largest tree"])
 def test_a_tree_policy_that_fails_one_request_ends_that_row_alone(tiny_models, fault):
     """A per-request tree budget is checked like a block size: for the whole batch at once, then row by row."""
-    from blockpilot.decoding.static_engine import StaticEngine
+    from blockpilot.decoding.engine import Engine
     from blockpilot.policies.fixed import FixedTree
 
     prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
@@ -132,12 +123,12 @@ def test_a_tree_policy_that_fails_one_request_ends_that_row_alone(tiny_models, f
 
     policy = PoisonedTree(7, tiny_models.train_block_size)
     requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=16), policy) for p in prompts]
-    ends = run_batch(tiny_models, requests, engine=StaticEngine(tiny_models, max_batch=3, tree_nodes=7))
+    ends = run_batch(tiny_models, requests, engine=Engine(tiny_models, max_batch=3, tree_nodes=7))
     tokens, reason, error = ends[FAULTY]
     assert reason == "error" and error is not None and not tokens
     assert fault == "raises" or "tree budget" in str(error)
     for index in (0, 2):
-        alone = generate_many(tiny_models, [requests[index]], engine=StaticEngine(tiny_models, tree_nodes=7))[0]
+        alone = generate_many(tiny_models, [requests[index]], engine=Engine(tiny_models, tree_nodes=7))[0]
         assert ends[index][1] in ("stop", "length") and ends[index][2] is None
         assert ends[index][0] == alone.token_ids, f"row {index} decoded differently beside the faulty row"
 
@@ -181,26 +172,55 @@ def test_a_device_failure_fails_the_engine_not_one_row(tiny_models):
         def next_block_sizes(self, cycles):
             raise RuntimeError("CUDA error: device-side assert triggered")
 
-    engine = SpeculativeEngine(tiny_models, max_batch=2)
+    engine = Engine(tiny_models, max_batch=2)
     engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=16), Broken((), "none")))
     with pytest.raises(RuntimeError, match="device-side assert"):
         list(engine.run())
 
 
-def test_tokens_banned_at_minus_infinity_are_not_a_fault(tiny_models):
-    """A logit of -inf bans a token (a legitimate distribution); only NaN, +inf or nothing finite fails a row."""
-    prompt = tiny_models.encode_prompt(PROMPTS[0])
-    request = GenerationRequest(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, seed=1), Poisoned((), "none"))
-    engine = SpeculativeEngine(tiny_models, max_batch=1)
-    row_id = engine.submit(request)
-    verify = engine._verify
+@pytest.mark.parametrize("where", ["cycle", "prefill"])
+def test_a_model_pass_out_of_memory_fails_that_steps_rows_and_the_engine_serves_on(tiny_models, where, monkeypatch):
+    """Three rows decode; one of their passes runs out of memory: those rows end with the error, the engine goes
+    on, and the same requests afterwards decode exactly what they decode alone."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
+    requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=16), Poisoned((), "none")) for p in prompts]
+    engine = Engine(tiny_models, max_batch=3)
+    decoder = type(engine.decoder)
+    original = getattr(decoder, where)
+    calls = {"n": 0}
 
-    def banning(block_ids, lengths, sizes):
-        logits, features = verify(block_ids, lengths, sizes)
+    def failing_once(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == (2 if where == "cycle" else 1):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, where, failing_once)
+    ids = [engine.submit(request) for request in requests]
+    ends = {u.row_id: u for u in engine.run() if u.result is not None}
+    assert all(ends[i].result.stop_reason == "error" for i in ids)
+    assert all(isinstance(ends[i].error, torch.OutOfMemoryError) for i in ids)
+    monkeypatch.setattr(decoder, where, original)
+    again = generate_many(tiny_models, requests, engine=engine)
+    alone = [generate_many(tiny_models, [request])[0] for request in requests]
+    assert [r.token_ids for r in again] == [r.token_ids for r in alone]
+    assert not engine.busy
+
+
+def test_tokens_banned_at_minus_infinity_are_not_a_fault(tiny_models, monkeypatch):
+    """A logit of -inf bans a token (a legitimate distribution); only NaN, +inf or nothing finite fails a row."""
+    import blockpilot.decoding.static as static
+
+    forward = static.StaticTarget.forward
+
+    def banning(self, *args, **kwargs):
+        logits, features = forward(self, *args, **kwargs)
         logits = logits.clone()
         logits[..., : logits.shape[-1] // 2] = float("-inf")  # half the vocabulary banned
         return logits, features
 
-    engine._verify = banning
-    ends = [u for u in engine.run() if u.row_id == row_id and u.result is not None]
-    assert ends[0].error is None and ends[0].result.stop_reason in ("stop", "length")
+    monkeypatch.setattr(static.StaticTarget, "forward", banning)
+    prompt = tiny_models.encode_prompt(PROMPTS[0])
+    request = GenerationRequest(prompt, GenerationConfig(max_new_tokens=16, temperature=1.0, seed=1), Poisoned((), "none"))
+    (result,) = generate_many(tiny_models, [request])
+    assert result.stop_reason in ("stop", "length") and result.token_ids

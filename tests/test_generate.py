@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import OracleDrafter, check_stats_invariants, greedy_reference, with_drafter
+from support import check_stats_invariants, greedy_reference, oracle_drafts
 
 from blockpilot.data.sources import prompt_texts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
@@ -55,15 +55,14 @@ def test_autoregressive_without_drafter_equals_reference(random_models, prompt_i
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8])
-def test_accepted_drafts_keep_output_exact(random_models, prompt_ids, block_size):
+def test_accepted_drafts_keep_output_exact(random_models, prompt_ids, block_size, monkeypatch):
     """With drafts that the target accepts (an oracle), whole blocks commit and the output stays exact."""
     ids = prompt_ids[1]
     expected = greedy_reference(random_models.target, ids, 50)
     reference = ids + expected
     wrong = [len(ids) + k for k in (3, 4, 11, 19, 20, 21, 33)]
-    oracle = OracleDrafter(random_models.target, reference, block_size, wrong_positions=wrong)
-    models = with_drafter(random_models, oracle)
-    result = generate(models, ids, policy=FixedBlockSize(block_size), config=GenerationConfig(max_new_tokens=50))
+    oracle_drafts(monkeypatch, random_models.target, reference, wrong_positions=wrong)
+    result = generate(random_models, ids, policy=FixedBlockSize(block_size), config=GenerationConfig(max_new_tokens=50))
     assert result.token_ids == expected
     check_stats_invariants(result, 50)
     assert max(result.acceptance_lengths) == block_size  # full blocks were accepted
@@ -71,17 +70,17 @@ def test_accepted_drafts_keep_output_exact(random_models, prompt_ids, block_size
     assert result.tau > 1.5
 
 
-def _oracle_models(random_models, ids, block_size):
+def _oracle_models(random_models, ids, monkeypatch):
     expected = greedy_reference(random_models.target, ids, 60)
-    oracle = OracleDrafter(random_models.target, ids + expected, block_size)
-    return with_drafter(random_models, oracle), expected
+    oracle_drafts(monkeypatch, random_models.target, ids + expected)
+    return random_models, expected
 
 
 @pytest.mark.parametrize("slot", ["first", "middle", "last"])
-def test_stop_token_inside_a_block(random_models, prompt_ids, slot):
+def test_stop_token_inside_a_block(random_models, prompt_ids, slot, monkeypatch):
     """A stop token committed at the first, a middle or the last slot of a cycle ends the output there."""
     ids, block_size = prompt_ids[0], 6
-    models, expected = _oracle_models(random_models, ids, block_size)
+    models, expected = _oracle_models(random_models, ids, monkeypatch)
     # With every draft accepted, cycle c commits expected[1 + c*b : 1 + (c+1)*b]. Take the first cycle
     # whose token at the wanted slot appears nowhere earlier, so that it is where the output must stop.
     offset = {"first": 0, "middle": 2, "last": block_size - 1}[slot]
@@ -109,17 +108,22 @@ def test_stop_token_at_the_prefill_ends_before_any_cycle(random_models, prompt_i
     assert result.to_dict()["tau"] is None
 
 
-def generate_counting_target_passes(models, requests) -> tuple[list, int]:
+def generate_counting_target_passes(models, requests, monkeypatch) -> tuple[list, int]:
     """`generate_many`'s results and how many forward passes the target ran for them."""
+    import blockpilot.decoding.static as static
+
     passes = []
-    hook = models.target.register_forward_hook(lambda *_: passes.append(1))
-    try:
-        return generate_many(models, requests), len(passes)
-    finally:
-        hook.remove()
+    forward = static.StaticTarget.forward
+
+    def counting(self, *args, **kwargs):
+        passes.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(static.StaticTarget, "forward", counting)
+    return generate_many(models, requests), len(passes)
 
 
-def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models, prompt_ids):
+def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models, prompt_ids, monkeypatch):
     """Prompts of similar lengths joining in the same step are prefilled in one padded target pass; each row
     still gives its own greedy output, a row that stops at its first token leaves at once, the others go on."""
     assert len({len(ids) for ids in prompt_ids}) == len(prompt_ids), "prompts of different lengths"
@@ -133,7 +137,7 @@ def test_rows_that_join_together_share_one_prefill_and_stay_exact(random_models,
         GenerationRequest(ids, config, FixedBlockSize(b))
         for ids, config, b in zip(prompt_ids, configs, (4, 2, 8), strict=True)
     ]
-    results, passes = generate_counting_target_passes(random_models, requests)
+    results, passes = generate_counting_target_passes(random_models, requests, monkeypatch)
     assert results[0].token_ids == greedy_reference(random_models.target, prompt_ids[0], 30)
     assert results[1].token_ids == [stop_first] and results[1].stop_reason == "stop"
     assert results[2].token_ids == greedy_reference(random_models.target, prompt_ids[2], 25)
@@ -153,22 +157,22 @@ def test_prefill_groups_keep_padding_bounded():
         prefill_groups([3], max_padding=0.5)
 
 
-def test_prompts_of_very_different_lengths_prefill_apart_and_stay_exact(random_models, prompt_ids):
+def test_prompts_of_very_different_lengths_prefill_apart_and_stay_exact(random_models, prompt_ids, monkeypatch):
     """A long prompt joining with short ones gets its own prefill pass (padding every short prompt to it would
     multiply their work); every row still gives its own greedy output."""
     long_prompt = (prompt_ids[0] * 4)[:150]
     prompts = [prompt_ids[1], long_prompt, prompt_ids[2]]
     requests = [GenerationRequest(ids, GenerationConfig(max_new_tokens=12), FixedBlockSize(4)) for ids in prompts]
-    results, passes = generate_counting_target_passes(random_models, requests)
+    results, passes = generate_counting_target_passes(random_models, requests, monkeypatch)
     for ids, result in zip(prompts, results, strict=True):
         assert result.token_ids == greedy_reference(random_models.target, ids, 12)
     assert passes == 2 + max(result.cycles for result in results), "two prefill passes, then one verify a cycle"
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 9, 10, 11, 17])
-def test_max_new_tokens_inside_a_block(random_models, prompt_ids, max_new_tokens):
+def test_max_new_tokens_inside_a_block(random_models, prompt_ids, max_new_tokens, monkeypatch):
     ids, block_size = prompt_ids[2], 8
-    models, expected = _oracle_models(random_models, ids, block_size)
+    models, expected = _oracle_models(random_models, ids, monkeypatch)
     result = generate(
         models, ids, policy=FixedBlockSize(block_size), config=GenerationConfig(max_new_tokens=max_new_tokens)
     )
@@ -177,7 +181,7 @@ def test_max_new_tokens_inside_a_block(random_models, prompt_ids, max_new_tokens
     check_stats_invariants(result, max_new_tokens)
 
 
-def test_per_cycle_hook_can_change_the_block_size(random_models, prompt_ids):
+def test_per_cycle_hook_can_change_the_block_size(random_models, prompt_ids, monkeypatch):
     """A per-cycle policy (a later issue's) plugs in through `next_block_size`; output stays exact."""
 
     class Growing(FixedBlockSize):
@@ -185,7 +189,7 @@ def test_per_cycle_hook_can_change_the_block_size(random_models, prompt_ids):
             return min(cycle.block_size + 1, 12)
 
     ids = prompt_ids[1]
-    models, expected = _oracle_models(random_models, ids, 4)
+    models, expected = _oracle_models(random_models, ids, monkeypatch)
     result = generate(models, ids, policy=Growing(2), config=GenerationConfig(max_new_tokens=40))
     assert result.token_ids == expected[:40]
     assert result.block_sizes[:4] == [2, 3, 4, 5]
@@ -300,11 +304,8 @@ def test_trained_drafter_sampling_stats(tiny_models, zoo_prompts, rule):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_unequal_blocks_drafted_and_verified_packed_decode_as_each_row_alone(
-    tiny_models, zoo_prompts, temperature, monkeypatch
-):
-    """Rows of different block sizes in one batch: the drafter and the verify pack their tokens without padding
-    and give each row what it gives alone (where nothing is packed), greedy or seeded."""
+def test_rows_of_unequal_blocks_in_one_batch_decode_as_each_row_alone(tiny_models, zoo_prompts, temperature):
+    """Rows of different block sizes in one batch give each row what it gives alone, greedy or seeded."""
     stop = tuple(tiny_models.stop_token_ids())
     requests = [
         GenerationRequest(
@@ -314,25 +315,8 @@ def test_unequal_blocks_drafted_and_verified_packed_decode_as_each_row_alone(
         )
         for seed, (ids, b) in enumerate(zip(zoo_prompts, (2, 8, 3, 6, 1, 5), strict=True))
     ]
-    packings = []  # per packed pass: its rows' token counts
-    draft_in_rows, target_forward = tiny_models.drafter.draft_in_rows, tiny_models.target.forward
-
-    def drafting(embed, context_kv, blocks, *args, **kwargs):
-        if kwargs.get("packed"):
-            packings.append(blocks.sizes)
-        return draft_in_rows(embed, context_kv, blocks, *args, **kwargs)
-
-    def verifying(*args, **kwargs):
-        if kwargs.get("ragged_tokens") is not None:
-            packings.append(torch.bincount(kwargs["ragged_tokens"].rows))
-        return target_forward(*args, **kwargs)
-
-    monkeypatch.setattr(tiny_models.drafter, "draft_in_rows", drafting)
-    monkeypatch.setattr(tiny_models.target, "forward", verifying)
     alone = [generate_many(tiny_models, [request])[0] for request in requests]
-    assert not packings, "a row alone has nothing to pack"
     batched = generate_many(tiny_models, requests, max_batch=len(requests))
-    assert packings and all(int(sizes.min()) < int(sizes.max()) for sizes in packings)
     for mine, theirs, ids in zip(batched, alone, zoo_prompts, strict=True):
         assert (mine.token_ids, mine.acceptance_lengths, mine.block_sizes) == (
             theirs.token_ids,
@@ -351,7 +335,7 @@ def test_long_prompts_prefill_a_chunk_a_step_beside_running_rows_and_decode_as_w
     """With `prefill_chunk`, a prompt longer than a chunk is prefilled over several steps in a row of its own
     while the other rows cycle; it then joins and decodes exactly what it decodes prefilled whole (greedy, or
     seeded at T = 1), and a short row is not held behind it."""
-    from blockpilot.decoding import SpeculativeEngine
+    from blockpilot.decoding import Engine
 
     stop = tuple(tiny_models.stop_token_ids())
     short = tiny_models.encode_prompt("Hi.")
@@ -364,7 +348,7 @@ def test_long_prompts_prefill_a_chunk_a_step_beside_running_rows_and_decode_as_w
         for i, ids in enumerate([*longs, short])
     ]
     whole = [generate_many(tiny_models, [request])[0] for request in requests]
-    engine = SpeculativeEngine(tiny_models, max_batch=3, prefill_chunk=chunk)
+    engine = Engine(tiny_models, max_batch=3, prefill_chunk=chunk)
     ids = [engine.submit(request) for request in requests]
     first_tokens_at: dict[int, int] = {}
     results = {}

@@ -170,10 +170,10 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows(drafters, rule):
 def static_counts(models: SpeculativeModels, width: int, rule: str = "match") -> torch.Tensor:
     """Counts of (x1, x2, x3) over SAMPLES seeds from the static engine (`blockpilot.decoding.static_engine`) at
     `width` (every row at b = width), BATCH rows at a time."""
-    from blockpilot.decoding.static_engine import StaticEngine
+    from blockpilot.decoding.engine import Engine
 
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    engine = StaticEngine(models, max_batch=BATCH, width=width, capacity=32)
+    engine = Engine(models, max_batch=BATCH, width=width, capacity=32)
     config = GenerationConfig(3, TEMPERATURE, verify=rule)
     requests = [
         GenerationRequest(PROMPT, replace(config, seed=seed), FixedBlockSize(width) if width > 1 else None)
@@ -202,7 +202,7 @@ def test_the_static_sampler_follows_the_target_distribution_and_the_check_catche
 def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters):
     """The speculative output for a seed is the autoregressive one: at any block size, beside other rows (other
     seeds, temperatures, block sizes), so it samples the target's distribution exactly, as the test above shows."""
-    from blockpilot.decoding.static_engine import StaticEngine
+    from blockpilot.decoding.engine import Engine
 
     models = drafters["random"]
     seeds, temperatures = list(range(8)), [TEMPERATURE, 1.0, 0.0, 1.3] * 2
@@ -210,9 +210,9 @@ def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters)
         GenerationRequest(PROMPT, GenerationConfig(16, t, seed=s), FixedBlockSize(b))
         for s, t, b in zip(seeds, temperatures, [4, 2, 3, 1] * 2, strict=True)
     ]
-    autoregressive = StaticEngine(models, max_batch=1, width=1, capacity=48)
+    autoregressive = Engine(models, max_batch=1, width=1, capacity=48)
     alone = [r.token_ids for r in generate_many(models, [replace(q, policy=None) for q in requests], engine=autoregressive)]
-    mixed = generate_many(models, requests, engine=StaticEngine(models, max_batch=8, width=4, capacity=48))
+    mixed = generate_many(models, requests, engine=Engine(models, max_batch=8, width=4, capacity=48))
     assert [r.token_ids for r in mixed] == alone
     assert alone[2] == greedy_reference(models.target, PROMPT, 16)  # the T = 0 row is greedy
     assert len({tuple(tokens) for tokens in alone}) > 4  # seeds and temperatures do change the samples
@@ -253,7 +253,7 @@ def test_the_static_rejection_rule_follows_the_target_distribution_and_the_check
 def test_a_static_rejection_row_does_not_depend_on_the_other_rows(drafters):
     """Rows at `rejection` alone and beside rows of other rules, seeds, temperatures and block sizes: the same
     tokens; at T = 0 the rule is greedy."""
-    from blockpilot.decoding.static_engine import StaticEngine
+    from blockpilot.decoding.engine import Engine
 
     models = drafters["random"]
 
@@ -262,9 +262,9 @@ def test_a_static_rejection_row_does_not_depend_on_the_other_rows(drafters):
         return GenerationRequest(PROMPT, config, FixedBlockSize(b))
 
     watched = [request(seed, TEMPERATURE, 4, "rejection") for seed in range(6)] + [request(9, 0.0, 4, "rejection")]
-    alone = [generate_many(models, [r], engine=StaticEngine(models, width=4, capacity=48))[0].token_ids for r in watched]
+    alone = [generate_many(models, [r], engine=Engine(models, width=4, capacity=48))[0].token_ids for r in watched]
     others = [request(100 + i, 1.0 + 0.1 * i, 2 + i % 3, ("match", "rejection")[i % 2]) for i in range(6)]
-    mixed = generate_many(models, others[:3] + watched + others[3:], engine=StaticEngine(models, max_batch=8, width=4, capacity=48))
+    mixed = generate_many(models, others[:3] + watched + others[3:], engine=Engine(models, max_batch=8, width=4, capacity=48))
     assert [r.token_ids for r in mixed[3:10]] == alone
     assert alone[-1] == greedy_reference(models.target, PROMPT, 16)
     assert len({tuple(tokens) for tokens in alone[:-1]}) > 3

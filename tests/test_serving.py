@@ -109,8 +109,9 @@ def test_completion_equals_the_library(decoder, tiny_models):
 
 
 def test_forced_block_size_and_policies(decoder):
-    forced = checked(decoder, {"prompt": "Count from 1 to 9.", "max_tokens": 12, "block_size": 7, "policy": "fixed"})
-    assert decoder.complete(forced)[1]["blockpilot"]["block_size"] == 7
+    widest = decoder.max_block_size
+    forced = checked(decoder, {"prompt": "Count from 1 to 9.", "max_tokens": 12, "block_size": widest, "policy": "fixed"})
+    assert decoder.complete(forced)[1]["blockpilot"]["block_size"] == widest
     assert decoder.policy_for(checked(decoder, {"prompt": "hi"})).name == "fixed"  # no predictor: the training B
 
 
@@ -241,32 +242,6 @@ def test_requests_join_the_running_batch_and_match_the_library(tiny_models):
         decoder.stop()
 
 
-def test_a_replica_with_cost_auto_measures_its_curve_and_stays_exact(tiny_zoo, tiny_models):
-    """`--cost auto`: the replica's decoder times cycles up to its largest block and batch before it serves, then
-    prices widths with that curve; greedy rows of mixed b still equal their own unbatched generations."""
-    limits = ServeLimits(max_batch=4, max_block_size=6)
-    decoder = ModelLoader(str(tiny_zoo / "target"), str(tiny_zoo / "drafter"), cost="auto", limits=limits)()
-    try:
-        cost = decoder.cost
-        assert cost is not None and set(cost.seconds) == {1, 4}
-        assert all(set(by_b) == {1, 2, 4, 6} for by_b in cost.seconds.values())
-        bodies = [
-            {"prompt": f"Count from {i} to {i + 9}.", "max_tokens": 16, "temperature": 0, "block_size": b}
-            for i, b in enumerate((1, 3, 6, 6))
-        ]
-        handles = [decoder.submit(checked(decoder, body)) for body in bodies]
-        for body, handle in zip(bodies, handles, strict=True):
-            text = "".join(value for kind, value in handle.events(timeout_s=120) if kind == "delta")
-            config = GenerationConfig(max_new_tokens=16, stop_token_ids=tuple(tiny_models.stop_token_ids()))
-            ids = decoder.encode_completion(body["prompt"])
-            expected = generate(tiny_models, ids, policy=FixedBlockSize(body["block_size"]), config=config)
-            assert text == tiny_models.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
-        with pytest.raises(RuntimeError, match="before start"):
-            decoder.calibrate()
-    finally:
-        decoder.stop()
-
-
 def test_serve_options_reserve_cpus_per_replica(tiny_zoo):
     import argparse
 
@@ -287,33 +262,24 @@ def _long(decoder: BatchedDecoder):
     return checked(decoder, body | {"ignore_eos": True})
 
 
-def test_admission_keeps_the_cache_within_its_budget(tiny_models):
-    """A request that can never fit the cache budget is refused at once naming max_tokens; one that cannot fit
-    beside the running rows waits for them; the engine's caches grow to what the rows need, not twice that, and
-    an idle engine holds none."""
-    probe = BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=512))
-    need = probe.cache_need(_long(probe))  # 400 tokens and a short prompt
-    limits = ServeLimits(max_tokens_cap=512, max_cache_tokens=need + 50)  # one such row, not two
+def test_max_cache_tokens_bounds_what_the_engine_allocates_and_what_a_request_may_ask(tiny_models):
+    """--max-cache-tokens governs the engine: its rows (and the spare prefill row) hold no more slots together; a
+    request that cannot fit a row is refused at once naming max_tokens; one that fits decodes; a budget too small
+    for any row is refused as the decoder is built."""
+    limits = ServeLimits(max_tokens_cap=512, max_batch=2, max_cache_tokens=3 * 200)
     decoder = BatchedDecoder(tiny_models, limits=limits).start()
     try:
-        with pytest.raises(RequestError, match="max_tokens.*cache tokens"):
+        allocated = sum(buffer.shape[0] * buffer.shape[1] for buffer in decoder._engine.decoder.target.body.buffers())
+        layers = len(list(decoder._engine.decoder.target.body.buffers()))
+        assert allocated // layers <= 600 and decoder.cache_budget == 200
+        with pytest.raises(RequestError, match="max_tokens.*cache slots"):
             checked(decoder, {"prompt": "Tell a story about file.", "max_tokens": 512})
-        first, second = decoder.submit(_long(decoder)), decoder.submit(_long(decoder))
-        next(first.events(timeout_s=60))
-        time.sleep(0.3)
-        assert decoder.load["active"] == 1 and decoder.load["waiting"] == 1, (
-            "the second fits only when the first leaves"
-        )
-        rows, positions = decoder._engine.target_cache.store.capacity
-        assert positions <= need, f"the cache grew to {positions} positions for a row of {need}"
-        first.cancel()
-        assert [kind for kind, _ in second.events(timeout_s=60)][-1] == "done"
-        time.sleep(0.3)
-        assert all(layer is None for layer in decoder._engine.target_cache.store.layers), (
-            "an idle engine holds no cache"
-        )
+        fits = checked(decoder, {"prompt": "Tell a story about file.", "max_tokens": 64})
+        assert decoder.complete(fits)[1]["usage"]["completion_tokens"] > 0
     finally:
         decoder.stop()
+    with pytest.raises(ValueError, match="max_cache_tokens 9 leaves"):
+        BatchedDecoder(tiny_models, limits=ServeLimits(max_batch=2, max_cache_tokens=9))
 
 
 def test_cancel_frees_the_row_and_reports_an_openai_finish_reason(tiny_models):

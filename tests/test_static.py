@@ -22,11 +22,10 @@ from blockpilot.decoding.static import (
     inductor_options,
     span_bucket,
 )
-from blockpilot.decoding.static_engine import StaticEngine, power_buckets, tree_buckets
+from blockpilot.decoding.engine import Engine, power_buckets, tree_buckets
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 from blockpilot.policies.step import StepPolicy
-from blockpilot.policies.trim import DraftThenTrim, TrimCalibration
 
 PROMPTS = ["Count from 3 to 14.", "Sort these numbers: 5 3 9 1", "def add(a, b):", "Reverse: a b c d e", "Hi", "x y"]
 
@@ -51,7 +50,7 @@ def test_greedy_static_decoding_is_the_targets_greedy_output_rows_joining_and_le
     budgets = [40, 12, 33, 7, 25, 18]
     stop = tuple(tiny_models.stop_token_ids())
     expected = [greedy_reference(tiny_models.target, p, m, stop) for p, m in zip(prompts, budgets)]
-    engine = StaticEngine(tiny_models, max_batch=max_batch)
+    engine = Engine(tiny_models, max_batch=max_batch)
     policies = [FixedBlockSize(b) for b in (1, 3, engine.width, 2, engine.width + 4, 5)]
     requests = [
         GenerationRequest(p, GenerationConfig(max_new_tokens=m, stop_token_ids=stop), q)
@@ -68,7 +67,7 @@ def test_a_cycle_runs_at_the_width_bucket_of_its_widest_block(tiny_models):
     row runs its 24 tokens, whatever the weights."""
     prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:3]]
     expected = [greedy_reference(tiny_models.target, p, 24) for p in prompts]
-    engine = StaticEngine(tiny_models, max_batch=2, width=8)
+    engine = Engine(tiny_models, max_batch=2, width=8)
     assert engine.widths == [1, 2, 4, 8]
     widths, cycle = [], engine.decoder.cycle
     engine.decoder.cycle = lambda n, span, width, *rule: widths.append(width) or cycle(n, span, width, *rule)
@@ -81,9 +80,9 @@ def test_a_cycle_runs_at_the_width_bucket_of_its_widest_block(tiny_models):
 
 def test_autoregressive_and_a_target_without_drafter(tiny_models):
     prompts, expected = references(tiny_models, 24, PROMPTS[:3])
-    engine = StaticEngine(tiny_models, max_batch=2)
+    engine = Engine(tiny_models, max_batch=2)
     assert [r.token_ids for r in decode(tiny_models, engine, prompts, [Autoregressive()] * 3, 24)] == expected
-    alone = StaticEngine(replace(tiny_models, drafter=None), max_batch=2)
+    alone = Engine(replace(tiny_models, drafter=None), max_batch=2)
     assert alone.width == 1
     assert [r.token_ids for r in decode(tiny_models, alone, prompts, [None] * 3, 24)] == expected
 
@@ -102,7 +101,7 @@ def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_e
         StepPolicy(random_step_model(4, vocab=vocab)),
     ]
     requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=32), q) for p, q in zip(prompts, policies)]
-    static = generate_many(tiny_models, requests, engine=StaticEngine(tiny_models, max_batch=4))
+    static = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=4))
     eager = generate_many(tiny_models, requests)
     assert [r.token_ids for r in static] == [r.token_ids for r in eager] == expected
     assert [r.block_sizes for r in static] == [r.block_sizes for r in eager]
@@ -114,7 +113,7 @@ def test_long_prompts_are_prefilled_a_chunk_a_step_beside_running_rows(tiny_mode
     texts = ["Hi", "Count from 1 to 30: " + " ".join(map(str, range(1, 31))), "x y"]
     prompts, expected = references(tiny_models, 24, texts)
     assert len(prompts[1]) > 3 * 16
-    engine = StaticEngine(tiny_models, max_batch=2, prefill_chunk=16)
+    engine = Engine(tiny_models, max_batch=2, prefill_chunk=16)
     requests = [
         GenerationRequest(p, GenerationConfig(max_new_tokens=24, stop_token_ids=tuple(tiny_models.stop_token_ids())))
         for p in prompts
@@ -145,7 +144,7 @@ def test_a_faulty_row_ends_alone_a_cancelled_one_too_and_the_engine_goes_on(tiny
     cancellation."""
     prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:3]]
     expected = [greedy_reference(tiny_models.target, p, 24) for p in prompts]
-    engine = StaticEngine(tiny_models, max_batch=3)
+    engine = Engine(tiny_models, max_batch=3)
     config = GenerationConfig(max_new_tokens=24)
     ids = [engine.submit(GenerationRequest(p, config, q)) for p, q in zip(prompts, [FixedBlockSize(3), Raises(), None])]
     ends, tokens = {}, {i: [] for i in ids}
@@ -163,7 +162,7 @@ def test_a_faulty_row_ends_alone_a_cancelled_one_too_and_the_engine_goes_on(tiny
 
 
 def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models):
-    engine = StaticEngine(random_models, max_batch=1, capacity=64, sampling=False)
+    engine = Engine(random_models, max_batch=1, capacity=64, sampling=False)
     cases = [
         (GenerationConfig(max_new_tokens=60), False, "need [0-9]+ cache slots"),
         (GenerationConfig(max_new_tokens=4, temperature=1.0), False, "sampling=True"),
@@ -172,12 +171,9 @@ def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models
     for config, record, message in cases:
         with pytest.raises(ValueError, match=message):
             engine.submit(GenerationRequest([1, 2, 3], config, None, record))
-    trees = StaticEngine(random_models, max_batch=1, capacity=64, tree_nodes=4)
+    trees = Engine(random_models, max_batch=1, capacity=64, tree_nodes=4)
     with pytest.raises(ValueError, match="needs chains"):
         trees.submit(GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection")))
-    trim = DraftThenTrim(TrimCalibration(4, (0.5,) * 10, (1,) * 10))
-    with pytest.raises(ValueError, match="trims its drafts"):
-        engine.submit(GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4), trim))
     with pytest.raises(ValueError, match="compile must be one of"):
         StaticDecoder(random_models, rows=1, width=2, capacity=32, compile="fast")
     assert "graph" in COMPILE_MODES
@@ -265,7 +261,7 @@ def test_a_recording_static_engine_keeps_what_the_tables_need(tiny_models):
     B = tiny_models.train_block_size
     requests = [GenerationRequest(p, config, FixedBlockSize(b), record=True) for p, b in zip(prompts, (B, 2, B + 1))]
     eager = generate_many(tiny_models, requests)
-    static = generate_many(tiny_models, requests, engine=StaticEngine(tiny_models, max_batch=2, record=True, prefill_chunk=8))
+    static = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=2, record=True, prefill_chunk=8))
     for mine, theirs, prompt in zip(static, eager, prompts, strict=True):
         assert mine.token_ids == theirs.token_ids
         assert mine.record.context_features.shape == (len(prompt) + len(mine.token_ids) - 1, theirs.record.context_features.shape[1])

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 from support import greedy_reference
 
-from blockpilot.decoding import GenerationConfig, GenerationRequest, SpeculativeEngine, generate_many
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.static import grow_trees
-from blockpilot.decoding.static_engine import StaticEngine
+from blockpilot.decoding.engine import Engine
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
 from blockpilot.serving import BatchedDecoder, ServeLimits
@@ -101,7 +100,7 @@ def test_greedy_tree_decoding_is_the_targets_greedy_output_beside_chain_rows(tin
     stop = tiny_models.stop_token_ids()
     expected = [greedy_reference(tiny_models.target, p, 40, stop) for p in prompts]
     B = tiny_models.train_block_size
-    engine = StaticEngine(tiny_models, max_batch=3, tree_nodes=16)
+    engine = Engine(tiny_models, max_batch=3, tree_nodes=16)
     policies = [FixedTree(16, B), FixedBlockSize(3), FixedTree(5, B), FixedTree(1, 2)]
     results = generate_many(tiny_models, requests(tiny_models, prompts, policies, 40), engine=engine)
     assert [r.token_ids for r in results] == expected
@@ -109,10 +108,10 @@ def test_greedy_tree_decoding_is_the_targets_greedy_output_beside_chain_rows(tin
     assert all(length <= 2 for length in results[3].acceptance_lengths)  # one node commits at most 2 tokens
     # A tree that keeps one token a level is the chain: branching into a slot's top 1, B - 1 nodes commit cycle by
     # cycle what a chain of B commits, whatever the weights.
-    narrow = StaticEngine(tiny_models, tree_nodes=B - 1, top_k=1)
+    narrow = Engine(tiny_models, tree_nodes=B - 1, top_k=1)
     trees = generate_many(tiny_models, requests(tiny_models, prompts, [FixedTree(B - 1, B)] * 4, 40), engine=narrow)
     chains = generate_many(
-        tiny_models, requests(tiny_models, prompts, [FixedBlockSize(B)] * 4, 40), engine=StaticEngine(tiny_models)
+        tiny_models, requests(tiny_models, prompts, [FixedBlockSize(B)] * 4, 40), engine=Engine(tiny_models)
     )
     assert [r.acceptance_lengths for r in trees] == [r.acceptance_lengths for r in chains]
     assert [r.token_ids for r in trees] == expected
@@ -132,8 +131,8 @@ def test_a_sampled_rows_output_for_a_seed_does_not_depend_on_its_tree(tiny_model
         ]
         return [r.token_ids for r in generate_many(tiny_models, batch, engine=engine)]
 
-    alone = decode(StaticEngine(tiny_models, max_batch=1, width=1), [None] * 4)
-    trees = decode(StaticEngine(tiny_models, max_batch=4, tree_nodes=12), [FixedTree(12, B), FixedTree(3, B)] * 2)
+    alone = decode(Engine(tiny_models, max_batch=1, width=1), [None] * 4)
+    trees = decode(Engine(tiny_models, max_batch=4, tree_nodes=12), [FixedTree(12, B), FixedTree(3, B)] * 2)
     assert trees == alone and alone[0] == alone[2] and alone[0] != alone[1]
 
 
@@ -150,22 +149,17 @@ def test_tree_policies_resolve_and_are_refused_where_they_cannot_run(tiny_models
     with pytest.raises(ValueError, match="at least 2 deep"):
         PolicySpec.parse("tree:24:1")
     request = GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4), policy)
-    with pytest.raises(ValueError, match="run on the static engine"):
-        SpeculativeEngine(tiny_models).submit(request)
     with pytest.raises(ValueError, match="build the engine with tree_nodes"):
-        StaticEngine(tiny_models).submit(request)
+        Engine(tiny_models).submit(request)
     with pytest.raises(ValueError, match="at least 2 deep"):
         FixedTree(8, 1)
 
 
-def test_the_serving_decoder_serves_trees_on_the_static_engine(tiny_models):
+def test_the_serving_decoder_serves_trees(tiny_models):
     """The endpoint's decoder with `tree:8` as its adaptive policy, warmed up by a request of its own at start: a tree
-    request and a forced chain (block_size) share the engine and each decodes the greedy output; the eager engine
-    refuses a tree policy as it is built."""
+    request and a forced chain (block_size) share the engine and each decodes the greedy output."""
     limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=256)
-    with pytest.raises(ValueError, match="serve it with the static engine"):
-        BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits)
-    decoder = BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits, engine="static").start()
+    decoder = BatchedDecoder(tiny_models, adaptive="tree:8", limits=limits).start()
     assert decoder.warm_up_seconds is not None  # one request decoded before the first: the requests below still exact
     try:
         bodies = [
@@ -190,28 +184,18 @@ def test_the_serving_decoder_serves_trees_on_the_static_engine(tiny_models):
         decoder.stop()
 
 
-def test_a_priced_engine_cuts_each_cycles_tree_to_the_size_that_pays_and_stays_exact(tiny_models):
-    """With a cost by tree size, a cycle verifies the size bucket that commits the most expected tokens a second:
-    a cost that grows steeply makes the engine verify small trees, a flat one the largest; the output stays greedy.
-    No stop tokens: every row runs its 40 tokens, whatever the weights."""
-    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS]
-    expected = [greedy_reference(tiny_models.target, p, 40) for p in prompts]
+def test_an_engine_of_small_trees_runs_chains_as_wide_as_its_width_beside_them(tiny_models):
+    """A chain of b is the tree of b - 1 nodes: an engine whose trees hold fewer nodes than its widest chain still
+    runs that chain (a served tree replica once died on it) beside tree rows, and both stay greedy."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:2]]
     B = tiny_models.train_block_size
-    engine = StaticEngine(tiny_models, max_batch=2, tree_nodes=15)
-    assert engine.tree_sizes == [3, 7, 15]  # 4, 8 and 16 slots, the root included
-    costs = engine.calibrate_trees(cycles=2)
-    assert list(costs) == [3, 7, 15] and all(seconds > 0 for seconds in costs.values())
-    assert list(costs.values()) == sorted(costs.values()) and engine.tree_cost == costs  # a larger tree never cheaper
-    used = {}
-    for name, cost in [("flat", {3: 1.0, 7: 1.0, 15: 1.0}), ("steep", {3: 1.0, 7: 10.0, 15: 100.0})]:
-        engine.tree_cost, engine.verified_nodes = cost, Counter()
-        results = generate_many(
-            tiny_models, requests(tiny_models, prompts, [FixedTree(15, B)] * 4, 40, stop=False), engine=engine
-        )
-        assert [r.token_ids for r in results] == expected
-        used[name] = set(engine.verified_nodes)
-    # Flat: every cycle verifies the smallest bucket holding its largest tree (15, or less near a row's budget).
-    assert 15 in used["flat"] and used["steep"] == {3}
+    engine = Engine(tiny_models, max_batch=2, tree_nodes=3)
+    width = engine.width
+    assert width - 1 > 3 and engine.tree_nodes >= width - 1
+    policies = [FixedBlockSize(width), FixedTree(3, B)]
+    results = generate_many(tiny_models, requests(tiny_models, prompts, policies, 32, stop=False), engine=engine)
+    assert [r.token_ids for r in results] == [greedy_reference(tiny_models.target, p, 32) for p in prompts]
+    assert max(results[0].block_sizes) == width
 
 
 def test_tree_walks_on_the_labels_equal_live_tree_runs_at_temperature_0(tiny_models):
@@ -225,7 +209,7 @@ def test_tree_walks_on_the_labels_equal_live_tree_runs_at_temperature_0(tiny_mod
     tables = [sweep_prompt(tiny_models, p, config).tables[0] for p in prompts]
     policies = [FixedTree(nodes, B + 1) for nodes in budgets]
     batch = requests(tiny_models, [p for p in prompts for _ in budgets], policies * len(prompts), 40)
-    live = generate_many(tiny_models, batch, engine=StaticEngine(tiny_models, max_batch=4, tree_nodes=16))
+    live = generate_many(tiny_models, batch, engine=Engine(tiny_models, max_batch=4, tree_nodes=16))
     walks = [table.walk_tree(nodes) for table in tables for nodes in budgets]
     assert [r.acceptance_lengths for r in live] == walks
     assert [r.token_ids for r in live] == [table.tokens.tolist() for table in tables for _ in budgets]
@@ -311,7 +295,7 @@ def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_mode
     stay greedy, sampled rows give the autoregressive sample of their seed; the eager engine and a step model refuse
     it."""
     from blockpilot.decoding import generate
-    from blockpilot.decoding.static_engine import shape_for
+    from blockpilot.decoding.engine import shape_for
     from blockpilot.policies.learned import LearnedPolicy
     from blockpilot.predictor import BlockSizePredictor, PredictorConfig
 
@@ -335,17 +319,17 @@ def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_mode
         GenerationRequest(p, GenerationConfig(max_new_tokens=30, temperature=t, seed=s), policy)
         for p, t, s in ((prompts[0], 0.0, 0), (prompts[1], 1.0, 5), (prompts[1], 0.0, 0))
     ]
-    chain, tree, other = generate_many(tiny_models, batch, engine=StaticEngine(tiny_models, max_batch=3, tree_nodes=16))
+    chain, tree, other = generate_many(tiny_models, batch, engine=Engine(tiny_models, max_batch=3, tree_nodes=16))
     assert chain.token_ids == greedy[0] and other.token_ids == greedy[1]
     assert set(chain.block_sizes) <= set(range(1, B + 1)) and max(chain.tree_nodes) == B - 1  # the chain of B
     assert tree.policy == "learned" and max(tree.tree_nodes) == 16
     autoregressive = GenerationRequest(prompts[1], batch[1].config, None)
-    alone = generate_many(tiny_models, [autoregressive], engine=StaticEngine(tiny_models, max_batch=1, width=1))[0]
+    alone = generate_many(tiny_models, [autoregressive], engine=Engine(tiny_models, max_batch=1, width=1))[0]
     assert tree.token_ids == alone.token_ids
     # Behind the endpoint's decoder as its adaptive policy: the blockpilot object shows each request's shape.
     limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=256)
     decoder = BatchedDecoder(
-        tiny_models, adaptive="learned:shapes", predictor=predictor, limits=limits, engine="static"
+        tiny_models, adaptive="learned:shapes", predictor=predictor, limits=limits
     ).start()
     try:
         bodies = [
@@ -360,7 +344,6 @@ def test_a_predictor_over_shapes_chooses_a_tree_or_a_chain_per_request(tiny_mode
         assert max(shown[0]["tree_nodes"]) <= B - 1 and max(shown[1]["tree_nodes"]) > B - 1  # a chain; a tree
     finally:
         decoder.stop()
-    with pytest.raises(ValueError, match="run on the static engine"):
-        generate(tiny_models, prompts[0], policy=policy)
+    assert generate(tiny_models, prompts[0], policy=policy).token_ids  # the library's engine is shaped for its trees
     with pytest.raises(ValueError, match="chooses among tree shapes"):
         resolve_policy("learned+step:a,b", tiny_models, predictor=predictor, step_model=object())

@@ -1,18 +1,18 @@
-"""Decoding: the speculative engine (one request or a batch, one code path), its requests and results, acceptance
-rules. Block-size policies are `blockpilot.policies`."""
+"""Decoding: the engine (one request or a batch, one code path, compiled or not), its requests and results,
+acceptance rules. Block-size policies are `blockpilot.policies`."""
 
 from blockpilot.decoding.acceptance import VERIFY_RULES, VerifyRule
-from blockpilot.decoding.engine import SpeculativeEngine, generate, generate_many
+from blockpilot.decoding.engine import Engine, generate, generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import RowUpdate
 
 __all__ = [
     "VERIFY_RULES",
+    "Engine",
     "GenerationConfig",
     "GenerationRequest",
     "GenerationResult",
     "RowUpdate",
-    "SpeculativeEngine",
     "VerifyRule",
     "generate",
     "generate_many",

@@ -35,14 +35,8 @@ VERIFY_RULES: tuple[str, ...] = ("match", "rejection")
 
 
 def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
-    """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): what draft-then-trim
-    calibrates on (tables) and decides with (the engine)."""
+    """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): the labels' table keeps it."""
     return torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
-
-
-def confidence_bin(confidence: torch.Tensor, bins: int) -> torch.Tensor:
-    """The bin of each confidence among `bins` equal-width bins over [0, 1] (a confidence of 1 in the last)."""
-    return torch.clamp((confidence * bins).long(), 0, bins - 1)
 
 
 def temperature_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

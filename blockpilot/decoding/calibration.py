@@ -1,4 +1,4 @@
-"""Measuring the cost curve c(b, batch) of the engine's cycle on a device (`blockpilot calibrate`, `--cost auto`);
+"""Measuring the cost curve c(b, batch) of the engine's cycle on a device (`blockpilot calibrate`);
 the curve itself, its fit and its file are `blockpilot.cost`."""
 
 from __future__ import annotations
@@ -12,32 +12,10 @@ import torch
 
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
-from blockpilot.decoding.engine import SpeculativeEngine
+from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
-from blockpilot.decoding.rows import RowScheduler
-from blockpilot.decoding.static_engine import StaticEngine
 from blockpilot.models.loading import synchronize
-from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
-
-
-class _DraftThenVerify(BlockSizePolicy):
-    """Drafts `drafted` slots every cycle and verifies `verified` positions: a trimmed cycle, for timing."""
-
-    name = "draft-then-verify"
-    trims = True
-
-    def __init__(self, drafted: int, verified: int) -> None:
-        self.drafted, self.verified = drafted, verified
-
-    def initial_block_size(self, prefill: Any) -> int:
-        return self.drafted
-
-    def next_block_size(self, cycle: Any) -> int:
-        return self.drafted
-
-    def verify_count(self, confidences: Any) -> int:
-        return min(self.verified - 1, len(confidences))
 
 
 def seconds_per_cycle(
@@ -45,15 +23,12 @@ def seconds_per_cycle(
     prompts: Sequence[Sequence[int]],
     block_sizes: Sequence[int],
     cycles: int,
-    drafted: int | None = None,
-    engine: RowScheduler | None = None,
+    engine: Engine | None = None,
     tree_nodes: int | None = None,
 ) -> float:
     """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
-    `drafted`, every row drafts that many slots and verifies its block size (a draft-then-trim cycle); with
-    `tree_nodes`, every row verifies a tree of that many nodes, b deep (on a static `engine` built for them).
-    `engine`: an idle one to time (a `StaticEngine`, whose compiled shapes then serve every measurement), else a
-    new eager one.
+    `tree_nodes`, every row verifies a tree of that many nodes, b deep (on an `engine` built for them). `engine`: an
+    idle one to time (whose compiled shapes then serve every measurement), else a new one run eagerly.
 
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
     may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
@@ -61,12 +36,13 @@ def seconds_per_cycle(
     if len(prompts) != len(block_sizes) or not prompts:
         raise ValueError(f"expected one block size per prompt, got {len(block_sizes)} for {len(prompts)} prompts")
     given = engine is not None
-    engine = engine or SpeculativeEngine(models, max_batch=len(prompts))
+    if engine is None:
+        width = max(block_sizes)
+        capacity = max(len(p) for p in prompts) + (cycles + 3) * width + 1 + max(width, tree_nodes or 0)
+        engine = Engine(models, max_batch=len(prompts), width=width, capacity=capacity, tree_nodes=tree_nodes)
     for prompt, b in zip(prompts, block_sizes, strict=True):
-        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * (drafted or b))  # never cut short
-        policy = FixedBlockSize(b) if drafted is None else _DraftThenVerify(drafted, b)
-        if tree_nodes is not None:
-            policy = FixedTree(tree_nodes, b)
+        config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
+        policy = FixedBlockSize(b) if tree_nodes is None else FixedTree(tree_nodes, b)
         engine.submit(GenerationRequest(list(prompt), config, policy))
     engine.step()  # admission (prefill) and the first cycle: not timed
     started = time.perf_counter()
@@ -97,12 +73,10 @@ def calibrate(
     cycles: int = 12,
     repeats: int = 5,
     warmup: int = 2,
-    drafted: int | None = None,
-    compile: str | None = None,
+    compile: str = "auto",
     tree_nodes: Sequence[int] = (),
 ) -> CycleCost:
-    """Median wall time of one engine cycle at each (batch, b), on the models' device; with `drafted`, of a
-    cycle that drafts that many slots and verifies b (draft-then-trim's price, `CycleCost.drafted`).
+    """Median wall time of one engine cycle at each (batch, b), on the models' device.
 
     Each measurement runs `batch` rows of a `prompt_tokens`-token prompt through `cycles` cycles at a fixed b,
     `repeats` times after `warmup` untimed runs. Cycles are timed by the engine (synchronised), prefill not.
@@ -112,21 +86,15 @@ def calibrate(
     shape, which is what choosing b reads. The medians at each batch are then fitted non-decreasing in b
     (`nondecreasing_in_block_size`); the raw ones are kept as `measured`.
 
-    With `compile` (`static.COMPILE_MODES`), the cycle timed is the static engine's (`static_engine.py`) run that
-    way, one engine per batch size: it runs each b at the narrowest width compiled that holds it, so every b of a
-    width costs the same, and each is priced at the median of its width's times (`one_cost_per_bucket`).
+    The cycle timed is the engine's, run as `compile` says (`static.COMPILE_MODES`), one engine per batch size: it
+    runs each b at the narrowest width compiled that holds it, so every b of a width costs the same, and each is
+    priced at the median of its width's times (`one_cost_per_bucket`).
     With `tree_nodes` too, the cycles of draft trees of each of those budgets, max(block_sizes) deep (the trees
     the labels walk), on a static engine built for the largest: `CycleCost.trees`, timed and fitted the same way.
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
-    if drafted is not None and max(block_sizes) > drafted:
-        raise ValueError(f"cycles that draft {drafted} verify at most {drafted} positions, not b = {max(block_sizes)}")
-    if compile is not None and drafted is not None:
-        raise ValueError("the static engine verifies whole blocks: calibrate draft-then-trim on the eager engine")
     tree_nodes = distinct_tree_budgets(tree_nodes, "tree nodes")
-    if tree_nodes and compile is None:
-        raise ValueError("draft trees run on the static engine only: calibrate tree nodes with --engine static")
     generator = torch.Generator().manual_seed(0)
     measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
     fitted: dict[int, dict[int, float]] = {}  # batch -> b -> the curve
@@ -134,29 +102,27 @@ def calibrate(
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
-        engine = tree_engine = None
-        if compile is not None:
-            capacity = prompt_tokens + (cycles + 3) * depth + 1 + max(depth, *tree_nodes)
-            engine = StaticEngine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
-            if tree_nodes:
-                tree_engine = StaticEngine(
-                    models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
-                )
+        capacity = prompt_tokens + (cycles + 3) * depth + 1 + max(depth, *tree_nodes)
+        engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
+        tree_engine = None
+        if tree_nodes:
+            tree_engine = Engine(
+                models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
+            )
         rounds, tree_rounds = [], []
         for attempt in range(warmup + repeats):
             timed = {
-                b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, drafted, engine) for b in block_sizes
+                b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, engine) for b in block_sizes
             }
             timed_trees = {
-                nodes: seconds_per_cycle(models, prompts[depth], [depth] * batch, cycles, None, tree_engine, nodes)
+                nodes: seconds_per_cycle(models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes)
                 for nodes in tree_nodes
             }
             if attempt >= warmup:
                 rounds.append(timed)
                 tree_rounds.append(timed_trees)
         measured[batch] = round_relative_medians(rounds)
-        by_width = measured[batch] if engine is None else one_cost_per_bucket(measured[batch], engine.widths)
-        fitted[batch] = nondecreasing_in_block_size(by_width)
+        fitted[batch] = nondecreasing_in_block_size(one_cost_per_bucket(measured[batch], engine.widths))
         if tree_nodes:
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
     return CycleCost(
@@ -167,29 +133,9 @@ def calibrate(
         target_id=models.target_id,
         drafter_id=models.drafter_id,
         measured=measured,
-        drafted=drafted,
         trees=trees,
         tree_depth=depth if tree_nodes else None,
     )
-
-
-def ladder(top: int, step: int) -> tuple[int, ...]:
-    """1, step, step^2, ... below `top`, then `top`: the sizes a short calibration measures up to `top`."""
-    if top < 1 or step < 2:
-        raise ValueError(f"a ladder needs top >= 1 and step >= 2, got top={top}, step={step}")
-    rungs, size = [], 1
-    while size < top:
-        rungs.append(size)
-        size *= step
-    return (*rungs, top)
-
-
-def serving_calibration(
-    models: Any, max_block_size: int, max_batch: int, *, cycles: int = 4, repeats: int = 3
-) -> CycleCost:
-    """A short `calibrate` for an engine about to serve: b = 1, 2, 4, ... up to `max_block_size` (the cost is
-    linear in b between them) at batch sizes 1, 4, 16, ... up to `max_batch` (the nearest one prices a batch)."""
-    return calibrate(models, ladder(max_block_size, 2), ladder(max_batch, 4), cycles=cycles, repeats=repeats, warmup=1)
 
 
 def device_name(device: Any) -> str:

@@ -1,91 +1,110 @@
-"""The speculative decoding engine: rows with their own prompt, block size, temperature, seed and stop rules
-share one drafter call and one target verify per cycle. Batch 1 is the same code with one row.
+"""The engine: continuous batching on the static cycle (`static.py`). Every command decodes here: `generate`,
+`serve`, `label`, `calibrate`, the demo and the benchmarks. `compile="off"` runs the same cycle eagerly (debugging,
+and the reference in exactness tests); it is not a second engine.
 
-prefill (one target pass for the rows that join) -> first token -> policy picks b -> repeat for the batch: draft every
-row's block in one drafter call (padded to the widest block; a row attends to its own b slots only) -> a
-policy that trims (`verify_count`, e.g. draft-then-trim) keeps a prefix of its drafts -> verify every block
-in one target pass (packed: each row its own block) -> per row: accepted prefix + the target's own token ->
-write the committed positions' context features into the drafter's cache -> the per-cycle policy hook picks
-each row's next b (once per policy the rows share). Without a
-drafter (or at b = 1) a cycle verifies just the last token: plain autoregressive decoding.
+Rows live in cache rows 0 .. n - 1 of a `StaticDecoder` built for `max_batch` rows (and one more, where a long
+prompt is prefilled a chunk a step beside the running rows). A step: drop cancelled rows -> prefill joining rows
+into the next free cache rows (a few passes of prompts of similar length) -> one cycle for the n rows at the
+smallest compiled row count >= n, the span of cache their contexts need and the width bucket of the widest b ->
+one device-to-host copy of what the rows committed -> stop tokens, budgets, per-step policies on the host ->
+finished rows leave, the last row moving into the hole.
 
-Caches keep one slot per absolute position (`cache.py`), so rejected drafts need no crop and rows of
-different lengths need no compaction; rows join and leave between cycles (continuous batching). Every random
-draw of a row comes from its own generator in a fixed order, so a row's output for a given seed does not
-depend on the other rows. Terms (block, draft/accepted/bonus tokens, acceptance length) are defined in
-`acceptance.py`; what this engine shares with the static one (a row, its queue and admission, the policies'
-hooks) is in `rows.py`.
+- every row of a cycle computes the cycle's width bucket (a row's b <= width is where its acceptance stops), so a
+  policy's b is capped at the engine's width;
+- sampling is counter-based (`static.pick_tokens`): a row's output for a seed is a function of its prompt and seed
+  alone (any b, any batch);
+- `rejection` rows draft samples of the drafter (`static.speculative_sampling`), in a cycle variant compiled when
+  one runs; a tree engine verifies by matching only;
+- feature records (`GenerationRequest.record`, labeling's reference generations) need an engine built with
+  `record=True`: its compiled cycle then also keeps every committed position's features and distribution summary;
+- draft trees (`tree.py`, policy `tree:N`): an engine built with `tree_nodes` drafts, grows every row's tree on the
+  device (`static.grow_trees`) and verifies the batch's trees in one target pass, one step a cycle.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from blockpilot.decoding.acceptance import (
-    accept_greedy,
-    accept_match,
-    accept_rejection,
-    sample_next,
-    sample_tokens,
-    temperature_probs,
-)
-from blockpilot.decoding.cache import SlotStore, TargetSlotCache
+from blockpilot.checks import positive_int
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
+    PREFILL_MAX_PADDING,
     NonFiniteLogits,
     Row,
     RowScheduler,
     RowUpdate,
     decide_block_sizes,
+    is_device_failure,
     new_record,
     prefill_groups,
     record_distributions,
     truncate_at_stop,
 )
-from blockpilot.decoding.width import AcceptanceRate, CyclePrice, priced_width
-from blockpilot.models.attention import GROUPED_SDPA, RaggedTokens, masked_attention_kernels
-from blockpilot.models.drafter import Blocks
-from blockpilot.models.features import tapped
-from blockpilot.models.loading import SpeculativeModels, cache_keyword, synchronize
-from blockpilot.policies.base import BlockSizePolicy, PrefillState, draft_confidence
+from blockpilot.decoding.static import StaticDecoder, span_bucket
+from blockpilot.home import blockpilot_home
+from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.policies.base import BlockSizePolicy, PrefillState
+from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
+from blockpilot.tree import TOP_K
 
-# How many drafts' worth of the engine's pooled acceptance rate a row's own rate starts from (`width.py`).
-POOLED_PRIOR_DRAFTS = 4.0
-# Slots past a row's last position that a cycle writes into: the drafter's block and the verify's block.
-CACHE_SCRATCH = 64
-
-
-def _finite(logits: torch.Tensor) -> list:
-    """Whether each distribution of (..., V) logits is usable, as a nested list (...): its largest logit is
-    finite. NaN propagates into the maximum and so does +inf, while a few tokens banned at -inf (a legitimate
-    logit) leave it finite; one reduction over the logits, not an elementwise test of every one."""
-    return torch.isfinite(logits.amax(dim=-1)).tolist()
+COMPILE_HELP = (
+    "auto (default): what pays on the device (compile on a CPU, compile+graph on CUDA); off: the same cycle eagerly "
+    "(debugging); compile, graph, compile+graph: torch.compile the cycle, replay it as a CUDA graph, or both"
+)
+# Cache slots a row holds by default: its prompt, its budget and one block must fit.
+DEFAULT_CAPACITY = 2048
 
 
-def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def keep_compiled_kernels() -> None:
+    """Inductor's compiled kernels go under $BLOCKPILOT_HOME/inductor, with everything else the project writes (a
+    second run of the same shapes loads them instead of compiling), unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(blockpilot_home() / "inductor"))
 
 
-class SpeculativeEngine(RowScheduler):
-    """Continuous-batching speculative decoding over one set of models.
+def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
+    """(width, tree nodes) a static engine needs for rows of `policy` alone: a fixed b's own width, a tree's depth and
+    (largest) budget; (None, None) (the defaults) for a policy that chooses b."""
+    if policy.tree_nodes is not None:
+        return policy.tree_depth, policy.tree_nodes
+    if isinstance(policy, (FixedBlockSize, Autoregressive)):
+        return policy.initial_block_size(None), None
+    return None, None
 
-    `submit` queues a request and returns its row id; each `step` admits queued rows (prefill) while the
-    batch has room, then runs one draft/verify cycle for every active row and reports what each committed.
-    `run` drains the engine as a generator of `RowUpdate`s; `cancel` ends a row before the next cycle.
 
-    With a cycle `cost` curve, each cycle's verify width is priced (`width.py`): greedy rows whose blocks are
-    wider than the batch's best width are capped at it for that cycle. Rows of unequal blocks run packed: the
-    drafter's and the target's token-by-token layers (and both heads) see one sequence of every row's own block
-    (`RaggedTokens`), not every row padded to the widest; only attention unpacks them, row by row.
+def power_buckets(limit: int, smallest: int = 1) -> list[int]:
+    """The sizes a shape is compiled at, up to `limit`: powers of two from `smallest` below it, and `limit` (row
+    counts, chain widths)."""
+    return sorted({*(1 << i for i in range(limit.bit_length()) if smallest <= 1 << i < limit), limit})
+
+
+def tree_buckets(tree_nodes: int) -> list[int]:
+    """The tree sizes, in nodes, a verify is compiled at, up to `tree_nodes`: those whose slots (the root too) are
+    powers of two from 4, and `tree_nodes`. A verify's cost is a staircase in its slots, with steps past multiples of
+    8 on the CPUs measured (one slot past 8, 16 or 32 costs 9-17% more), so a bucket of 2^k - 1 nodes is the largest
+    tree at its price."""
+    return [slots - 1 for slots in power_buckets(tree_nodes + 1, smallest=4)]
+
+
+class Engine(RowScheduler):
+    """Continuous-batching speculative decoding: `submit` a request (its row id back), `step` (admission, then one
+    cycle for every row; each row's `RowUpdate`s), `run` (step until idle, as a generator), `cancel`.
+
+    `width`: the widest block a row drafts (default: the drafter's training block size B + 2, the widest candidate
+    the project's sweeps label; 1 without a drafter). `capacity`: cache slots a row holds (prompt, budget and one
+    block; default 2,048, at most the context). `compile`: `static.COMPILE_MODES`, "auto" resolved by
+    `compile_mode` (the class's default is "off": a one-off generation does not repay a compile; the commands
+    default to "auto"). `sampling`: whether rows may
+    decode at T > 0 (off, the cycle skips the sampler). `prefill_chunk`: prompts longer than this are prefilled a
+    chunk a step, beside the running rows' cycles. `tree_nodes`: every cycle verifies draft trees of up to this
+    many nodes (`tree.py`; a row without a tree policy as the chain of its b), branching into each slot's `top_k`
+    tokens (at least the engine's widest chain: a chain of b is the tree of b - 1 nodes).
     """
 
     def __init__(
@@ -93,436 +112,328 @@ class SpeculativeEngine(RowScheduler):
         models: SpeculativeModels,
         *,
         max_batch: int = 1,
-        cost: CyclePrice | None = None,
+        width: int | None = None,
+        capacity: int | None = None,
+        compile: str = "off",
+        sampling: bool = True,
         prefill_chunk: int | None = None,
+        tree_nodes: int | None = None,
+        top_k: int = TOP_K,
+        record: bool = False,
     ) -> None:
         super().__init__(models, max_batch, prefill_chunk)
-        self._chunk_features: list[torch.Tensor] = []  # the long prompt's recorded features, chunk by chunk
-        self.cost = cost
-        # A packed verify reads each row's tokens back through the project's attention (`RaggedTokens`); a target
-        # loaded with another attention verifies every row padded to the widest block.
-        attention = getattr(models.target.config, "_attn_implementation", None)
-        self.packed_verify = attention == GROUPED_SDPA
-        self.acceptance = AcceptanceRate()  # every row's cycles, pooled: the prior of a row's own rate
-        self.target, self.drafter = models.target, models.drafter
-        self.cache_keyword = cache_keyword(self.target)
-        num_layers = int(self.target.config.get_text_config().num_hidden_layers)
-        self.target_cache = TargetSlotCache(num_layers)
-        self.context = SlotStore(self.drafter.config.num_hidden_layers) if self.drafter is not None else None
-        for store in (self.target_cache.store, self.context):
-            if store is not None:
-                store.row_limit = self.max_batch + 1  # the batch's rows and the long prompt's prefill row
-        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else None
-        self.embed, self.head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        if width is None:
+            width = models.train_block_size + 2 if models.drafter is not None else 1
+        self.width = positive_int(width, "width")
+        capacity = capacity or min(DEFAULT_CAPACITY, self.context_limit or DEFAULT_CAPACITY)
+        if tree_nodes is not None:  # the largest tree bucket holds every chain a row may draft
+            tree_nodes = max(positive_int(tree_nodes, "tree_nodes"), self.width - 1)
+        self.decoder = StaticDecoder(
+            models,
+            rows=self.max_batch + 1,
+            width=self.width,
+            capacity=capacity,
+            compile=compile,
+            sampling=sampling,
+            tree_nodes=tree_nodes,
+            top_k=top_k,
+            record=record,
+        )
+        self.tree_nodes = tree_nodes  # the largest tree a cycle verifies, in nodes past the root (None: chains)
+        self.tree_sizes = tree_buckets(tree_nodes) if tree_nodes is not None else []
+        self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
+        self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
+        self.buckets = power_buckets(self.max_batch)
+        self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
+        self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
+
+    @property
+    def capacity(self) -> int:
+        return self.decoder.capacity
+
+    @property
+    def compile_seconds(self) -> float | None:
+        return self.decoder.compile_seconds
 
     # ---------------------------------------------------------------- requests
 
     def submit(self, request: GenerationRequest) -> int:
-        """Check and queue a request; returns its row id. Bad prompts fail here, naming the problem."""
+        """Check and queue a request; returns its row id. What this engine cannot decode fails here, naming it."""
         prompt = self._checked_prompt(request)
-        policy = self._policy_of(request)
-        if policy.tree_nodes is not None:
-            raise ValueError(f"policy {policy.name!r} drafts trees: they run on the static engine (--engine static)")
-        return self._queue(
-            Row(
-                id=next(self._ids),
-                request=request,
-                prompt=prompt.to(self.device),
-                policy=policy,
-                generator=make_generator(self.device, request.config.seed),
-                record=new_record() if request.record else None,
+        config = request.config
+        need = prompt.numel() + config.max_new_tokens + self.reach
+        if need > self.capacity:
+            raise ValueError(
+                f"a prompt of {prompt.numel()} tokens and max_new_tokens {config.max_new_tokens} need {need} cache "
+                f"slots with a block of {self.width}; this engine holds {self.capacity} a row"
             )
+        if config.temperature > 0 and config.verify == "rejection" and self.tree_nodes is not None:
+            raise ValueError("a tree engine verifies by matching the target's samples; verify='rejection' needs chains")
+        if config.temperature > 0 and not self.decoder.sampling:
+            raise ValueError(f"temperature {config.temperature} needs an engine built with sampling=True")
+        if request.record and not self.decoder.recording:
+            raise ValueError("a recorded request needs an engine built with record=True (and a drafter)")
+        policy = self._policy_of(request)
+        if policy.tree_nodes is not None and self.tree_nodes is None:
+            raise ValueError(f"policy {policy.name!r} drafts trees: build the engine with tree_nodes")
+        row = Row(
+            id=next(self._ids),
+            request=request,
+            prompt=prompt.to(self.device),
+            policy=policy,
+            record=new_record() if request.record else None,
         )
+        self._seeds[row.id] = config.seed if config.seed is not None else random.getrandbits(62)
+        return self._queue(row)
 
     @torch.inference_mode()
     def step(self) -> list[RowUpdate]:
         updates: list[RowUpdate] = []
         self._drop_cancelled(updates)
         joining = self._joining()
-        # Caches grow to what the rows can need (prompt, budget, the widest block's scratch), never doubled past it.
-        pending = [*self.rows, *joining, *([self.prefilling] if self.prefilling else [])]
-        needs = [row.prompt.numel() + row.config.max_new_tokens for row in pending]
-        self.target_cache.position_limit = max(needs) + 2 * CACHE_SCRATCH if needs else None
-        with masked_attention_kernels(self.device):
-            if joining:
-                self._admit(joining, updates)
-            if self.prefilling is not None:
+        batch_rows = len(self.rows) + len(joining)
+        for group in prefill_groups([row.prompt.numel() for row in joining], PREFILL_MAX_PADDING):
+            rows = [joining[i] for i in group]
+            with self._failing_alone(rows, updates):
+                self._prefill(rows, batch_rows, updates)
+        if self.prefilling is not None:
+            with self._failing_alone([self.prefilling], updates):
                 self._prefill_chunk(updates)
-            if self.rows:
+        if self.rows:
+            with self._failing_alone(list(self.rows), updates):
                 self._cycle(updates)
-        if not self.busy:  # idle: hold no cache (the next request allocates what it needs)
-            self.target_cache.store.release()
-            if self.context is not None:
-                self.context.release()
         return updates
+
+    @contextmanager
+    def _failing_alone(self, rows: list[Row], updates: list[RowUpdate]) -> Iterator[None]:
+        """A model pass that raises (out of memory included) fails the rows it ran for, not the engine: they end with
+        its error, their cache rows cleared, and the engine serves on. A failure of the device itself
+        (`is_device_failure`) is raised: the process cannot go on."""
+        try:
+            yield
+        except Exception as error:
+            if is_device_failure(error):
+                raise
+            for row in rows:
+                row.failure, row.stop_reason = error, "error"
+            if self.prefilling is not None and self.prefilling.failure is not None:
+                self.prefilling = None
+                self.decoder.free(self.max_batch, clear=True)
+                updates.append(RowUpdate(rows[0].id, [], rows[0].result("error"), error))
+            for index in reversed([i for i, row in enumerate(self.rows) if row.failure is not None]):
+                self._retire(index, updates)
+            for row in rows:  # rows that failed before they took a cache row
+                if all(update.row_id != row.id or update.result is None for update in updates):
+                    updates.append(RowUpdate(row.id, [], row.result("error"), error))
+                    self._seeds.pop(row.id, None)
 
     # ---------------------------------------------------------------- prefill
 
-    def _admit(self, joining: list[Row], updates: list[RowUpdate]) -> None:
-        """Prefill the joining rows, a few target passes of prompts of similar length (`prefill_groups`)."""
-        batch_rows = len(self.rows) + len(joining)
-        for group in prefill_groups([row.prompt.numel() for row in joining]):
-            self._prefill([joining[index] for index in group], updates, batch_rows)
-
-    def _prefill(self, joining: list[Row], updates: list[RowUpdate], batch_rows: int) -> None:
-        """Prefill rows into the next free cache rows in one target pass; commit each one's first token.
-
-        Prompts are right-padded to the longest: under causal attention a prompt's positions never see its
-        padding, and the padded slots lie past the row's length, so they are rewritten before anything reads them.
-        """
+    def _prefill(self, joining: list[Row], batch_rows: int, updates: list[RowUpdate]) -> None:
+        """Prefill rows into the next free cache rows in one target pass; each one joins with its first token."""
         started = time.perf_counter()
-        first_slot, count = len(self.rows), len(joining)
-        lengths = [row.prompt.numel() for row in joining]
-        width = max(lengths)
-        prompts = torch.zeros(count, width, dtype=torch.long, device=self.device)
-        for index, row in enumerate(joining):
-            prompts[index, : lengths[index]] = row.prompt
-        positions = torch.arange(width, device=self.device)[None].expand(count, width)
-        last = torch.tensor(lengths, device=self.device) - 1  # (k,)
-        kept = torch.unique(last)  # (U,) the last positions, sorted: the only ones whose logits are needed
-        slots = slice(first_slot, first_slot + count)
-        self.target_cache.window(slots, positions, width)
-        out, features = self._target(input_ids=prompts, position_ids=positions, logits_to_keep=kept)  # (k, width, F)
-        logits = out.logits[torch.arange(count), torch.searchsorted(kept, last)].float()  # (k, V)
-        if features is not None:
-            self._write_context(slots, positions, features, torch.tensor(lengths, device=self.device), width)
+        first = len(self.rows)
+        logits, features = self.decoder.prefill(first, [row.prompt for row in joining])
         synchronize(self.device)
-        elapsed = time.perf_counter() - started
-        recorded = [None if features is None else features[i, : lengths[i]] for i in range(count)]
-        self._join(joining, logits, recorded, batch_rows, elapsed, updates)
-
-    def _join(
-        self,
-        joining: list[Row],
-        logits: torch.Tensor,  # (k, V) each row's next-token logits after its prompt
-        features: list[torch.Tensor | None],  # each row's prompt features, for its record
-        batch_rows: int,
-        elapsed: float,
-        updates: list[RowUpdate],
-    ) -> None:
-        """Rows whose prompts are in the next free cache rows join the batch: each one's first token, first b."""
-        first_slot = len(self.rows)
-        # Each first token is drawn before the first b is chosen: it is that block's first token, which a policy reads.
-        finite = _finite(logits)
-        firsts = [self._first_token(row, logits[i], finite[i]) for i, row in enumerate(joining)]
         for index, row in enumerate(joining):
-            temperature = row.config.temperature
-            row.prefill_state = PrefillState(
-                logits[index], row.prompt, temperature, self.models.train_block_size, batch_rows, firsts[index]
-            )
-        decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
-        finished = []
-        for index, (row, first) in enumerate(zip(joining, firsts, strict=True)):
-            row.tokens, row.length = [first], row.prompt.numel()
-            if row.record is not None and features[index] is not None:
-                row.record["features"].append(features[index])
-                record_distributions(row, logits[index][None])
-            row.prefill_time += elapsed
-            self.rows.append(row)
-            if row.failure is None:
-                if first in row.config.stop_token_ids:
-                    row.stop_reason = "stop"
-                elif row.config.max_new_tokens == 1:
-                    row.stop_reason = "length"
-                updates.append(RowUpdate(row.id, [first]))
-            if row.stop_reason is not None:
-                finished.append(first_slot + index)
-        for slot in reversed(finished):
-            self._retire(slot, updates)
-
-    def _start_chunked(self, row: Row) -> None:
-        super()._start_chunked(row)
-        self._chunk_features = []
+            row.prefill_time += time.perf_counter() - started
+            if row.record is not None:
+                row.record["features"].append(features[index, : row.prompt.numel()].cpu())
+        self._join(joining, logits, batch_rows, updates)
 
     def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
-        """The next `prefill_chunk` tokens of the long prompt being prefilled, in its own cache row (`max_batch`,
-        past every active row): the running rows cycle meanwhile, instead of waiting for one long prefill. After
-        its last chunk the row moves to the next free cache row and joins the batch."""
-        row, start, slot = self.prefilling, self._prefilled, self.max_batch
+        """The next chunk of the long prompt, in cache row `max_batch`; after its last chunk the row moves to the
+        next free cache row and joins."""
+        row, start = self.prefilling, self._prefilled
         if row.cancelled:
             self.prefilling = None
             updates.append(RowUpdate(row.id, [], row.result("cancelled")))
             return
         started = time.perf_counter()
-        length = row.prompt.numel()
-        stop = min(start + self.prefill_chunk, length)
-        positions = torch.arange(start, stop, device=self.device)[None]  # (1, c)
-        # A query at position q sees the slots <= q: the earlier chunks and this one up to itself.
-        visible = torch.arange(stop, device=self.device)[None, None, :] <= positions[:, :, None]
-        rows = slice(slot, slot + 1)
-        self.target_cache.window(rows, positions, stop)
-        out, features = self._target(  # features (1, c, F)
-            input_ids=row.prompt[start:stop][None],
-            position_ids=positions,
-            attention_mask=visible[:, None],
-            logits_to_keep=1,
-        )
-        if features is not None:
-            self._write_context(rows, positions, features, torch.tensor([stop - start], device=self.device), stop)
-            if row.record is not None:
-                self._chunk_features.append(features[0])
+        stop = min(start + self.prefill_chunk, row.prompt.numel())
+        logits, features = self.decoder.prefill(self.max_batch, [row.prompt[start:stop]], start=start)
         synchronize(self.device)
+        if row.record is not None:
+            row.record["features"].append(features[0].cpu())
         row.prefill_time += time.perf_counter() - started
         self._prefilled = stop
-        if stop < length:
+        if stop < row.prompt.numel():
             return
-        destination = len(self.rows)
-        self.target_cache.store.move_row(slot, destination, length)
-        if self.context is not None:
-            self.context.move_row(slot, destination, length)
         self.prefilling = None
-        recorded = torch.cat(self._chunk_features) if self._chunk_features else None
-        self._join([row], out.logits[:, -1].float(), [recorded], len(self.rows) + 1, 0.0, updates)
+        self.decoder.move(self.max_batch, len(self.rows), stop)
+        self._join([row], logits, len(self.rows) + 1, updates)
+
+    def _join(self, joining: list[Row], logits: torch.Tensor, batch_rows: int, updates: list[RowUpdate]) -> None:
+        """Rows whose prompts are in cache rows len(rows) .. join: first token, first b, placed in the decoder."""
+        first_row = len(self.rows)
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+        seeds = [self._seeds[row.id] for row in joining]
+        temperatures = [row.config.temperature for row in joining]
+        firsts = self.decoder.pick(logits, [row.prompt.numel() for row in joining], temperatures, seeds)
+        for index, row in enumerate(joining):
+            if not finite[index]:
+                row.fail(NonFiniteLogits("the target's next-token distribution after the prompt is not finite"))
+            if row.record is not None:
+                record_distributions(row, logits[index][None])
+            row.prefill_state = PrefillState(
+                logits[index],
+                row.prompt,
+                row.config.temperature,
+                self.models.train_block_size,
+                batch_rows,
+                firsts[index],
+            )
+        decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
+        finished = []
+        for index, row in enumerate(joining):
+            slot = first_row + index
+            row.tokens, row.length = [firsts[index]], row.prompt.numel()
+            self.rows.append(row)
+            self.decoder.place(
+                slot,
+                length=row.length,
+                last_token=firsts[index],
+                temperature=row.config.temperature,
+                seed=self._seeds[row.id],
+                rejection=row.config.verify == "rejection",
+            )
+            if row.failure is None:
+                if firsts[index] in row.config.stop_token_ids:
+                    row.stop_reason = "stop"
+                elif row.config.max_new_tokens == 1:
+                    row.stop_reason = "length"
+                updates.append(RowUpdate(row.id, [firsts[index]]))
+            if row.stop_reason is not None:
+                finished.append(slot)
+        for slot in reversed(finished):
+            self._retire(slot, updates)
 
     # ---------------------------------------------------------------- one cycle for the whole batch
 
     def _cycle(self, updates: list[RowUpdate]) -> None:
         started = time.perf_counter()
-        rows = self.rows
-        sizes = [min(row.block_size, row.config.max_new_tokens - len(row.tokens)) for row in rows]
-        sizes = self._priced_sizes(rows, sizes)
-        width = max(sizes)
-        lengths = torch.tensor([row.length for row in rows], device=self.device)
-        last_tokens = torch.tensor([row.last_token for row in rows], device=self.device)
-        drafts, draft_probs, draft_logits = self._draft(rows, lengths, last_tokens, sizes, width)
-        sizes = self._trim(rows, sizes, draft_logits)
-        width = max(sizes)
-        block_ids = torch.cat([last_tokens[:, None], drafts[:, : width - 1]], dim=1)  # (n, W)
-        logits, features = self._verify(block_ids, lengths, sizes)
-        committed = self._accept(rows, sizes, drafts, draft_probs, logits)
-        if features is not None:
-            positions = lengths[:, None] + torch.arange(width, device=self.device)
-            # A row's context grows by its first token and accepted drafts; its slots past them are rewritten
-            # before they are read, so the rejected drafts' features are never encoded.
-            counts = torch.tensor([accepted + 1 for _, accepted in committed], device=self.device)
-            self._write_context(slice(0, len(rows)), positions, features, counts, int(lengths.max()) + width)
-        synchronize(self.device)
+        rows, n = self.rows, len(self.rows)
+        chosen = [min(row.block_size, self.width) for row in rows]
+        sizes = [min(b, row.config.max_new_tokens - len(row.tokens)) for b, row in zip(chosen, rows, strict=True)]
+        self.decoder.set_block_sizes(sizes)
+        # The cycle's width: the bucket of the widest chosen b (not cut to the rows' budgets, which only stop
+        # acceptance: a generation's last cycles need no narrower shape compiled).
+        width = next(w for w in self.widths if w >= max(chosen))
+        bucket = next(b for b in self.buckets if b >= n)
+        span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
+        if all(row.tree_budget is None for row in rows):  # chains alone: the chain cycle, also on a tree engine
+            rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
+            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection)
+            if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
+                for row, size in zip(rows, sizes, strict=True):
+                    row.tree_nodes.append(size - 1)
+        else:
+            tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span)
+        # One device-to-host copy for the batch: each row's tokens, count and whether its logits were finite.
+        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long()], dim=1).tolist()
         elapsed = time.perf_counter() - started
         finished, going_on = [], []
-        for index, (row, size, (new_tokens, accepted)) in enumerate(zip(rows, sizes, committed, strict=True)):
-            if row.failure is not None:
+        for index, (row, size, out) in enumerate(zip(rows, sizes, host, strict=True)):
+            if not out[-1]:
+                row.fail(NonFiniteLogits("the target's distribution over this request's block is not finite"))
                 finished.append(index)
                 continue
-            self._commit(row, size, new_tokens, features, logits, index)
-            row.acceptance.add(size, accepted)
-            self.acceptance.add(size, accepted)
+            count = out[-2]
+            new_tokens = truncate_at_stop(out[:count], row.config.stop_token_ids)
+            if row.record is not None:
+                self._record(row, index, len(new_tokens))
+            row.length += count
+            row.tokens.extend(new_tokens)
+            row.block_sizes.append(size)
+            row.acceptance_lengths.append(len(new_tokens))
+            row.drafter_passes += int(size > 1)
             row.decode_time += elapsed
             updates.append(RowUpdate(row.id, new_tokens))
+            if new_tokens[-1] in row.config.stop_token_ids:
+                row.stop_reason = "stop"
+            elif len(row.tokens) >= row.config.max_new_tokens:
+                row.stop_reason = "length"
             if row.stop_reason is None:
-                going_on.append((row, len(new_tokens), logits[index, accepted]))
+                going_on.append((row, len(new_tokens), self.decoder.anchor_logits[index]))
             else:
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)
 
-    def _first_token(self, row: Row, logits: torch.Tensor, finite: bool) -> int:
-        """The row's first token from its prefill distribution; 0 (unused) for a row that fails here."""
-        try:
-            if not finite:
-                raise NonFiniteLogits("the target's next-token distribution after the prompt is not finite")
-            return int(sample_next(logits, row.config.temperature, row.generator))
-        except Exception as error:
-            row.fail(error)
-            return 0
+    def _record(self, row: Row, index: int, kept: int) -> None:
+        """The row's committed positions' features and the distributions that drew its new tokens, from the cycle's
+        record buffers (cache row `index`, the first `kept` entries)."""
+        decoder = self.decoder
+        buffers = (decoder.record_features, decoder.record_entropy, decoder.record_top_ids, decoder.record_top_probs)
+        for name, buffer in zip(("features", "entropy", "top_ids", "top_probs"), buffers, strict=True):
+            row.record[name].append(buffer[index, :kept].to("cpu", copy=True))  # the next cycle rewrites the buffer
 
-    def _priced_sizes(self, rows: list[Row], sizes: list[int]) -> list[int]:
-        """Greedy rows capped at the width the cost curve prices best for this batch; rows sampled at T > 0 keep
-        their b (their output for a seed must not depend on the batch) and set the narrowest width allowed."""
-        if self.cost is None or len(rows) < 2:
-            return sizes
-        sampled = [size for row, size in zip(rows, sizes, strict=True) if row.config.temperature > 0]
-        pooled = self.acceptance.rate()
-        rates = [row.acceptance.rate(prior=pooled, weight=POOLED_PRIOR_DRAFTS) for row in rows]
-        width = priced_width(sizes, rates, self.cost, floor=max(sampled, default=1))
-        return [size if row.config.temperature > 0 else min(size, width) for row, size in zip(rows, sizes, strict=True)]
-
-    def _draft(
-        self, rows: list[Row], lengths: torch.Tensor, last_tokens: torch.Tensor, sizes: list[int], width: int
-    ) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
-        """Every row's drafts in one drafter call: (n, W - 1) tokens (padding past each row's b - 1), per row
-        the drafter's probabilities where the `rejection` rule needs them, and the draft logits (n, W - 1, V)."""
-        n = len(rows)
-        if width == 1:
-            return torch.empty(n, 0, dtype=torch.long, device=self.device), [None] * n, None
-        span = int(lengths.max())
-        # The slots past the longest row hold the blocks' keys and values while drafting: every row's context is
-        # read in place, never copied. Each row's slots from its length on are rewritten before they are read.
-        self.context.reserve(n, span + width, self.target_cache.position_limit)
-        block_sizes = torch.tensor(sizes, device=self.device)
-        packed = min(sizes) < width
-        hidden = self.drafter.draft_in_rows(
-            self.embed,
-            self.context.read_all(slice(0, n), span + width),
-            Blocks(last_tokens, lengths, block_sizes, width),
-            self.models.mask_token_id,
-            block_at=span,
-            packed=packed,
-        )
-        if packed:  # (1, sum(sizes), hidden): the head runs on each row's drafted slots only
-            drafted, slots = RaggedTokens.of(block_sizes, width).from_slot(1)
-            draft_logits = slots.unpack(self.head(hidden[:, drafted]), n)  # (n, W - 1, V), zeros past a row's b
-        else:
-            draft_logits = self.head(hidden[:, 1:])  # (n, W - 1, V)
-        drafts = draft_logits.argmax(dim=-1)
-        probs: list[torch.Tensor | None] = [None] * n
-        for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
-            if size > 1:
-                row.drafter_passes += 1
-                if row.config.temperature > 0 and row.config.verify == "rejection":
-                    probs[index] = temperature_probs(draft_logits[index, : size - 1], row.config.temperature)
-                    drafts[index, : size - 1] = sample_tokens(probs[index], row.generator)
-        return drafts, probs, draft_logits
-
-    def _trim(self, rows: list[Row], sizes: list[int], draft_logits: torch.Tensor | None) -> list[int]:
-        """The block size each row verifies: its drafted b, or 1 + the drafts its policy's `verify_count`
-        keeps, given the drafter's top probability in each drafted slot."""
-        out = list(sizes)
-        for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
-            if not row.policy.trims or size < 2 or draft_logits is None:
-                continue
-            try:
-                count = row.policy.verify_count(draft_confidence(draft_logits[index, : size - 1]))
-                if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= size - 1:
-                    raise ValueError(
-                        f"policy {row.policy.name!r} kept {count!r} drafts; expected an integer in [0, {size - 1}]"
-                    )
-            except Exception as error:
-                row.fail(error)
-                continue
-            out[index] = count + 1
+    def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int):
+        """Every row's tree grown on the device (a chain for a row without a tree policy: b - 1 nodes of width 1)
+        and verified cut to the size bucket that holds the largest, in one step. Returns the device views
+        `StaticDecoder.cycle` returns."""
+        budgets, widths = [], []
+        for row, size in zip(rows, sizes, strict=True):
+            chain = row.tree_budget is None
+            budgets.append(size - 1 if chain else min(row.tree_budget, self.tree_nodes))
+            widths.append(1 if chain else self.decoder.top_k)
+        # What each tree can hold: its budget, or every continuation its depth and width allow.
+        holds = [
+            min(nodes, sum(width**d for d in range(1, size)))
+            for nodes, width, size in zip(budgets, widths, sizes, strict=True)
+        ]
+        pad = bucket - len(rows)
+        self.decoder.set_tree_shapes(budgets + [0] * pad, widths + [1] * pad)
+        verified = next(size for size in self.tree_sizes if size >= max(holds))
+        out = self.decoder.tree_cycle(bucket, span, verified + 1)
+        self.verified_nodes[verified] += 1
+        for row, nodes in zip(rows, holds, strict=True):
+            row.tree_nodes.append(min(nodes, verified))
         return out
-
-    def _target(self, **inputs: Any) -> tuple[Any, torch.Tensor | None]:
-        """One target pass over the window set on its cache (prefill, a prefill chunk, a verify): its output, and
-        the context features of its tokens for the drafter (None without a drafter)."""
-        with tapped(self.target, self.layer_ids) as tap:
-            out = self.target(**inputs, **{self.cache_keyword: self.target_cache}, use_cache=True)
-        return out, tap.features() if tap is not None else None
-
-    def _verify(
-        self, block_ids: torch.Tensor, lengths: torch.Tensor, sizes: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target over every row's block: logits (n, W, V) and context features (n, W, F) or None (entries
-        past a row's block are padding). Rows of unequal blocks run packed (`RaggedTokens`) where the target's
-        attention allows it: its linear layers and head then see each row's own block, not the widest one."""
-        n, width = block_ids.shape
-        positions = lengths[:, None] + torch.arange(width, device=self.device)  # (n, W)
-        span = int(lengths.max()) + width
-        # A query at position q sees its own row's slots <= q: the committed context and the block up to itself.
-        visible = torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None]
-        ragged = None
-        if self.packed_verify and min(sizes) < width:
-            ragged = RaggedTokens.of(torch.tensor(sizes, device=self.device))
-        if ragged is None:
-            self.target_cache.window(slice(0, n), positions, span)
-            inputs = {"input_ids": block_ids, "position_ids": positions}
-        else:
-            self.target_cache.window(slice(0, n), ragged.pack(positions), span, ragged.rows)
-            inputs = {
-                "input_ids": ragged.pack(block_ids),
-                "position_ids": ragged.pack(positions),
-                "ragged_tokens": ragged,
-            }
-        out, features = self._target(**inputs, attention_mask=visible[:, None])
-        logits = out.logits
-        if ragged is not None:
-            logits = ragged.unpack(logits, n)
-            features = ragged.unpack(features, n) if features is not None else None
-        return logits, features
-
-    def _accept(
-        self,
-        rows: list[Row],
-        sizes: list[int],
-        drafts: torch.Tensor,
-        draft_probs: list[torch.Tensor | None],
-        logits: torch.Tensor,
-    ) -> list[tuple[list[int], int]]:
-        """Per row: (committed tokens, number of accepted drafts) under the row's rule and generator."""
-        # Two device-to-host reads for the whole batch, not two a row: at batch 64 on a GPU they were 128
-        # synchronisations a cycle.
-        draft_ids = drafts.tolist()  # (n, W - 1)
-        greedy_ids = logits.argmax(dim=-1).tolist() if any(row.config.temperature == 0 for row in rows) else None
-        finite = _finite(logits)  # (n, W): a row's NaN fails that row alone
-        out = []
-        for index, (row, size) in enumerate(zip(rows, sizes, strict=True)):
-            config = row.config
-            row_drafts = draft_ids[index][: size - 1]
-            if row.failure is not None:  # failed earlier this cycle (its policy's verify count)
-                out.append(([], 0))
-                continue
-            try:
-                if not all(finite[index][:size]):
-                    raise NonFiniteLogits("the target's distribution over this request's block is not finite")
-                if config.temperature == 0:
-                    accepted, bonus = accept_greedy(row_drafts, greedy_ids[index][:size])
-                else:
-                    target_probs = temperature_probs(logits[index, :size], config.temperature)
-                    draft_tensor = drafts[index, : size - 1]
-                    if draft_probs[index] is not None:
-                        row_probs = draft_probs[index][: size - 1]
-                        accepted, bonus = accept_rejection(draft_tensor, row_probs, target_probs, row.generator)
-                    else:
-                        accepted, bonus = accept_match(draft_tensor, target_probs, row.generator)
-            except Exception as error:
-                row.fail(error)
-                out.append(([], 0))
-                continue
-            new_tokens = truncate_at_stop([*row_drafts[:accepted], bonus], config.stop_token_ids)
-            out.append((new_tokens, accepted))
-        return out
-
-    def _commit(
-        self,
-        row: Row,
-        size: int,
-        new_tokens: list[int],
-        features: torch.Tensor | None,
-        logits: torch.Tensor,
-        index: int,
-    ) -> None:
-        """The row's cache now holds the block positions before its new last token."""
-        committed = len(new_tokens)
-        if row.record is not None and features is not None:
-            row.record["features"].append(features[index, :committed])
-            record_distributions(row, logits[index, :committed])
-        row.length += committed
-        row.tokens.extend(new_tokens)
-        row.block_sizes.append(size)
-        row.acceptance_lengths.append(committed)
-        if new_tokens[-1] in row.config.stop_token_ids:
-            row.stop_reason = "stop"
-        elif len(row.tokens) >= row.config.max_new_tokens:
-            row.stop_reason = "length"
-
-    def _write_context(
-        self,
-        rows: slice,
-        positions: torch.Tensor,  # (n, S) absolute positions, all < span
-        features: torch.Tensor,  # (n, S, F) target features at those positions
-        counts: torch.Tensor,  # (n,) how many of each row's first entries to keep
-        span: int,
-    ) -> None:
-        """Encode the first `counts[i]` features of every row into the drafter's context keys/values, packed:
-        entries past a row's count (a shorter prompt's padding, rejected drafts) cost nothing."""
-        self.context.reserve(rows.stop, span, self.target_cache.position_limit)
-        kept = RaggedTokens.of(counts, positions.shape[1])
-        kept_positions = kept.pack(positions)  # (1, T)
-        for layer, (keys, values) in enumerate(self.drafter.encode_context(kept.pack(features), kept_positions)):
-            self.context.write(layer, rows, kept_positions, keys, values, token_rows=kept.rows)
 
     # ---------------------------------------------------------------- leaving
 
     def _free_row(self, index: int, last: int) -> None:
+        # A failed row's slots may hold NaN (its logits were not finite, or a pass died midway): a masked NaN still
+        # poisons attention (0 x NaN), so the cache row is zeroed before any other row uses it.
+        self.decoder.free(index, clear=self.rows[index].failure is not None)
         if index != last:
-            # Slots up to the moved row's last verify may be read by nobody, but copying `length` is enough:
-            # everything past it is rewritten before it is read.
-            length = self.rows[last].length
-            self.target_cache.store.move_row(last, index, length)
-            if self.context is not None:
-                self.context.move_row(last, index, length)
+            self.decoder.move(last, index, self.rows[last].length + 1)
+        self._seeds.pop(self.rows[index].id, None)
 
 
 # ----------------------------------------------------------------------------- entry points
+
+
+def engine_for(
+    models: SpeculativeModels,
+    requests: Sequence[GenerationRequest],
+    *,
+    max_batch: int | None = None,
+    compile: str = "off",
+) -> Engine:
+    """An engine shaped for `requests`: as wide as their widest fixed b or tree (the drafter's B + 2 at least), with
+    room for the longest prompt and budget, sampling only where a request samples, recording where one records."""
+    if not requests:
+        raise ValueError("expected at least one request")
+    policies = [request.policy for request in requests if request.policy is not None]
+    width = tree_nodes = None
+    if models.drafter is not None:
+        shapes = [shape_for(policy) for policy in policies]
+        width = max([models.train_block_size + 2, *(w for w, _ in shapes if w is not None)])
+        trees = [nodes for _, nodes in shapes if nodes is not None]
+        tree_nodes = max(trees) if trees else None
+    reach = max(width or 1, (tree_nodes or 0) + 1)
+    need = max(len(request.prompt_ids) + request.config.max_new_tokens for request in requests) + reach
+    return Engine(
+        models,
+        max_batch=max_batch or len(requests),
+        width=width,
+        capacity=need,
+        compile=compile,
+        sampling=any(request.config.temperature > 0 for request in requests),
+        tree_nodes=tree_nodes,
+        record=any(request.record for request in requests),
+    )
 
 
 def generate_many(
@@ -530,21 +441,33 @@ def generate_many(
     requests: Sequence[GenerationRequest],
     *,
     max_batch: int | None = None,
-    cost: CyclePrice | None = None,
-    engine: Any | None = None,
+    engine: Engine | None = None,
+    compile: str = "off",
 ) -> list[GenerationResult]:
-    """Run `requests` through one engine (all at once by default; verify widths priced with `cost` when given)
-    and return their results in order. `engine`: one already built (a `SpeculativeEngine`, or a `StaticEngine`
-    whose compiled cycles are reused across calls) instead of a new eager one. A row that fails raises its error
-    here (the engine itself goes on with the other rows: a server reads `RowUpdate.error`)."""
-    engine = engine or SpeculativeEngine(models, max_batch=max_batch or max(1, len(requests)), cost=cost)
-    ids = [engine.submit(request) for request in requests]
+    """Run `requests` through one engine (all at once by default) and return their results in order. `engine`: one
+    already built, whose compiled shapes are reused across calls; else one shaped for the requests (`engine_for`).
+    A row that fails raises its error here (the engine itself goes on with the other rows: a server reads
+    `RowUpdate.error`)."""
+    engine = engine or engine_for(models, requests, max_batch=max_batch, compile=compile)
+    ids: list[int] = []
     results: dict[int, GenerationResult] = {}
-    for update in engine.run():
-        if update.error is not None:
-            raise update.error
-        if update.result is not None:
-            results[update.row_id] = update.result
+    try:
+        ids = [engine.submit(request) for request in requests]
+        for update in engine.run():
+            if update.error is not None:
+                raise update.error
+            if update.result is not None:
+                results[update.row_id] = update.result
+    except BaseException:
+        # The engine may be reused (a server's, a labeler's): nothing of this call stays queued or decoding in it.
+        for row_id in ids:
+            engine.cancel(row_id)
+        try:
+            for _ in engine.run():
+                pass
+        except Exception:
+            pass
+        raise
     return [results[i] for i in ids]
 
 
@@ -555,8 +478,9 @@ def generate(
     policy: BlockSizePolicy | None = None,
     config: GenerationConfig | None = None,
     record: bool = False,
+    compile: str = "off",
 ) -> GenerationResult:
     """Generate after `prompt_ids` (one row of the engine), to the end."""
     prompt = torch.as_tensor(prompt_ids).flatten().tolist()
     request = GenerationRequest(prompt, config or GenerationConfig(), policy, record)
-    return generate_many(models, [request])[0]
+    return generate_many(models, [request], compile=compile)[0]

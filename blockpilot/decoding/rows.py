@@ -1,5 +1,4 @@
-"""What both engines (`engine.SpeculativeEngine`, on transformers' modules, and `static_engine.StaticEngine`, on the
-compiled cycle) share: a request's row and its life (`Row`, `RowUpdate`, `RowScheduler`: the queue, admission into
+"""A request's row and its life in the engine (`engine.Engine`) (`Row`, `RowUpdate`, `RowScheduler`: the queue, admission into
 the batch, cancel, the end of a cycle and of a row), the policies' hooks asked once per policy the rows share
 (`decide_block_sizes`), and how rows fail alone (`NonFiniteLogits`, a hook's bad answer) or fail the engine
 (`is_device_failure`)."""
@@ -23,7 +22,6 @@ from blockpilot.decoding.request import (
     GenerationResult,
     StopReason,
 )
-from blockpilot.decoding.width import AcceptanceRate
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, distribution_summary
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
@@ -71,16 +69,14 @@ class Row:
     request: GenerationRequest
     prompt: torch.Tensor  # (P,)
     policy: BlockSizePolicy
-    generator: torch.Generator | None  # the eager engine's draws (the static engine's are keyed on the seed)
     tokens: list[int] = field(default_factory=list)
     length: int = 0  # positions in the caches == position of the last committed token
     block_size: int = 1  # the policy's current choice
     chosen_block_size: int = 1  # its choice after prefill
     block_sizes: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
-    tree_nodes: list[int] = field(default_factory=list)  # per cycle, where trees ran (the static engine)
+    tree_nodes: list[int] = field(default_factory=list)  # per cycle, where trees ran
     tree_budget: int | None = None  # the nodes of its trees, chosen after prefill (None: chains of its b)
-    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
     drafter_passes: int = 0
     prefill_time: float = 0.0
     decode_time: float = 0.0
@@ -266,7 +262,7 @@ def _per_row(hook: Callable[[list], Any], states: list, rows: list[Row], check: 
 
 
 class RowScheduler:
-    """What both engines share: the queue of requests, their checks, cancel, admission into at most `max_batch`
+    """The engine's rows: the queue of requests, their checks, cancel, admission into at most `max_batch`
     rows (a long prompt prefilled a chunk a step in a spare row), and the end of a row. An engine adds the caches,
     the prefill and the cycle (`step`), and how a leaving row's cache row is freed (`_free_row`)."""
 

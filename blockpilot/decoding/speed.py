@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blockpilot.decoding.engine import generate_many
+from blockpilot.decoding.engine import Engine, generate_many
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
-from blockpilot.decoding.rows import RowScheduler
-from blockpilot.decoding.width import CyclePrice
 from blockpilot.models.loading import SpeculativeModels, cache_keyword
 from blockpilot.policies.base import BlockSizePolicy
 
@@ -42,18 +40,17 @@ def measure_speed(
     config: GenerationConfig,
     *,
     max_batch: int = 1,
-    cost: CyclePrice | None = None,
-    engine: RowScheduler | None = None,
+    engine: Engine | None = None,
 ) -> PolicySpeed:
-    """Decode every prompt under `policy` in one engine, `max_batch` rows at a time (1: one after another),
-    verify widths priced with `cost` when given; on `engine` when given (a static one, say), else a new eager one.
+    """Decode every prompt under `policy` in one engine, `max_batch` rows at a time (1: one after another): on
+    `engine` when given (its compiled shapes reused), else a new one run eagerly.
 
     A policy keeps no per-request state, so one instance drives every row."""
     if not prompts_ids:
         raise ValueError("measure_speed needs at least one prompt; got none")
     requests = [GenerationRequest(list(ids), config, policy) for ids in prompts_ids]
     started = time.perf_counter()
-    results = generate_many(models, requests, max_batch=max_batch, cost=cost, engine=engine)
+    results = generate_many(models, requests, max_batch=max_batch, engine=engine)
     seconds = time.perf_counter() - started
     taus = [r.tau for r in results if r.cycles]
     return PolicySpeed(

@@ -58,7 +58,17 @@ from blockpilot.tree import TOP_K
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("off", "compile", "graph", "compile+graph")
+COMPILE_MODES = ("auto", "off", "compile", "graph", "compile+graph")
+
+
+def compile_mode(mode: str, device: torch.device) -> str:
+    """`mode` with "auto" resolved to what pays on `device`: the compiled cycle replayed as a CUDA graph on CUDA,
+    the compiled cycle (replayed by `compiled_replay`) on a CPU."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "compile+graph" if device.type == "cuda" else "compile"
 
 
 def inductor_options(device: torch.device) -> dict[str, bool] | None:
@@ -466,7 +476,7 @@ class StaticDecoder:
     `sampling`, rows may decode at T > 0 (each with its own temperature and seed); without it the cycle takes
     argmaxes only and skips the sampler's work.
 
-    The caller (`static_engine.py`) keeps its rows in cache rows 0 .. n - 1: `prefill` writes prompts into given
+    The caller (`engine.py`) keeps its rows in cache rows 0 .. n - 1: `prefill` writes prompts into given
     rows, `place` starts a row decoding, `move` compacts, `free` stops one. `cycle(n, span)` returns device
     views, overwritten by the next cycle: tokens (n, W), counts (n,) (row i committed tokens[i, :counts[i]]),
     finite (n,) (whether the row's target distributions over its block were finite). `anchor_logits` (rows, V)
@@ -486,8 +496,7 @@ class StaticDecoder:
         top_k: int = TOP_K,
         record: bool = False,
     ) -> None:
-        if compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+        compile = compile_mode(compile, models.device)
         if "graph" in compile and models.device.type != "cuda":
             raise ValueError(f"compile={compile!r} replays CUDA graphs: it needs a CUDA device, got {models.device}")
         if width > 1 and models.drafter is None:
@@ -920,6 +929,11 @@ class StaticDecoder:
             state[destination] = state[source]
         self.free(source)
 
-    def free(self, row: int) -> None:
-        """Row `row` decodes nothing: it stays at length 0 (its cycles write its own first slots only)."""
+    def free(self, row: int, clear: bool = False) -> None:
+        """Row `row` decodes nothing: it stays at length 0 (its cycles write its own first slots only). With `clear`,
+        its cache slots are zeroed too (a failed row's may hold NaN, which a masked read still spreads)."""
         self.active[row], self.length[row], self.block_sizes[row], self.rejection[row] = False, 0, 1, False
+        if clear:
+            for body in (self.target.body, *([self.drafter.body] if self.drafter is not None else [])):
+                for buffer in body.buffers():
+                    buffer[row].zero_()

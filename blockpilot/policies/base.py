@@ -2,13 +2,9 @@
 
 A policy chooses the block size b a row drafts: once after prefill (`initial_block_size`, from the target's
 next-token distribution at the last prompt position), and again after every cycle (`next_block_size`; a policy that
-decides once per request keeps b). Two optional parts:
-
-- the batched forms `initial_block_sizes` / `next_block_sizes`: the engine always calls these, once for every row of a
-  batch that shares the policy; by default they loop over the per-row hooks, and a policy with a model overrides
-  them to decide for every row in one call;
-- `verify_count` (with `trims = True`): after the draft, given the drafter's top probability in each drafted slot,
-  how many drafts to verify (draft-then-trim). By default every draft is verified.
+decides once per request keeps b). The batched forms `initial_block_sizes` / `next_block_sizes` are what the engine
+calls, once for every row of a batch that shares the policy; by default they loop over the per-row hooks, and a
+policy with a model overrides them to decide for every row in one call.
 
 A policy's `name` is what every surface reports (the CLI's JSON, the endpoint's `blockpilot` object, MLflow, the
 benchmarks). Every policy is lossless: it changes how many tokens a cycle drafts and verifies, never the output's
@@ -34,12 +30,6 @@ def distribution_summary(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor
     entropy = -(probs * log_probs).sum(dim=-1)
     top_probs, top_ids = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)
     return entropy, top_ids, top_probs
-
-
-def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
-    """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): what draft-then-trim
-    calibrates on (tables) and decides with (the engine)."""
-    return torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -93,12 +83,11 @@ class CycleState:
 
 class BlockSizePolicy:
     """The base of every policy: b chosen after prefill and kept (override `next_block_size` to change it per
-    cycle), the batched hooks looping over the rows, every draft verified."""
+    cycle), the batched hooks looping over the rows."""
 
     name = "policy"
-    trims = False  # whether `verify_count` may keep fewer drafts than were drafted
     # The drafted nodes of a row's draft tree (`blockpilot.tree`), b levels deep; None: a chain of b (a
-    # tree of b - 1 nodes, one a level). Trees run on the static engine. A policy that chooses a tree per request
+    # tree of b - 1 nodes, one a level). A policy that chooses a tree per request
     # (`initial_tree_budgets`) names its largest, and the depth of its trees (`tree_depth`).
     tree_nodes: int | None = None
     tree_depth: int | None = None
@@ -120,7 +109,3 @@ class BlockSizePolicy:
     def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
         """The next b of every going row that shares this policy."""
         return [self.next_block_size(cycle) for cycle in cycles]
-
-    def verify_count(self, confidences: torch.Tensor) -> int:
-        """How many of the b - 1 drafts (their confidences (b - 1,), in slot order) the verify checks."""
-        return len(confidences)

@@ -12,15 +12,12 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
     learned+step:PREDICTOR,STEP
                       both: the per-request predictor drafts the first cycle, the step model picks b before
                       every later one (reading the predictor's choice when it was trained with it)
-    trim:CALIBRATION  draft-then-trim (`blockpilot.policies.trim`): draft the calibration's block size, verify the
-                      prefix whose calibrated survival pays for its priced cost (`blockpilot calibrate-trim`)
-    tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.tree`; the static
-                      engine only)
+    tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.tree`)
     tree:N:D          the same, D deep (D - 1 levels below the root: a tree's block size; a drafter may draft
                       past its B, and trees gain more from depth than chains do)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
-The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "trim", "tree", "autoregressive") is what
+The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "tree", "autoregressive") is what
 every surface reports. `adaptive_spec` is the server's default: the most the models at hand allow.
 """
 
@@ -40,7 +37,6 @@ POLICY_KINDS: tuple[str, ...] = (
     "learned",
     "learned-step",
     "learned+step",
-    "trim",
     "tree",
     "autoregressive",
 )
@@ -53,7 +49,6 @@ _ARGUMENTS: dict[str, tuple[tuple[str, ...], str]] = {
         ("predictor", "step_model"),
         "a model: learned+step:PREDICTOR,STEP_MODEL (each a folder or models:/NAME@ALIAS)",
     ),
-    "trim": (("calibration",), "a calibration: trim:FILE (make one with `blockpilot calibrate-trim`)"),
 }
 
 
@@ -63,7 +58,6 @@ class PolicySpec:
     block_size: int | None = None  # fixed, tree (its depth): None means the drafter's training block size
     predictor: str | None = None  # learned, learned+step: the per-request predictor (folder or MLflow URI)
     step_model: str | None = None  # learned-step, learned+step: the per-step model (folder or MLflow URI)
-    calibration: str | None = None  # trim: the calibration file
     tree_nodes: int | None = None  # tree: the drafted nodes a tree holds
 
     def __post_init__(self) -> None:
@@ -84,7 +78,7 @@ class PolicySpec:
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
-        """`fixed`, `fixed:8`, `entropy`, `learned:PATH_OR_URI`, `learned+step:P,S`, `trim:FILE`, `tree:N`,
+        """`fixed`, `fixed:8`, `entropy`, `learned:PATH_OR_URI`, `learned+step:P,S`, `tree:N`,
         `tree:N:D`, `autoregressive`."""
         kind, _, argument = text.strip().partition(":")
         if kind == "fixed" and argument:
@@ -151,10 +145,6 @@ def resolve_policy(
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
-    if spec.kind == "trim":
-        from blockpilot.policies.trim import DraftThenTrim, TrimCalibration
-
-        return DraftThenTrim(TrimCalibration.load(spec.calibration))
     from blockpilot.policies.learned import LearnedPolicy
     from blockpilot.policies.step import PriorStepPolicy, StepPolicy
     from blockpilot.predictor.step_model import load_step_model
