@@ -194,7 +194,6 @@ class Labeler:
             width=max(self.candidates),
             capacity=self.prompt_limit + new_tokens + reach,
             compile=self.settings.compile,
-            sampling=any(t > 0 for t in self.settings.temperatures),
             record=True,
         )
 

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, mean_or_nan
-from blockpilot.decoding.acceptance import draft_confidence
 from blockpilot.models.drafter import Blocks, DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
+from blockpilot.policies.base import draft_confidence
 from blockpilot.tree import TOP_K, best_first_tree, path_nodes
 
 # Elements of draft logits (anchors x slots x vocabulary) one primitive call may produce.

@@ -104,15 +104,13 @@ def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zo
     assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
     assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2
     assert "give one of --policy, --block-size, --predictor" in capsys.readouterr().err
-    # The static engine verifies chains by either rule, trees by matching; anything else is refused, saying why.
-    assert main([*base, "--policy", "entropy", "--engine", "static", "--max-new-tokens", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["engine"] == "static"
-    static_rejection = [*base, "--engine", "static", "--temperature", "1", "--verify", "rejection", "--max-new-tokens", "4"]
-    assert main([*static_rejection, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["engine"] == "static"
-    assert main([*static_rejection, "--policy", "tree:4"]) == 2
+    # The engine verifies chains by either rule, trees by matching; anything else is refused, saying why.
+    rejection = [*base, "--temperature", "1", "--verify", "rejection", "--max-new-tokens", "4", "--compile", "off"]
+    assert main([*rejection, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compile"] == "off"
+    assert main([*rejection, "--policy", "tree:4"]) == 2
     assert "needs chains" in capsys.readouterr().err
-    assert main([*base, "--engine", "static", "--compile", "graph"]) == 2  # CUDA graphs need a GPU
+    assert main([*base, "--compile", "graph"]) == 2  # CUDA graphs need a GPU
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
@@ -120,6 +118,7 @@ def test_calibrate_writes_the_fitted_curve_and_prints_every_point(random_zoo, ca
     out = tmp_path / "cost.json"
     argv = ["calibrate", "--target", str(random_zoo["target"]), "--drafter", str(random_zoo["drafter"])]
     argv += ["--block-sizes", "1,2,3", "--batch-sizes", "1,2", "--repeats", "1", "--cycles", "1", "--out", str(out)]
+    argv += ["--compile", "off"]
     assert main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
     cost = json.loads(out.read_text())

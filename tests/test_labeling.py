@@ -39,25 +39,39 @@ def test_table_walks_equal_live_runs_at_temperature_zero(tiny_models, heldout, c
         assert [table.tau() for table in replay_sweep.tables] == [replay_sweep.tau]
 
 
-def test_labels_from_the_static_engine_are_the_eager_engines_at_temperature_zero(tiny_zoo, tiny_models):
-    """`--engine static`: the reference generations run on the compiled cycle's records; at T = 0 the rows' sequences,
-    tau vectors, tables and trees are the eager engine's (the records agree to float rounding), and T = 1 rows are
-    labeled from the static engine's own samples."""
-    records = [PromptRecord(f"p{i}", "zoo", (text,)) for i, text in enumerate(prompt_texts(f"zoo:{tiny_zoo}:heldout")[:6])]
+def test_labels_from_the_compiled_cycle_are_the_eager_cycles_at_temperature_zero(tiny_zoo, tiny_models):
+    """The reference generations run on the engine's compiled cycle (the default) or its eager one (`compile="off"`):
+    at T = 0 the rows' sequences, tau vectors, tables and trees are the same; T = 1 rows are labeled from the
+    engine's own samples."""
+    records = [PromptRecord(f"p{i}", "zoo", (text,)) for i, text in enumerate(prompt_texts(f"zoo:{tiny_zoo}:heldout")[:4])]
     rows = {}
-    for engine in ("eager", "static"):
-        labeler = Labeler(tiny_models, LabelSettings(max_new_tokens=24, engine=engine), max_batch=4)
-        rows[engine] = [row for rows_ in labeler.label_many([(r, t) for r in records for t in (0.0, 1.0)]) for row in rows_]
-    for eager, static in zip(rows["eager"], rows["static"], strict=True):
-        assert static["error"] is None and eager["error"] is None
+    for compile in ("off", "compile"):
+        labeler = Labeler(tiny_models, LabelSettings(max_new_tokens=24, compile=compile), max_batch=4)
+        rows[compile] = [row for rows_ in labeler.label_many([(r, t) for r in records for t in (0.0, 1.0)]) for row in rows_]
+    for eager, compiled in zip(rows["off"], rows["compile"], strict=True):
+        assert compiled["error"] is None and eager["error"] is None
         if eager["temperature"] == 0:
             for column in ("table_tokens", "tau", "table_commits", "tree_tau", "table_tree_commits"):
-                assert static[column] == eager[column], column
+                assert compiled[column] == eager[column], column
         else:
-            (table,) = tables_from_row(static)
-            assert table.tau() == pytest.approx(static["tau"], nan_ok=True)
-    with pytest.raises(ValueError, match="label with --engine static"):
-        LabelSettings(compile="compile")
+            (table,) = tables_from_row(compiled)
+            assert table.tau() == pytest.approx(compiled["tau"], nan_ok=True)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        LabelSettings(compile="fast")
+
+
+def test_a_budget_the_context_cannot_hold_is_refused_before_any_row(tiny_models):
+    """The labeler's engine holds every prompt a row may have and max_new_tokens: a budget that leaves no room for
+    a prompt in the target's context is refused as the labeler is built; a prompt past what its rows hold is a
+    too_long row, never a failed batch."""
+    context = tiny_models.target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        Labeler(tiny_models, LabelSettings(max_new_tokens=context))
+    labeler = Labeler(tiny_models, LabelSettings(max_new_tokens=context - 16, compile="off"), max_batch=2)
+    assert labeler.prompt_limit == 16 and labeler.engine.capacity >= context
+    long_text = " ".join(["word"] * 64)
+    (row,) = labeler.label(PromptRecord("long", "test", (long_text,)), 0.0)
+    assert row["error_kind"] == "too_long"
 
 
 def test_table_walks_equal_live_runs_on_random_models(random_models):

@@ -14,9 +14,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from support import OracleDrafter, greedy_reference
+from support import greedy_reference, oracle_drafts
 
-import blockpilot.decoding.engine as engine
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.fixed import FixedBlockSize
@@ -75,100 +74,18 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))
 
 
-def sample_counts(models: SpeculativeModels, rule: str) -> tuple[torch.Tensor, float]:
-    """Counts of (x1, x2, x3) over SAMPLES seeds, and the share of drafts accepted. The seeds run as rows of
-    batches (each row its own generator): the batched engine's per-row sampling is what is tested."""
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    accepted = drafted = 0
-    requests = [
-        GenerationRequest(
-            PROMPT,
-            GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, verify=rule, seed=seed),
-            FixedBlockSize(4),
-        )
-        for seed in range(SAMPLES)
-    ]
-    for result in generate_many(models, requests, max_batch=BATCH):
-        x1, x2, x3 = result.token_ids[:3]
-        counts[x1, x2, x3] += 1
-        accepted += result.acceptance_lengths[0] - 1
-        drafted += result.block_sizes[0] - 1
-    return counts, accepted / drafted
-
-
 @pytest.fixture(scope="module")
 def drafters(small_target):
     random_drafter = drafter_for(small_target, SHAPE, mask_token_id=VOCAB - 1, seed=5)
-    reference = PROMPT + greedy_reference(small_target, PROMPT, 6)
-
-    def models(drafter):
-        return SpeculativeModels(small_target, None, drafter, VOCAB - 1)
-
-    return {
-        # Unrelated to the target: most drafts are rejected.
-        "random": models(random_drafter),
-        # The target's own distributions along its greedy path: most drafts are accepted.
-        "oracle": models(OracleDrafter(small_target, reference, 4)),
-        # Close to the target but over-confident: frequent rejections whose residual differs from p.
-        "sharp": models(OracleDrafter(small_target, reference, 4, sharpness=2.0)),
-    }
-
-
-@pytest.mark.parametrize(
-    "drafter, rule",
-    [
-        ("random", "match"),
-        ("random", "rejection"),
-        ("oracle", "match"),
-        ("oracle", "rejection"),
-        ("sharp", "rejection"),
-    ],
-)
-def test_first_tokens_follow_the_target_distribution(drafters, exact_joint, rule, drafter):
-    counts, acceptance = sample_counts(drafters[drafter], rule)
-    if drafter == "random":
-        assert acceptance < 0.3, "this case is meant to reject most drafts"
-    elif drafter == "oracle":
-        assert acceptance > 0.6, "this case is meant to accept most drafts"
-    p_value = chi_square_p_value(counts, exact_joint)
-    assert p_value > P_VALUE_FLOOR, f"{rule}/{drafter}: p = {p_value:.2e}, acceptance {acceptance:.2f}"
-
-
-def test_the_check_catches_resampling_from_p_after_a_rejection(drafters, exact_joint, monkeypatch):
-    """Negative control: the textbook bug (bonus from p, not from max(0, p - q)) must fail the test."""
-    exact_accept = engine.accept_rejection
-
-    def biased_accept(draft_tokens, draft_probs, target_probs, generator):
-        accepted, _ = exact_accept(draft_tokens, draft_probs, target_probs, generator)
-        bonus = int(torch.multinomial(target_probs[accepted], 1, generator=generator))
-        return accepted, bonus
-
-    monkeypatch.setattr(engine, "accept_rejection", biased_accept)
-    counts, _ = sample_counts(drafters["sharp"], "rejection")
-    assert chi_square_p_value(counts, exact_joint) < 1e-9
-
-
-@pytest.mark.parametrize("rule", ["match", "rejection"])
-def test_a_seeded_row_does_not_depend_on_the_other_rows(drafters, rule):
-    """The same seeds alone and inside mixed batches (other seeds, temperatures, block sizes) give the same tokens."""
-    models = drafters["sharp"]
-
-    def request(seed: int, temperature: float, b: int) -> GenerationRequest:
-        config = GenerationConfig(max_new_tokens=12, temperature=temperature, verify=rule, seed=seed)
-        return GenerationRequest(PROMPT, config, FixedBlockSize(b))
-
-    watched = [request(seed, TEMPERATURE, 4) for seed in range(6)]
-    alone = [generate_many(models, [r])[0].token_ids for r in watched]
-    others = [request(100 + i, 1.0 + 0.1 * i, 2 + i % 5) for i in range(10)]
-    mixed = generate_many(models, others[:5] + watched + others[5:], max_batch=7)
-    assert [r.token_ids for r in mixed[5:11]] == alone
+    # Unrelated to the target: most drafts are rejected (doubles that accept are patched into its cycle).
+    return {"random": SpeculativeModels(small_target, None, random_drafter, VOCAB - 1)}
 
 
 # ----------------------------------------------------------------------------- the static cycle's sampler
 
 
 def static_counts(models: SpeculativeModels, width: int, rule: str = "match") -> torch.Tensor:
-    """Counts of (x1, x2, x3) over SAMPLES seeds from the static engine (`blockpilot.decoding.static_engine`) at
+    """Counts of (x1, x2, x3) over SAMPLES seeds from the engine (`blockpilot.decoding.engine`) at
     `width` (every row at b = width), BATCH rows at a time."""
     from blockpilot.decoding.engine import Engine
 
@@ -199,6 +116,14 @@ def test_the_static_sampler_follows_the_target_distribution_and_the_check_catche
     assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) < 1e-9
 
 
+@pytest.mark.parametrize("rule", ["match", "rejection"])
+def test_drafts_the_target_accepts_keep_the_sampled_law(drafters, exact_joint, small_target, monkeypatch, rule):
+    """Drafts along the target's own greedy path (most accepted at this temperature): tokens 2 and 3 come out of one
+    cycle of accepted drafts and a bonus, and still follow the target's joint law under either rule."""
+    oracle_drafts(monkeypatch, small_target, PROMPT + greedy_reference(small_target, PROMPT, 6))
+    assert chi_square_p_value(static_counts(drafters["random"], 3, rule), exact_joint) > P_VALUE_FLOOR
+
+
 def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters):
     """The speculative output for a seed is the autoregressive one: at any block size, beside other rows (other
     seeds, temperatures, block sizes), so it samples the target's distribution exactly, as the test above shows."""
@@ -218,22 +143,6 @@ def test_a_static_row_samples_what_it_would_alone_and_autoregressively(drafters)
     assert len({tuple(tokens) for tokens in alone}) > 4  # seeds and temperatures do change the samples
 
 
-def sharp_static_drafter(monkeypatch, target) -> None:
-    """The static cycle's drafter made `OracleDrafter`'s "sharp" double: each slot's logits are the target's along its
-    greedy continuation, doubled (close to p, not equal: rejections whose residual differs from p)."""
-    import blockpilot.decoding.static as static
-
-    reference = PROMPT + greedy_reference(target, PROMPT, 6)
-    with torch.inference_mode():
-        logits = 2.0 * target(torch.tensor([reference])).logits[0].float()  # (len, V): the next token's at each
-
-    def draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
-        positions = self.length[:n, None] + self.offsets[1:width]  # the drafted slots' positions
-        return logits[(positions - 1).clamp(max=len(reference) - 1)]
-
-    monkeypatch.setattr(static.StaticDecoder, "_draft_logits", draft_logits)
-
-
 def test_the_static_rejection_rule_follows_the_target_distribution_and_the_check_catches_a_bonus_from_p(
     drafters, exact_joint, small_target, monkeypatch
 ):
@@ -244,7 +153,7 @@ def test_the_static_rejection_rule_follows_the_target_distribution_and_the_check
 
     assert chi_square_p_value(static_counts(drafters["random"], 3, "rejection"), exact_joint) > P_VALUE_FLOOR
     sharp = SpeculativeModels(small_target, None, drafters["random"].drafter, VOCAB - 1)
-    sharp_static_drafter(monkeypatch, small_target)
+    oracle_drafts(monkeypatch, small_target, PROMPT + greedy_reference(small_target, PROMPT, 6), sharpness=2.0)
     assert chi_square_p_value(static_counts(sharp, 3, "rejection"), exact_joint) > P_VALUE_FLOOR
     monkeypatch.setattr(static, "residual", lambda target, draft: target)
     assert chi_square_p_value(static_counts(sharp, 3, "rejection"), exact_joint) < 1e-9

@@ -34,11 +34,6 @@ VerifyRule = Literal["match", "rejection"]
 VERIFY_RULES: tuple[str, ...] = ("match", "rejection")
 
 
-def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
-    """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): the labels' table keeps it."""
-    return torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
-
-
 def temperature_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Softmax of logits / T in fp32, (..., V) -> (..., V). T must be > 0."""
     return torch.softmax(logits.float() / temperature, dim=-1)

@@ -102,7 +102,7 @@ def calibrate(
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
-        capacity = prompt_tokens + (cycles + 3) * depth + 1 + max(depth, *tree_nodes)
+        capacity = prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes))
         engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
         tree_engine = None
         if tree_nodes:

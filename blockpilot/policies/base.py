@@ -32,6 +32,11 @@ def distribution_summary(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor
     return entropy, top_ids, top_probs
 
 
+def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
+    """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): the labels' table keeps it."""
+    return torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)
+
+
 @dataclass(frozen=True)
 class PrefillState:
     """What is known right after prefill, before the first draft."""
