@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
-from blockpilot.decoding.static import StaticDecoder, StaticTarget
+from blockpilot.decoding.forwards import StaticTarget
+from blockpilot.decoding.static import StaticDecoder
 from blockpilot.models.drafter import DFlashConfig
 from blockpilot.models.loading import cache_keyword
 from blockpilot.options import block_size_list

@@ -33,9 +33,10 @@ import torch
 
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.compiled import inductor_options
 from blockpilot.decoding.engine import Engine, keep_compiled_kernels
 from blockpilot.decoding.speed import plain_loop
-from blockpilot.decoding.static import inductor_options, span_bucket
+from blockpilot.decoding.static import span_bucket
 from blockpilot.models.loading import cache_keyword, load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize

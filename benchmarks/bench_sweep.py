@@ -21,8 +21,8 @@ import torch
 
 from blockpilot.blocks import candidates_around
 from blockpilot.data.sources import prompt_texts
+from blockpilot.decoding.compiled import COMPILE_MODES
 from blockpilot.decoding.engine import Engine, keep_compiled_kernels
-from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.models import load_models
 from blockpilot.sweep import SweepConfig, sweep_prompts
 

@@ -29,8 +29,8 @@ import torch
 from blockpilot.data.sources import zoo_prompts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.calibration import device_name
+from blockpilot.decoding.compiled import COMPILE_MODES
 from blockpilot.decoding.engine import Engine, keep_compiled_kernels, shape_for
-from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.models.loading import load_models
 from blockpilot.options import block_size_list
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree

@@ -212,8 +212,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from blockpilot.decoding.acceptance import VERIFY_RULES
+    from blockpilot.decoding.compiled import COMPILE_MODES
     from blockpilot.decoding.engine import COMPILE_HELP
-    from blockpilot.decoding.static import COMPILE_MODES
     from blockpilot.options import add_options
     from pipelines.build_zoo import ZooBuildJob
     from pipelines.demo import DemoJob

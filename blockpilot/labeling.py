@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from blockpilot.checks import check_fits_context, distinct_block_sizes, distinct_tree_budgets, positive_int
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
+from blockpilot.decoding.compiled import COMPILE_MODES
 from blockpilot.decoding.engine import COMPILE_HELP
 from blockpilot.decoding.rows import is_device_failure as engine_device_failure
-from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list, tree_budget_list
 from blockpilot.predictor.inputs import DENSE_COLUMN, prefill_columns
 from blockpilot.sweep import SWEEP_MODES

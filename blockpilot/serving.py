@@ -228,7 +228,7 @@ class SerializedTokenizer:
 
 class BatchedDecoder:
     """Target + drafter (+ per-request and per-step predictors) serving completions in one batched engine, its cycle
-    run as `compile` says (`static.COMPILE_MODES`; `serve` passes "auto", what pays on the device)."""
+    run as `compile` says (`compiled.COMPILE_MODES`; `serve` passes "auto", what pays on the device)."""
 
     def __init__(
         self,
@@ -239,6 +239,7 @@ class BatchedDecoder:
         limits: ServeLimits | None = None,
         predictor: Any | None = None,
         compile: str = "off",
+        compile_spans: int = 1,
     ) -> None:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
@@ -279,7 +280,9 @@ class BatchedDecoder:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()  # the engine loop's last sign of life
         self.failure: BaseException | None = None
+        self.compile_spans = compile_spans
         self.warm_up_seconds: float | None = None  # what `start` spent building the engine's steps
+        self.compiled_shapes: list[tuple] = []  # the steps `start` built up front
 
     # ---------------------------------------------------------------- prompts
 
@@ -418,14 +421,19 @@ class BatchedDecoder:
     # ---------------------------------------------------------------- the engine loop
 
     def start(self) -> BatchedDecoder:
-        """Start the engine loop; the engine first decodes one short request under the adaptive policy, so that its
-        compiled prefill and batch-1 cycle are built before the first request (which on the mini zoo waited 14 s for
-        them): `warm_up_seconds`."""
+        """Start the engine loop. First the engine builds its declared shapes (every row bucket at the widths the
+        adaptive policy chooses, the first `compile_spans` spans of cache) and freezes, so that nothing compiles while
+        serving (a shape outside the set runs eagerly), then decodes one short request under the adaptive policy:
+        `warm_up_seconds`, `compiled_shapes`."""
         with self._lock:
             if self._running:
                 return self
         if self.warm_up_seconds is None:
             started = time.perf_counter()
+            width, _ = shape_for(self.adaptive)
+            shapes = self._engine.declared_shapes([width] if width else None, spans=self.compile_spans)
+            self._engine.compile_shapes(shapes)
+            self.compiled_shapes = self._engine.decoder.built_shapes
             warm_up = GenerationConfig(max_new_tokens=2 * self._engine.width + 1)  # a few cycles, no stop
             generate_many(
                 self.models,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from blockpilot.data.labels import LABEL_SCHEMA_VERSION
 from blockpilot.data.sources import PromptRecord, zoo_prompts
-from blockpilot.decoding.static import COMPILE_MODES
+from blockpilot.decoding.compiled import COMPILE_MODES
 from blockpilot.home import HOME_ENV, blockpilot_home
 from blockpilot.options import option, positive_int_arg
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir

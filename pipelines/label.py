@@ -193,16 +193,23 @@ def run_label_job(job: LabelJob) -> LabelSummary:
     return summary
 
 
+NO_PROGRESS_TIMEOUT_S = 1800.0
+BATCH_RETRIES = 3
+
+
 def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]], records: list[PromptRecord]) -> int:
     """Sweep `tasks` on an actor pool; the driver writes each finished batch. Returns the rows written."""
     import ray
-    from ray.data import ActorPoolStrategy
+    from ray.data import ActorPoolStrategy, DataContext
     from tqdm import tqdm
 
     from pipelines.ray_runtime import ensure_ray, quiet_ray_data
 
     ensure_ray()
     quiet_ray_data()  # one bar of our own below, not Ray Data's block every 10 s
+    # An actor's first batch loads the models and builds the engine's compiled cycle (a minute or more a shape on a
+    # GPU): Ray Data's default of 120 s without progress would fail the job while it compiles.
+    DataContext.get_current().execution_no_progress_timeout_s = NO_PROGRESS_TIMEOUT_S
     turns = {r.id: len(turn_ids(r)) for r in records}
     expected = sum(turns[t["id"]] for t in tasks)
     threads = max(1, int(job.num_cpus_per_actor)) if job.num_gpus_per_actor == 0 else 1
@@ -215,6 +222,9 @@ def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]], records: list[Prom
         compute=ActorPoolStrategy(size=job.actors),
         num_cpus=job.num_cpus_per_actor,
         num_gpus=job.num_gpus_per_actor or None,
+        # A batch that crashes its actor is retried a few times on a restarted one, not without bound.
+        max_restarts=BATCH_RETRIES,
+        max_task_retries=BATCH_RETRIES,
     )
     written = 0
     with tqdm(total=expected, desc="[label] rows", unit="row", dynamic_ncols=True, mininterval=2.0) as bar:

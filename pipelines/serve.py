@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from blockpilot.decoding.compiled import COMPILE_MODES
 from blockpilot.decoding.engine import COMPILE_HELP
-from blockpilot.decoding.static import COMPILE_MODES
 from blockpilot.options import (
     add_options,
     from_args,
@@ -62,6 +62,7 @@ class ModelLoader:
     step_model: Optional[str] = None
     policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
     compile: str = "auto"
+    compile_spans: int = 1
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -81,10 +82,20 @@ class ModelLoader:
         hf_logging.disable_progress_bar()
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
         decoder = BatchedDecoder(
-            models, adaptive=self.adaptive_spec(), model_name=self.model_name, limits=self.limits, compile=self.compile
+            models,
+            adaptive=self.adaptive_spec(),
+            model_name=self.model_name,
+            limits=self.limits,
+            compile=self.compile,
+            compile_spans=self.compile_spans,
         )
         decoder.start()
-        logging.getLogger("ray.serve").info("engine (%s) warmed up in %.1f s", self.compile, decoder.warm_up_seconds)
+        logging.getLogger("ray.serve").warning(
+            "engine (%s) started in %.1f s: %d shapes built up front",
+            decoder._engine.decoder.mode,
+            decoder.warm_up_seconds,
+            len(decoder.compiled_shapes),
+        )
         return decoder
 
 
@@ -451,6 +462,12 @@ class ServeJob:
         None, help="the adaptive policy's spec (default: learned+step, learned-step or learned from the models given, else fixed)"
     )
     compile: str = option("auto", choices=COMPILE_MODES, help=COMPILE_HELP)
+    compile_spans: int = option(
+        1,
+        type=positive_int_arg,
+        help="spans of cache (256, 512, ... slots) whose cycles the replica builds up front, for every row bucket; "
+        "longer rows' cycles run eagerly (nothing compiles while serving)",
+    )
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")
     model_name: str = option("blockpilot", help="the model id the API reports")

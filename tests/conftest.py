@@ -225,7 +225,7 @@ def tiny_labels(tiny_zoo, tiny_models, tmp_path_factory):
         if all((path / "labels.parquet").is_file() for path in out.values()):
             return out
         labeler = Labeler(
-            tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16), max_batch=16
+            tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=16, compile="off"), max_batch=16
         )
         for split, path in out.items():
             tasks = [(record, t) for record in load_prompt_source(f"zoo:{tiny_zoo}:{split}") for t in (0.0, 1.0)]

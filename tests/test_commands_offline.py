@@ -65,21 +65,12 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     printed = run(f"blockpilot calibrate {models} {small} --out {tmp_path / 'cost.json'}", env)
     assert json.loads((tmp_path / "cost.json").read_text())["seconds"]["1"].keys() == {"1", "2", "4"}
     assert "b=4" in printed
-    run(f"blockpilot calibrate {models} --drafted 8 {small} --out {tmp_path / 'cost-trim.json'}", env)
-    static = (
-        f"blockpilot calibrate {models} --block-sizes 1,3,4 --repeats 1 --cycles 2 --engine static --tree-nodes 4,8"
-    )
+    static = f"blockpilot calibrate {models} --block-sizes 1,3,4 --repeats 1 --cycles 2 --tree-nodes 4,8 --compile off"
     printed = run(f"{static} --out {tmp_path / 'cost-static.json'}", env)
     curve = json.loads((tmp_path / "cost-static.json").read_text())
     assert curve["seconds"]["1"].keys() == {"1", "3", "4"} and curve["trees"]["1"].keys() == {"4", "8"}
     assert curve["seconds"]["1"]["3"] == curve["seconds"]["1"]["4"]  # both run the width-4 cycle
     assert curve["tree_depth"] == 4 and "trees 4 deep: 4 nodes" in printed
-    printed = run(
-        f"blockpilot calibrate-trim {models} --prompts zoo:{tiny_zoo} --block-size 8 "
-        f"--cost {tmp_path / 'cost-trim.json'} --limit 4 --max-new-tokens 16 --out {tmp_path / 'trim.json'}",
-        env,
-    )
-    assert f"--policy trim:{tmp_path / 'trim.json'}" in printed
 
     prompt_ids = tiny_models.encode_prompt(PROMPT)
     greedy = greedy_reference(tiny_models.target, prompt_ids, 24, tiny_models.stop_token_ids())
@@ -93,29 +84,27 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
         payload = json.loads(run(command, environment))
         assert payload["token_ids"] == greedy, command  # at T = 0 every policy decodes the target's greedy output
         assert payload["policy"] == policy
-    for flags, policy, engine in [
-        ("--policy entropy", "entropy", "eager"),
-        (f"--policy trim:{tmp_path / 'trim.json'}", "trim", "eager"),
-        ("--engine static --policy entropy", "entropy", "static"),
-        ("--engine static --policy tree:8:6", "tree", "static"),  # 6 deep: past the tiny drafter's B = 4
+    for flags, policy in [
+        ("--policy entropy", "entropy"),
+        ("--policy tree:8:6", "tree"),  # 6 deep: past the tiny drafter's B = 4
     ]:
-        assert main(shlex.split(f"{generate} {flags} --json")) == 0
+        assert main(shlex.split(f"{generate} {flags} --compile off --json")) == 0
         payload = json.loads(capsys.readouterr().out)
-        assert payload["token_ids"] == greedy and payload["policy"] == policy and payload["engine"] == engine, flags
+        assert payload["token_ids"] == greedy and payload["policy"] == policy and payload["compile"] == "off", flags
     monkeypatch.setitem(sys.modules, "pipelines.serve", None)  # as without Ray Serve: `serve` says what to install
     assert main(shlex.split(f"serve {models}")) == 2
     assert "pip install 'blockpilot[ray]'" in capsys.readouterr().err
     monkeypatch.undo()
-    assert main(shlex.split(f"{generate} --policy entropy --temperature 0.8 --verify rejection")) == 0
+    assert main(shlex.split(f"{generate} --policy entropy --temperature 0.8 --verify rejection --compile off")) == 0
     printed = capsys.readouterr().out
     assert "mean tau:" in printed and "block size:" in printed
-    printed = run(f"blockpilot {generate} --engine static --temperature 0.8 --seed 3", env)
-    assert "engine static (off): " in printed and "mean tau:" in printed
-    # Compiled (inductor, about 20 s here): the same sampled tokens as the eager cycle for the seed, which are the
-    # autoregressive sample of the seed whatever the policy (so an in-process run stands for the eager command).
+    printed = run(f"blockpilot {generate} --compile off --temperature 0.8 --seed 3", env)
+    assert "engine (off): " in printed and "mean tau:" in printed
+    # Compiled by default (inductor, about 20 s here): the same sampled tokens as the eager cycle for the seed, which
+    # are the autoregressive sample of the seed whatever the policy (so an in-process run stands for the eager one).
     compiled = json.loads(  # its steps replayed, not through dynamo each call (`compiled_replay`)
         run(
-            f"blockpilot {generate} --engine static --compile compile --temperature 0.8 --seed 3 --json",
+            f"blockpilot {generate} --temperature 0.8 --seed 3 --json",
             env,
             noise=(*EMBEDDED_UNACTIONABLE, "cannot be replayed"),
         )
@@ -127,6 +116,7 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
         tiny_models, [GenerationRequest(prompt_ids, sampled, None)], engine=Engine(tiny_models)
     )
     assert compiled["token_ids"] == eager.token_ids and compiled["compile_seconds"] > 0
+    assert compiled["compile"] == "compile"  # what --compile auto is on a CPU
 
 
 def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
@@ -163,12 +153,12 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
 
 
 def test_the_tree_benchmark_runs_on_the_tiny_zoo(tiny_zoo, tmp_path):
-    """`benchmarks/bench_trees.py` end to end, eager and short: chains, trees and the priced tree, with its summary."""
+    """`benchmarks/bench_trees.py` end to end, eager and short: chains and trees, with its summary."""
     printed = run(
         f"python benchmarks/bench_trees.py --zoo {tiny_zoo} --prompts 2 --max-new-tokens 8 --budgets 4,8 --widths 3 "
         "--temperatures 0 --compile off --repeats 1",
         user_env(tmp_path / "home"),
     )
-    assert "chain b = 3" in printed and "tree:8 priced" in printed and "cycles by tree size" in printed
+    assert "chain b = 3" in printed and "tree:8 (depth 4)" in printed
     assert "T = 0: tau, best tree" in printed
     assert "T = 0: tree:4 (depth 4): a cycle" in printed and "were it to cost the chain's" in printed

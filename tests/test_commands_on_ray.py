@@ -29,14 +29,12 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
     models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
     labels = tmp_path / "labels"  # --eval gets the same folder: a second labeling run would show nothing new
     run(
-        f"blockpilot calibrate {models} --block-sizes 1,2,4,8 --repeats 1 --cycles 2 --out {tmp_path / 'cost.json'}",
+        f"blockpilot calibrate {models} --block-sizes 1,2,4,8 --repeats 1 --cycles 2 --compile off "
+        f"--out {tmp_path / 'cost.json'}",
         env,
     )
-    # The README's static-engine labeling (the compiled cycle's records; uncompiled here: compiling takes a while).
-    printed = run(
-        f"blockpilot label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 {LABEL_LIMITS} --engine static",
-        env,
-    )
+    # The README's labeling, as a user types it: the reference generations on the compiled cycle.
+    printed = run(f"blockpilot label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 {LABEL_LIMITS}", env)
     assert "rows: 16 (16 new, 0 with errors)" in printed and "shape or" in printed  # the trees' headroom too
     assert read_labels(labels).num_rows == 16
 
@@ -58,20 +56,17 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
 
     greedy = greedy_reference(tiny_models.target, tiny_models.encode_prompt(PROMPT), 24, tiny_models.stop_token_ids())
     generate = f"blockpilot generate {models} --prompt '{PROMPT}' --max-new-tokens 24 --json"
-    for flags, policy in [
+    for flags, policy in [  # the first as the README shows it (compiled), the others on the eager cycle
         (f"--predictor {PREDICTOR}", "learned"),
-        (f"--policy learned+step:{PREDICTOR},{STEP_MODEL}", "learned+step"),
-        ("--engine static --policy learned:models:/blockpilot-shape-predictor@champion", "learned"),
+        (f"--policy learned+step:{PREDICTOR},{STEP_MODEL} --compile off", "learned+step"),
+        ("--policy learned:models:/blockpilot-shape-predictor@champion --compile off", "learned"),
     ]:
         payload = json.loads(run(f"{generate} {flags}", env))
         assert payload["token_ids"] == greedy and payload["policy"] == policy
 
     port = free_port()
-    # On the static engine (its per-step policy included); the eager engine's endpoint is test_serve.py's.
-    command = (
-        f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --step-model {STEP_MODEL} --port {port} "
-        "--engine static"
-    )
+    # As the README shows it: the compiled engine, its shapes built before the replica is healthy.
+    command = f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --step-model {STEP_MODEL} --port {port}"
     log = tmp_path / "serve.log"  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     with open(log, "w") as output_file:
         server = subprocess.Popen(command.split(), cwd=ROOT, env=env, stdout=output_file, stderr=subprocess.STDOUT)

@@ -8,7 +8,6 @@ the serving decoder: the faulty request gets its error, the others their text, a
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from blockpilot.decoding import Engine, GenerationConfig, GenerationRequest, generate_many

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from support import check_stats_invariants, greedy_reference, oracle_drafts
 
 from blockpilot.data.sources import prompt_texts

@@ -44,7 +44,7 @@ def test_removing_a_worker_node_mid_job(two_worker_cluster, tiny_zoo, tmp_path):
         target=str(tiny_zoo / "target"),
         drafter=str(tiny_zoo / "drafter"),
         out=out,
-        settings=LabelSettings(max_new_tokens=24, top_k=8),
+        settings=LabelSettings(max_new_tokens=24, top_k=8, compile="off"),
         actors=2,
         num_cpus_per_actor=2,
         batch_size=1,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def make_job(zoo: Path, out: Path, **overrides) -> LabelJob:
-    settings = overrides.pop("settings", LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=24, top_k=8))
+    settings = overrides.pop("settings", LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=24, top_k=8, compile="off"))
     defaults = dict(
         prompts=f"zoo:{zoo}",
         target=str(zoo / "target"),
@@ -85,7 +85,7 @@ def test_labels_every_prompt_and_temperature_once(local_ray, tiny_zoo, tmp_path,
     assert {"best_block_size_histogram.png", "tau_vs_block_size.png"} <= artifacts
 
     # A job with other settings may not write into this folder.
-    other = make_job(tiny_zoo, out, limit=10, settings=LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=16, top_k=8))
+    other = make_job(tiny_zoo, out, limit=10, settings=LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=16, top_k=8, compile="off"))
     with pytest.raises(ValueError, match="differing: max_new_tokens"):
         run_label_job(other)
     assert read_labels(out).num_rows == 20
@@ -126,6 +126,8 @@ def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path
         "--num-cpus-per-actor",
         "0.5",
         "--no-track",
+        "--compile",
+        "off",
     ]
     env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(Path(__file__).parents[1])}
     driver = subprocess.Popen(
@@ -138,7 +140,7 @@ def test_a_stopped_job_labels_only_what_is_missing(local_ray, tiny_zoo, tmp_path
     driver.wait()
 
     # The rerun counts what the stopped driver left (a write in flight at the kill may land after the loop).
-    summary = run_label_job(make_job(tiny_zoo, out, limit=24, settings=LabelSettings(max_new_tokens=24, top_k=8)))
+    summary = run_label_job(make_job(tiny_zoo, out, limit=24, settings=LabelSettings(max_new_tokens=24, top_k=8, compile="off")))
     assert 0 < summary.already_labeled < 24, f"the driver should have been stopped midway: {summary.already_labeled}"
     assert summary.new_rows == 24 - summary.already_labeled
     table = read_labels(out)
@@ -195,6 +197,8 @@ def test_label_command_makes_bad_prompts_rows_with_errors_and_goes_on(local_ray,
         "--max-new-tokens",
         "16",
         "--no-track",
+        "--compile",
+        "off",
     ]
     assert main(argv) == 0
     assert "rows: 8" in capsys.readouterr().out

@@ -198,7 +198,7 @@ def test_the_stop_token_and_the_budget_bound_what_counts(tiny_models, heldout):
 
 @pytest.fixture(scope="module")
 def labeler(tiny_models):
-    return Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=8, dense=True))
+    return Labeler(tiny_models, LabelSettings(temperatures=(0.0, 1.0), max_new_tokens=32, top_k=8, dense=True, compile="off"))
 
 
 def test_label_rows_follow_the_schema(labeler, tiny_zoo):

@@ -106,12 +106,12 @@ def test_the_static_sampler_follows_the_target_distribution_and_the_check_catche
 ):
     """Autoregressive (width 1) draws by an exponential race over the uniforms of (seed, position, token) sample the
     joint law; the negative control draws every position of a row from the same uniforms, and the test must fail it."""
-    import blockpilot.decoding.static as static
+    import blockpilot.decoding.sampling as sampling
 
     assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) > P_VALUE_FLOOR
-    exact_uniforms = static.token_uniforms
+    exact_uniforms = sampling.token_uniforms
     monkeypatch.setattr(
-        static, "token_uniforms", lambda seeds, positions, vocab: exact_uniforms(seeds, positions * 0, vocab)
+        sampling, "token_uniforms", lambda seeds, positions, vocab: exact_uniforms(seeds, positions * 0, vocab)
     )
     assert chi_square_p_value(static_counts(drafters["random"], 1), exact_joint) < 1e-9
 
@@ -149,13 +149,13 @@ def test_the_static_rejection_rule_follows_the_target_distribution_and_the_check
     """Tokens 2 and 3 from one cycle of two drafted samples, kept by speculative sampling's test on the device, with a
     real drafter (which the target mostly rejects) and a sharp double; the negative control draws the bonus after a
     rejection from p, not from max(0, p - q), and the test must fail it."""
-    import blockpilot.decoding.static as static
+    import blockpilot.decoding.sampling as sampling
 
     assert chi_square_p_value(static_counts(drafters["random"], 3, "rejection"), exact_joint) > P_VALUE_FLOOR
     sharp = SpeculativeModels(small_target, None, drafters["random"].drafter, VOCAB - 1)
     oracle_drafts(monkeypatch, small_target, PROMPT + greedy_reference(small_target, PROMPT, 6), sharpness=2.0)
     assert chi_square_p_value(static_counts(sharp, 3, "rejection"), exact_joint) > P_VALUE_FLOOR
-    monkeypatch.setattr(static, "residual", lambda target, draft: target)
+    monkeypatch.setattr(sampling, "residual", lambda target, draft: target)
     assert chi_square_p_value(static_counts(sharp, 3, "rejection"), exact_joint) < 1e-9
 
 

@@ -45,20 +45,29 @@ def predictor_dir(tiny_labels, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(local_ray, tiny_zoo, predictor_dir):
-    """Two apps on one Serve instance: the main endpoint, and a tight one (one row, a queue of one, an API key)."""
+    """Two apps on one Serve instance: the main endpoint, and a tight one (one row, a queue of one, an API key); both on
+    the eager cycle (`--compile off`), what these tests are about being the endpoint (the compiled endpoint, as the
+    README starts it, is test_commands_on_ray.py's)."""
     from ray import serve
 
     from pipelines.serve import ModelLoader, serve_locally
 
     port = free_port()
     main = serve_locally(
-        ModelLoader(str(tiny_zoo / "target"), str(tiny_zoo / "drafter"), str(predictor_dir), model_name="tiny"),
+        ModelLoader(str(tiny_zoo / "target"), str(tiny_zoo / "drafter"), str(predictor_dir), model_name="tiny", compile="off"),
         port=port,
         request_timeout_s=120,
     )
     tight_limits = ServeLimits(max_batch=1, max_queue=1, queue_timeout_s=1.0, max_tokens_cap=512, max_body_bytes=4096)
     tight = serve_locally(
-        ModelLoader(str(tiny_zoo / "target"), str(tiny_zoo / "drafter"), model_name="tight", limits=tight_limits, api_key=KEY),
+        ModelLoader(
+            str(tiny_zoo / "target"),
+            str(tiny_zoo / "drafter"),
+            model_name="tight",
+            limits=tight_limits,
+            api_key=KEY,
+            compile="off",
+        ),
         port=port,
         app_name="tight",
         route_prefix="/tight",

@@ -13,7 +13,7 @@ from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.policies.fixed import FixedBlockSize
 from blockpilot.serving import BatchedDecoder, DecodeHandle, IncrementalText, Overloaded, RequestError, ServeLimits
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
-from pipelines.serve import ModelLoader, ServeJob
+from pipelines.serve import ServeJob
 
 HUGE = 10**400
 
@@ -469,3 +469,38 @@ def test_thread_safety_of_submit(decoder):
     for thread in threads:
         thread.join(timeout=120)
     assert len(results) == 8 and all(stats["usage"]["completion_tokens"] >= 1 for _, stats in results)
+
+
+@pytest.mark.slow
+def test_a_compiled_tree_replica_builds_its_shapes_up_front_and_compiles_nothing_while_serving(tiny_models):
+    """A decoder serving `tree:7`, compiled: `start` builds its declared shapes and freezes; a burst of mixed requests
+    (forced block sizes 1 .. its width beside tree rows, short and long prompts, T = 0 and 1, several at once) all
+    answer, greedy ones exact, and no step is built after start (a shape outside the set runs eagerly)."""
+    limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=600)
+    decoder = BatchedDecoder(tiny_models, adaptive="tree:3", limits=limits, compile="compile").start()
+    try:
+        built = list(decoder.compiled_shapes)
+        assert built and decoder._engine.decoder.frozen
+        assert {shape[1] for shape in built} == set(decoder._engine.buckets)  # every row bucket
+        long_prompt = "word " * 300
+        bodies = [
+            {"prompt": long_prompt if i % 5 == 4 else f"Count from {i} to {i + 9}.", "max_tokens": 24,
+             "temperature": float(i % 2), "seed": i, "ignore_eos": True,
+             **({"block_size": 1 + i % decoder.max_block_size} if i % 3 else {})}
+            for i in range(10)
+        ]
+        handles = [decoder.submit(checked(decoder, body)) for body in bodies]
+        for body, handle in zip(bodies, handles, strict=True):
+            events = list(handle.events(timeout_s=120))
+            assert events[-1][0] == "done", events[-1]
+            if body["temperature"] == 0 and "block_size" in body:
+                ids = decoder.encode_completion(body["prompt"])
+                config = GenerationConfig(max_new_tokens=24)
+                expected = generate(tiny_models, ids, policy=FixedBlockSize(body["block_size"]), config=config)
+                assert "".join(v for kind, v in events if kind == "delta") == tiny_models.tokenizer.decode(
+                    expected.token_ids, skip_special_tokens=True
+                )
+        assert decoder._engine.decoder.built_shapes == built, "a step was compiled while serving"
+        assert decoder.healthy
+    finally:
+        decoder.stop()

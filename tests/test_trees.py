@@ -14,8 +14,8 @@ import torch
 from support import greedy_reference
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.static import grow_trees
 from blockpilot.decoding.engine import Engine
+from blockpilot.decoding.static import grow_trees
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
 from blockpilot.serving import BatchedDecoder, ServeLimits

@@ -86,7 +86,7 @@ def calibrate(
     shape, which is what choosing b reads. The medians at each batch are then fitted non-decreasing in b
     (`nondecreasing_in_block_size`); the raw ones are kept as `measured`.
 
-    The cycle timed is the engine's, run as `compile` says (`static.COMPILE_MODES`), one engine per batch size: it
+    The cycle timed is the engine's, run as `compile` says (`compiled.COMPILE_MODES`), one engine per batch size: it
     runs each b at the narrowest width compiled that holds it, so every b of a width costs the same, and each is
     priced at the median of its width's times (`one_cost_per_bucket`).
     With `tree_nodes` too, the cycles of draft trees of each of those budgets, max(block_sizes) deep (the trees

@@ -11,9 +11,9 @@ finished rows leave, the last row moving into the hole.
 
 - every row of a cycle computes the cycle's width bucket (a row's b <= width is where its acceptance stops), so a
   policy's b is capped at the engine's width;
-- sampling is counter-based (`static.pick_tokens`): a row's output for a seed is a function of its prompt and seed
+- sampling is counter-based (`sampling.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch);
-- `rejection` rows draft samples of the drafter (`static.speculative_sampling`), in a cycle variant compiled when
+- `rejection` rows draft samples of the drafter (`sampling.speculative_sampling`), in a cycle variant compiled when
   one runs; a tree engine verifies by matching only;
 - feature records (`GenerationRequest.record`, labeling's reference generations) need an engine built with
   `record=True`: its compiled cycle then also keeps every committed position's features and distribution summary;
@@ -98,7 +98,7 @@ class Engine(RowScheduler):
 
     `width`: the widest block a row drafts (default: the drafter's training block size B + 2, the widest candidate
     the project's sweeps label; 1 without a drafter). `capacity`: cache slots a row holds (prompt, budget and one
-    block; default 2,048, at most the context). `compile`: `static.COMPILE_MODES`, "auto" resolved by
+    block; default 2,048, at most the context). `compile`: `compiled.COMPILE_MODES`, "auto" resolved by
     `compile_mode` (the class's default is "off": a one-off generation does not repay a compile; the commands
     default to "auto"). `sampling`: whether rows may
     decode at T > 0 (off, the cycle skips the sampler). `prefill_chunk`: prompts longer than this are prefilled a
@@ -150,6 +150,52 @@ class Engine(RowScheduler):
     @property
     def capacity(self) -> int:
         return self.decoder.capacity
+
+    @property
+    def spans(self) -> list[int]:
+        """The spans of cache a cycle reads, in the order rows reach them (`span_bucket`)."""
+        spans = [span_bucket(1, self.capacity)]
+        while spans[-1] < self.capacity:
+            spans.append(span_bucket(spans[-1] + 1, self.capacity))
+        return spans
+
+    def declared_shapes(self, widths: Sequence[int] | None = None, spans: int = 2) -> list[tuple]:
+        """The engine's shape set: every row bucket x the width buckets that hold `widths` (default: every width
+        bucket) x the first `spans` spans of cache, as chain cycles; with trees, every row bucket x tree size at
+        those spans."""
+        chosen = sorted({next(w for w in self.widths if w >= min(b, self.width)) for b in widths or self.widths})
+        shapes = [
+            ("_cycle", rows, span, width, False)
+            for rows in self.buckets
+            for span in self.spans[:spans]
+            for width in chosen
+        ]
+        if self.tree_nodes is not None:
+            shapes += [
+                ("_tree_cycle", rows, span, size + 1)
+                for rows in self.buckets
+                for span in self.spans[:spans]
+                for size in self.tree_sizes
+            ]
+        return shapes
+
+    @torch.inference_mode()
+    def compile_shapes(self, shapes: Sequence[tuple]) -> float:
+        """Build `shapes` (`declared_shapes`) and whole-prompt prefill now, then freeze: from here on nothing compiles
+        (a shape outside the set runs eagerly, logged once). Returns the seconds it took. The engine must be idle."""
+        if self.busy:
+            raise ValueError("compile_shapes needs an idle engine")
+        started = time.perf_counter()
+        decoder = self.decoder
+        if decoder.mode != "off":
+            for prompts in ([torch.arange(1, 3)], [torch.arange(1, 3)] * 2, [torch.arange(1, 4)] * 2):
+                decoder.prefill(0, prompts)  # one prompt, several, lengths past 2: dynamo's specializations
+            for row in range(min(3, self.max_batch)):
+                decoder.free(row, clear=True)
+            for shape in shapes:
+                decoder.build(*shape)
+        decoder.frozen = True
+        return time.perf_counter() - started
 
     @property
     def compile_seconds(self) -> float | None:

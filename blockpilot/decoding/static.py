@@ -1,9 +1,9 @@
 """A draft/verify cycle over preallocated caches, every tensor of a fixed shape per (rows, width): the form that
 `torch.compile` compiles whole and a CUDA graph replays, with no host round-trip inside a cycle.
 
-The target's and the drafter's forwards here are the project's own, over the loaded models' weights (the same
-tensors, not copies), in gpt-fast's manner: Qwen3 layers on a KV cache of `capacity` slots per row, written at
-absolute slots and read through a boolean mask, so nothing is cropped, concatenated or reallocated between cycles.
+The target's and the drafter's forwards (`forwards.py`) run over a KV cache of `capacity` slots per row, written at
+absolute slots and read through a boolean mask, so nothing is cropped, concatenated or reallocated between cycles;
+how a step is compiled and replayed is `compiled.py`.
 
 One cycle for `rows` rows of width W (each row its own block size b <= W; slots past b are padding):
 
@@ -18,9 +18,9 @@ One cycle for `rows` rows of width W (each row its own block size b <= W; slots 
     context: the drafter's keys and values of the W verified positions, from the target's features there
     state:   length += a + 1, last token = the pick at slot a
 
-Sampling is counter-based: the token at absolute position p of a row with seed s is drawn by an exponential race
-over uniforms that are hashes of (s, p, token). It needs no generator state, so it compiles and replays as a graph,
-and a row's output for a seed is a function of its prompt and seed alone: the same at any block size, in any batch,
+Sampling is counter-based (`sampling.py`): the token at absolute position p of a row with seed s is drawn by an
+exponential race over uniforms that are hashes of (s, p, token). It needs no generator state, so it compiles and
+replays as a graph, and a row's output for a seed is a function of its prompt and seed alone: the same at any block size, in any batch,
 and equal to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
 output does too). Under `rejection` a row's output for a seed depends on its block sizes, not on the other rows:
 every committed token is decided by the uniforms of its own position alone (drafts, the test and the bonus each from
@@ -37,166 +37,33 @@ decoding: no drafter, one verify slot.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from blockpilot.decoding.acceptance import residual
+from blockpilot.decoding.compiled import (
+    compile_mode,
+    compiled_replay,
+    inductor_calls,
+    inductor_options,
+)
+from blockpilot.decoding.forwards import StaticDrafter, StaticTarget, check_exact_target
 from blockpilot.decoding.request import RECORD_TOP_K
-from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
-from blockpilot.models.features import decoder_layers
+from blockpilot.decoding.sampling import (
+    DRAFT_STREAM,
+    pick_tokens,
+    race,
+    row_probs,
+    speculative_sampling,
+    token_uniforms,
+)
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import distribution_summary
 from blockpilot.tree import TOP_K
 
 logger = logging.getLogger(__name__)
-
-COMPILE_MODES = ("auto", "off", "compile", "graph", "compile+graph")
-
-
-def compile_mode(mode: str, device: torch.device) -> str:
-    """`mode` with "auto" resolved to what pays on `device`: the compiled cycle replayed as a CUDA graph on CUDA,
-    the compiled cycle (replayed by `compiled_replay`) on a CPU."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    if mode != "auto":
-        return mode
-    return "compile+graph" if device.type == "cuda" else "compile"
-
-
-def inductor_options(device: torch.device) -> dict[str, bool] | None:
-    """What the engine compiles with. On a CPU, inductor's C++ wrapper: its default Python wrapper re-checked every
-    input and view at each call, about 0.1 ms of a 1 ms mini-zoo cycle. A GPU replays CUDA graphs, where the
-    wrapper costs nothing."""
-    return {"cpp_wrapper": True} if device.type == "cpu" else None
-
-
-@contextmanager
-def inductor_calls() -> Iterator[list[tuple[Any, list[Any], Any]]]:
-    """Every call of an inductor-compiled graph made by this thread inside the block, as (the graph, its inputs, its
-    outputs); nothing where this torch's inductor does not have the class this reads (its internals:
-    `compiled_replay` then keeps dynamo's path)."""
-    calls: list[tuple[Any, list[Any], Any]] = []
-    try:
-        from torch._inductor.output_code import CompiledFxGraph
-    except ImportError:
-        yield calls
-        return
-    original, thread = CompiledFxGraph.__call__, threading.get_ident()
-
-    def recording(graph: Any, inputs: Sequence[Any]) -> Any:
-        given = list(inputs)  # the compiled call empties the list it is given
-        out = original(graph, inputs)
-        if threading.get_ident() == thread:  # another thread's compiled step is not this one's
-            calls.append((graph, given, out))
-        return out
-
-    CompiledFxGraph.__call__ = recording
-    try:
-        yield calls
-    finally:
-        CompiledFxGraph.__call__ = original
-
-
-def compiled_replay(calls: list[tuple[Any, list[Any], Any]]) -> Callable[[], None] | None:
-    """A compiled step called again the way a CUDA graph is replayed: inductor's compiled code on the tensors it was
-    given the first time, without dynamo's guards and AOTAutograd's wrapper around it (0.05 ms of a 0.30 ms
-    one-token step and 0.13 of a 1.03 ms width-8 cycle on the CPU, docs/log.md). Sound for this decoder's steps: a
-    step reads and writes only tensors that live as long as the decoder (weights, caches, state buffers, written in
-    place), and its shape is fixed per compiled variant. None (keep dynamo's path) unless the step ran as one
-    compiled graph whose inputs are all tensors and which returns nothing the wrapper would have to copy back."""
-    if len(calls) != 1:
-        return None
-    graph, inputs, out = calls[0]
-    run = getattr(graph, "current_callable", None)
-    if run is None or out or not all(isinstance(tensor, torch.Tensor) for tensor in inputs):
-        return None
-    return lambda: run(list(inputs))  # a fresh list: the compiled call empties it
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer on the low 32 bits of int64 `x` (products wrap mod 2^64: the low bits stay exact)."""
-    mask = 0xFFFFFFFF
-    x = x & mask
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & mask
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & mask
-    return x ^ (x >> 16)
-
-
-# Independent uniforms for one row and position: the target's picks, the drafter's samples, and the acceptance test
-# of the `rejection` rule.
-TARGET_STREAM, DRAFT_STREAM, ACCEPT_STREAM = 0, 1, 2
-
-
-def token_uniforms(
-    seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = TARGET_STREAM
-) -> torch.Tensor:
-    """Uniforms in (0, 1), float64, one per (seed, absolute position, token) of a stream: seeds (n,) int64,
-    positions (n, S) -> (n, S, vocab). The same triple gives the same number on every device and in any batch."""
-    key = _mix32(seeds[:, None] * 0x9E3779B1 + _mix32(positions) + stream * 0x632BE5AB)  # (n, S)
-    bits = _mix32(_mix32(key[..., None] * 0x85EBCA77 + torch.arange(vocab, device=seeds.device)))
-    return (bits.double() + 0.5) / 4294967296.0
-
-
-def row_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) in float64 with each row's T, (n, S, V) -> (n, S, V) (rows at T = 0: at T = 1)."""
-    scale = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    return torch.softmax(logits.float() / scale[:, None, None], dim=-1).double()
-
-
-def race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """A sample of each distribution (..., V) (unnormalized is fine) by an exponential race: argmax of p_i / E_i
-    with E_i = -log(u_i), so token i wins with probability p_i / sum(p). Elementwise and a reduction: it fuses."""
-    return (probs / -torch.log(uniforms)).argmax(dim=-1)
-
-
-def pick_tokens(
-    logits: torch.Tensor,  # (n, S, V) fp32
-    temperatures: torch.Tensor,  # (n,) fp32, 0 = greedy
-    seeds: torch.Tensor,  # (n,) int64
-    positions: torch.Tensor,  # (n, S) the absolute position each picked token will sit at
-    probs: torch.Tensor | None = None,  # (n, S, V) `row_probs(logits, temperatures)`, where the caller has them
-) -> torch.Tensor:
-    """(n, S) tokens: the argmax where the row's temperature is 0, else a sample of softmax(logits / T) raced over
-    the uniforms of (seed, position)."""
-    probs = probs if probs is not None else row_probs(logits, temperatures)
-    sampled = race(probs, token_uniforms(seeds, positions, logits.shape[-1]))
-    return torch.where(temperatures[:, None] > 0, sampled, logits.argmax(dim=-1))
-
-
-def speculative_sampling(
-    drafts: torch.Tensor,  # (n, W - 1) sampled from draft_probs
-    draft_probs: torch.Tensor,  # (n, W - 1, V) the drafter's distributions at each row's temperature
-    target_probs: torch.Tensor,  # (n, W, V) the target's, after each block entry
-    sizes: torch.Tensor,  # (n,) each row's b
-    seeds: torch.Tensor,  # (n,)
-    positions: torch.Tensor,  # (n, W) the block entries' positions
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `rejection` rule (`acceptance.py`) for every row at once: (accepted drafts (n,), the committed tokens
-    (n, W): the accepted drafts, then the bonus). Draft j is kept when u * q(d_j) < p(d_j) for the uniform of its
-    position; the bonus at the first rejection comes from `residual`, after b - 1 acceptances from p."""
-    _, width, vocab = target_probs.shape
-    offsets = torch.arange(width, device=drafts.device)
-    p = target_probs[:, :-1].gather(-1, drafts[..., None])[..., 0]
-    q = draft_probs.gather(-1, drafts[..., None])[..., 0]
-    u = token_uniforms(seeds, positions[:, 1:], 1, ACCEPT_STREAM)[..., 0]
-    kept = (u * q < p) & (offsets[1:] < sizes[:, None])
-    accepted = kept.long().cumprod(dim=1).sum(dim=1)
-    at = accepted[:, None, None].expand(-1, 1, vocab)
-    p_at = target_probs.gather(1, at)[:, 0]
-    q_at = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1).gather(1, at)[:, 0]
-    q_at = torch.where((accepted < sizes - 1)[:, None], q_at, torch.zeros_like(q_at))
-    bonus_position = positions.gather(1, accepted[:, None]) + 1
-    bonus = race(residual(p_at, q_at)[:, None], token_uniforms(seeds, bonus_position, vocab))[:, 0]
-    out = torch.cat([drafts, drafts[:, :1]], dim=1)
-    return accepted, torch.where(offsets == accepted[:, None], bonus[:, None], out)
 
 
 def grow_trees(
@@ -254,200 +121,6 @@ def grow_trees(
     return tokens, depths, parents, ancestors, probabilities
 
 
-def stacked(weights: Sequence[nn.Parameter]) -> torch.Tensor:
-    """The (rows_1 + ... + rows_k, in) stack of weights (rows_i, in), for one matmul in place of k (fewer, larger
-    calls: a cycle 6-7% faster on the CPU). Each parameter becomes a view of the stack, so it costs no memory;
-    parameters stacked so already (a second decoder over the same models) give their stack back."""
-    first, rows = weights[0], sum(w.shape[0] for w in weights)
-    storage = first.untyped_storage().data_ptr()
-    offsets = [first.storage_offset() + sum(w.numel() for w in weights[:i]) for i in range(len(weights))]
-    if all(
-        w.untyped_storage().data_ptr() == storage and w.storage_offset() == at and w.is_contiguous()
-        for w, at in zip(weights, offsets, strict=True)
-    ):
-        return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1), offsets[0])
-    with torch.no_grad():
-        stack = torch.cat([w.detach() for w in weights])
-        at = 0
-        for w in weights:
-            w.data = stack[at : at + w.shape[0]]
-            at += w.shape[0]
-    return stack
-
-
-@dataclass(frozen=True)
-class _Attention:
-    """One layer's attention weights (views of the model's own parameters)."""
-
-    qkv: torch.Tensor  # the query, key and value projections stacked (`stacked`)
-    o: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-
-
-class _Layers(nn.Module):
-    """Qwen3 decoder layers (target or drafter) as plain functions of their weights, with a KV cache per layer of
-    `rows` x `capacity` slots. `config` names the layers' shape as both Qwen3's and DFlash's configs do
-    (`num_attention_heads`, `num_key_value_heads`, `head_dim`, `rms_norm_eps`)."""
-
-    def __init__(self, layers: Sequence[nn.Module], config: Any, rows: int, capacity: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
-        self.attention = [
-            _Attention(
-                stacked([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                a.o_proj.weight,
-                a.q_norm.weight,
-                a.k_norm.weight,
-            )
-            for a in (layer.self_attn for layer in layers)
-        ]
-        self.mlp = [
-            (stacked([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight)
-            for m in (layer.mlp for layer in layers)
-        ]
-        self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
-        # One buffer per layer, slots before heads: a cycle's writes are one in-place `index_put_` on the two leading
-        # dimensions, which inductor keeps in place (written through a view of one stacked cache, it copied the whole
-        # cache every cycle: 32 ms against 4.7 eager at 8 rows of 4,096 slots on a CPU).
-        weight = self.attention[0].qkv
-        shape = (rows, capacity, self.kv_heads, self.head_dim)
-        for index in range(len(layers)):
-            for kind in ("keys", "values"):
-                cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-                self.register_buffer(f"{kind}_{index}", cache, persistent=False)
-
-    def project(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, queries: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """x (n, S, hidden) -> queries (n, heads, S, d) (None without `queries`: the drafter's context) and keys
-        (n, kv_heads, S, d), both normed and rotated, and values (n, kv_heads, S, d): one matmul."""
-        a = self.attention[index]
-        n, s, _ = x.shape
-        query_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        if queries:
-            q, k, v = F.linear(x, a.qkv).split([query_size, kv_size, kv_size], dim=-1)
-        else:
-            q, (k, v) = None, F.linear(x, a.qkv[query_size:]).split([kv_size, kv_size], dim=-1)
-
-        def rotated(t: torch.Tensor, heads: int, norm: torch.Tensor) -> torch.Tensor:
-            return apply_rotary(
-                rms_norm(t.reshape(n, s, heads, self.head_dim), norm, self.eps).transpose(1, 2), cos, sin
-            )
-
-        q = rotated(q, self.heads, a.q_norm) if q is not None else None
-        return q, rotated(k, self.kv_heads, a.k_norm), v.reshape(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
-
-    def write(self, index: int, rows: slice, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys and values (n, kv_heads, S, d) into the cache rows `rows` (n of them) at `slots` (n, S)."""
-        row_ids = torch.arange(rows.start, rows.stop, device=slots.device)[:, None]
-        getattr(self, f"keys_{index}").index_put_((row_ids, slots), k.transpose(1, 2))
-        getattr(self, f"values_{index}").index_put_((row_ids, slots), v.transpose(1, 2))
-
-    def cached(self, index: int, rows: slice, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [0, span) of cache rows `rows` of layer `index`, as attention reads them: keys, values
-        (n, kv_heads, span, d), views (nothing copied)."""
-        keys, values = getattr(self, f"keys_{index}"), getattr(self, f"values_{index}")
-        return keys[rows, :span].transpose(1, 2), values[rows, :span].transpose(1, 2)
-
-    def layer(self, index: int, x: torch.Tensor, cos, sin, rows: slice, slots, mask) -> torch.Tensor:
-        """One whole decoder layer: its block's keys and values written at `slots`, then attention over the
-        cache's first `span` slots (mask (n, 1, S, span), True = seen) and the MLP. With no mask the block is a
-        whole prompt from slot 0: it attends to itself causally, without reading the cache back."""
-        first, second = self.norms[index]
-        n, s, _ = x.shape
-        q, keys, values = self.project(index, rms_norm(x, first, self.eps), cos, sin)
-        self.write(index, rows, slots, keys, values)
-        gqa = self.heads != self.kv_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
-        else:
-            keys, values = self.cached(index, rows, mask.shape[-1])
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        x = x + F.linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), self.attention[index].o)
-        gate_up, down = self.mlp[index]
-        gate, up = F.linear(rms_norm(x, second, self.eps), gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, down)
-
-
-class StaticTarget(nn.Module):
-    """The target's forward over a preallocated cache; also returns the drafter's context features (the outputs
-    of the layers at `layer_ids`, the last one final-normed, as `features.py` taps them)."""
-
-    def __init__(self, target: nn.Module, rows: int, capacity: int, layer_ids: Sequence[int] | None) -> None:
-        super().__init__()
-        config = target.config.get_text_config()
-        layers, norm = decoder_layers(target)
-        self.body = _Layers(layers, config, rows, capacity)
-        self.embed = target.get_input_embeddings().weight
-        self.head = target.get_output_embeddings().weight
-        self.norm, self.eps = norm.weight, config.rms_norm_eps
-        self.theta, self.head_dim = float(config.rope_parameters["rope_theta"]), config.head_dim
-        self.layer_ids = list(layer_ids) if layer_ids is not None else []
-        self.last = len(layers) - 1
-
-    def forward(
-        self,
-        ids: torch.Tensor,  # (n, S) token ids
-        positions: torch.Tensor,  # (n, S) rotary positions
-        slots: torch.Tensor,  # (n, S) cache slots the tokens' keys and values go to (== positions for a chain)
-        mask: torch.Tensor | None,  # (n, 1, S, span) bool: which of the first `span` slots each token sees (itself
-        # too); None: the tokens are whole prompts from slot 0, each seeing the ones before it
-        rows: slice | None = None,  # the n cache rows (default: the first n)
-        logits_at: torch.Tensor | None = None,  # (n,) the one entry of each row whose logits are wanted
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (n, S, V) in fp32, or (n, 1, V) at `logits_at`, and features (n, S, len(layer_ids) * hidden) or
-        None."""
-        rows = rows if rows is not None else slice(0, ids.shape[0])
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.embed.dtype)
-        x = F.embedding(ids, self.embed)
-        taps = {}
-        for index in range(len(self.body.attention)):
-            x = self.body.layer(index, x, cos, sin, rows, slots, mask)
-            if index in self.layer_ids and index != self.last:
-                taps[index] = x
-        x = rms_norm(x, self.norm, self.eps)
-        if self.last in self.layer_ids:
-            taps[self.last] = x
-        features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
-        if logits_at is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
-        return F.linear(x, self.head).float(), features
-
-
-class StaticDrafter(nn.Module):
-    """The DFlash drafter's forward over a preallocated context cache: `encode` writes the context's keys and
-    values at their slots; `forward` writes the block's own at the block's slots (scratch: the context past the
-    anchor is not read, and is rewritten by the next `encode`) and attends over the cache in place."""
-
-    def __init__(self, drafter: nn.Module, rows: int, capacity: int) -> None:
-        super().__init__()
-        config = drafter.config
-        self.body = _Layers(drafter.layers, config, rows, capacity)
-        self.fc, self.hidden_norm, self.norm = drafter.fc.weight, drafter.hidden_norm.weight, drafter.norm.weight
-        self.eps, self.theta, self.head_dim = config.rms_norm_eps, config.rope_theta, config.head_dim
-
-    def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: slice) -> None:
-        """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S) of
-        cache rows `rows`."""
-        context = rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
-        for index in range(len(self.body.attention)):
-            _, keys, values = self.body.project(index, context, cos, sin, queries=False)
-            self.body.write(index, rows, slots, keys, values)
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:
-        """Hidden states (n, W, hidden) of blocks (embeds (n, W, hidden)) at `positions` (n, W), written at those
-        slots of cache rows `rows`; mask (n, 1, 1 or W, span) True = seen (the context before the anchor and the
-        block's own slots)."""
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
-        x = embeds.to(self.fc.dtype)
-        for index in range(len(self.body.attention)):
-            x = self.body.layer(index, x, cos, sin, rows, positions, mask)
-        return rms_norm(x, self.norm, self.eps)
-
-
 MIN_SPAN = 256
 
 
@@ -497,6 +170,7 @@ class StaticDecoder:
         record: bool = False,
     ) -> None:
         compile = compile_mode(compile, models.device)
+        check_exact_target(models.target.config)
         if "graph" in compile and models.device.type != "cuda":
             raise ValueError(f"compile={compile!r} replays CUDA graphs: it needs a CUDA device, got {models.device}")
         if width > 1 and models.drafter is None:
@@ -560,6 +234,10 @@ class StaticDecoder:
                 self._prefill_pass, fullgraph=True, dynamic=True, options=inductor_options(self.device)
             )
         self._prefill_built = False
+        # Once frozen (a serving engine, after it built its declared shapes), nothing compiles: a step of a shape not
+        # built runs eagerly (logged once), and a prefill that would recompile runs eagerly.
+        self.frozen = False
+        self._eager_shapes: set[tuple] = set()
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
@@ -799,9 +477,25 @@ class StaticDecoder:
             getattr(self, name)(*shape)
             return
         step = self._steps.get((name, *shape))
+        if step is None and self.frozen:
+            if (name, *shape) not in self._eager_shapes:
+                self._eager_shapes.add((name, *shape))
+                logger.warning("step %s%s was not built up front: it runs eagerly (nothing compiles while serving)", name, shape)
+            getattr(self, name)(*shape)
+            return
         if step is None:
             step = self._steps[(name, *shape)] = self._build(name, *shape)
         step()
+
+    def build(self, name: str, *shape: int) -> None:
+        """Compile (or load from the on-disk cache) and capture step `name` at `shape` now, if the mode compiles and
+        it is not built yet (`_run`'s names and shapes)."""
+        if self.mode != "off" and (name, *shape) not in self._steps:
+            self._steps[(name, *shape)] = self._build(name, *shape)
+
+    @property
+    def built_shapes(self) -> list[tuple]:
+        return list(self._steps)
 
     def set_tree_shapes(self, budgets: Sequence[int], widths: Sequence[int]) -> None:
         """Rows 0 .. len(budgets) - 1 grow trees of these many nodes over their slots' top `widths` tokens next
@@ -862,6 +556,14 @@ class StaticDecoder:
         if mask is not None or self._prefill_compiled is None:
             return self._prefill_pass(ids, positions, mask, first, last)
         started = time.perf_counter()
+        if self.frozen:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self._prefill_compiled(ids, positions, None, first, last)
+            except RuntimeError as error:  # this prompt shape would recompile: eager, the same pass
+                if "recompile" not in str(error).lower():
+                    raise
+                return self._prefill_pass(ids, positions, None, first, last)
         out = self._prefill_compiled(ids, positions, None, first, last)
         if not self._prefill_built:  # the first call compiles
             self._prefill_built = True
