@@ -9,13 +9,13 @@ On the zoo's held-out prompts (one at a time, batch 1), each decoder generating 
 - transformers: the target's plain greedy loop (`DynamicCache`, one token a step), and a `StaticCache` step under
   `torch.compile` (compiled once, before timing), with inductor's default wrapper (the baseline of the ratios) and
   with its C++ wrapper (what the static engine compiles with on a CPU);
-- the engine (`blockpilot.decoding.engine`, transformers' modules, eager): autoregressive and fixed b;
-- the static engine (`blockpilot.decoding.static_engine`, its cycle compiled once per width before timing):
+- the engine (`blockpilot.decoding.engine`) with `--compile off`, its cycle eager: autoregressive and fixed b;
+- the engine as the commands run it (`--compile auto`: compiled on a CPU, once per width before timing):
   autoregressive and fixed b, at every --widths (the best of them is the best fixed b).
 
-T > 0 rows run where the decoder samples (the engines), the static engine's with both acceptance rules (`match`,
-and `rejection` at every --widths). With --batch N, both engines also decode the prompts N at a time, each row at its
-own b (cycling through --widths), rows leaving as they finish. Each temperature's decoders take turns, a pass over
+T > 0 rows run where the decoder samples (the engine), compiled with both acceptance rules (`match`, and
+`rejection` at every --widths). With --batch N, the engine also decodes the prompts N at a time, eager and compiled,
+each row at its own b (cycling through --widths), rows leaving as they finish. Each temperature's decoders take turns, a pass over
 the prompts each, --repeats rounds (the median is shown). Compile times are printed; the figures are timings of
 this machine, so compare rows of one run only. First, each static cycle's time at batch 1 beside its arithmetic (its
 FLOPs at this machine's matmul rate).
@@ -199,7 +199,7 @@ def main() -> None:
         engine = Engine(models, width=width, capacity=capacity, compile="compile")
         generate_many(models, [GenerationRequest(prompts[0], GenerationConfig(max_new_tokens=4))], engine=engine)
         static[width] = engine
-        say(f"  static cycle compiled at width {width} in {engine.compile_seconds:.0f} s")
+        say(f"  cycle compiled at width {width} in {engine.compile_seconds:.0f} s")
     cycle_against_arithmetic(static, prompts[0])
     hf_compiled, hf_cpp = HFCompiled(models, capacity), HFCompiled(models, capacity, cpp_wrapper=True)
     for name, loop in [("", hf_compiled), (" (C++ wrapper)", hf_cpp)]:
@@ -220,17 +220,17 @@ def main() -> None:
             add("transformers, plain loop", lambda p, greedy=greedy: plain_loop(models, p, greedy))
             add("transformers, static cache + compile", lambda p: hf_compiled(p, args.max_new_tokens, stop))
             add("transformers, the same, C++ wrapper", lambda p: hf_cpp(p, args.max_new_tokens, stop))
-        add("engine, autoregressive", engine_decode(models, Autoregressive(), temperature, args.max_new_tokens, stop))
+        add("eager cycle, autoregressive", engine_decode(models, Autoregressive(), temperature, args.max_new_tokens, stop))
         for width in widths:
             add(
-                f"engine, fixed b = {width}",
+                f"eager cycle, fixed b = {width}",
                 engine_decode(models, FixedBlockSize(width), temperature, args.max_new_tokens, stop),
             )
-        add("static, autoregressive", engine_decode(models, None, temperature, args.max_new_tokens, stop, static[1]))
+        add("compiled, autoregressive", engine_decode(models, None, temperature, args.max_new_tokens, stop, static[1]))
         for width in widths:
             policy = FixedBlockSize(width)
             add(
-                f"static, fixed b = {width}",
+                f"compiled, fixed b = {width}",
                 engine_decode(models, policy, temperature, args.max_new_tokens, stop, static[width]),
             )
         for width in widths if temperature > 0 else []:  # the other acceptance rule (its cycle compiles on first use)
@@ -238,16 +238,16 @@ def main() -> None:
                 models, FixedBlockSize(width), temperature, args.max_new_tokens, stop, static[width], "rejection"
             )
             rejection(prompts[0])
-            add(f"static, fixed b = {width}, rejection", rejection)
+            add(f"compiled, fixed b = {width}, rejection", rejection)
         rows = rates(decoders, prompts, args.repeats)
         for name, speed, mean in rows:
             say(f"  T = {temperature:g}  {name:<36} {speed:9.1f} tokens/s  ({mean:.1f} tokens a prompt)")
         baseline = next((speed for name, speed, _ in rows if name == "transformers, static cache + compile"), None)
         cpp = next((speed for name, speed, _ in rows if name == "transformers, the same, C++ wrapper"), None)
         best = max(
-            (r for r in rows if r[0].startswith("static, fixed") and "rejection" not in r[0]), key=lambda r: r[1]
+            (r for r in rows if r[0].startswith("compiled, fixed") and "rejection" not in r[0]), key=lambda r: r[1]
         )
-        fixed_B = next((r for r in rows if r[0] == f"static, fixed b = {B}"), best)  # B, when --widths has it
+        fixed_B = next((r for r in rows if r[0] == f"compiled, fixed b = {B}"), best)  # B, when --widths has it
         say(
             f"T = {temperature:g}: {fixed_B[0]} {fixed_B[1]:.1f}, best fixed ({best[0]}) {best[1]:.1f} tokens/s"
             + (
@@ -268,8 +268,8 @@ def main() -> None:
                 batch_rate(models, requests, engine)  # compiles the row counts it meets
                 eager, static_speed = batch_rate(models, requests), batch_rate(models, requests, engine)
                 say(
-                    f"batch {len(batch)}, b = {sizes[: len(widths)]}..., T = {temperature:g}: engine {eager:.1f} "
-                    f"tokens/s, static {static_speed:.1f} tokens/s (compiled in {engine.compile_seconds:.0f} s)"
+                    f"batch {len(batch)}, b = {sizes[: len(widths)]}..., T = {temperature:g}: eager cycle {eager:.1f} "
+                    f"tokens/s, compiled {static_speed:.1f} tokens/s (compiled in {engine.compile_seconds:.0f} s)"
                 )
 
 

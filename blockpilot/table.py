@@ -144,11 +144,6 @@ class AcceptanceTable:
             best[cursor] = q[:, cursor - 1].min()
         return best, q
 
-    def oracle_walk(self, cost: CostFn = unit_cost) -> tuple[list[int], list[int]]:
-        """(block sizes, acceptance lengths) of the per-step oracle's path (ties to the smaller b)."""
-        _, q = self.cost_to_go(cost)
-        return self.walk_policy(lambda cursor, *_: self.candidates[int(np.argmin(q[:, cursor - 1]))])
-
 
 def _chase(commits: np.ndarray, start: int, stop: int) -> list[int]:
     """The acceptance lengths of cycles from cursor `start` until `stop`, each committing `commits[cursor - 1]`."""

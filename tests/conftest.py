@@ -92,6 +92,9 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory):
     """
     kept = os.environ.get("BLOCKPILOT_TEST_HOME")
     home = Path(kept) if kept else tmp_path_factory.mktemp("blockpilot-home")
+    # One compiled-kernel cache for the whole run, both workers and every command a test starts (each with a home of
+    # its own): a shape compiles once, as on a user's machine, where the cache under $BLOCKPILOT_HOME persists.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_folder(tmp_path_factory, kept=True) / "inductor"))
     with home_at(home):
         yield home
 

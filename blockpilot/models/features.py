@@ -7,8 +7,7 @@ hold all of them (for a long prompt on a real target, gigabytes); forward hooks 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,11 +62,3 @@ class FeatureTap:
         return torch.cat([self._captured[slot] for slot in range(len(self._modules))], dim=-1)
 
 
-@contextlib.contextmanager
-def tapped(target: Any, layer_ids: Sequence[int] | None) -> Iterator[FeatureTap | None]:
-    """A `FeatureTap` around the block, or nothing when no features are wanted (`layer_ids` None)."""
-    if layer_ids is None:
-        yield None
-        return
-    with FeatureTap(target, layer_ids) as tap:
-        yield tap

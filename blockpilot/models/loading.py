@@ -83,21 +83,6 @@ def target_dims(target: Any) -> tuple[int, int, int]:
     return int(config.hidden_size), int(config.num_hidden_layers), int(vocab)
 
 
-def cache_bytes_per_token(models: Any) -> int:
-    """Bytes of key/value cache one token takes in the target and the drafter together (the engine's caches)."""
-
-    def per_token(config: Any, dtype: Any) -> int:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * int(config.num_hidden_layers) * int(heads) * int(head_dim) * torch.finfo(dtype).bits // 8
-
-    total = per_token(models.target.config, models.target.dtype)
-    if models.drafter is not None:
-        total += per_token(models.drafter.config, next(models.drafter.parameters()).dtype)
-    return total
-
-
 def resolve_mask_token_id(drafter_config: DFlashConfig, tokenizer: Any | None) -> int:
     """The drafter's own mask id, else the tokenizer's mask token, else its `<|MASK|>` token."""
     if drafter_config.mask_token_id is not None:

@@ -80,10 +80,6 @@ class PredictorInputs:
         )
 
     @classmethod
-    def from_prefill(cls, prefill: PrefillState, top_k: int, dense: bool) -> PredictorInputs:
-        return cls.from_prefills([prefill], top_k, dense)
-
-    @classmethod
     def from_prefills(cls, prefills: Sequence[PrefillState], top_k: int, dense: bool) -> PredictorInputs:
         """One row per prefill."""
         rows = [prefill_columns(prefill, top_k, dense) for prefill in prefills]
