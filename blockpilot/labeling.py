@@ -150,6 +150,17 @@ class _Turn:
 LABEL_PROMPT_TOKENS = 2048
 
 
+def label_prompt_limit(context: int | None, max_new_tokens: int) -> int:
+    """The longest prompt a label row may have beside `max_new_tokens` in a target's context (None: unbounded);
+    ValueError when the context leaves no room for a prompt (checked before any row is written)."""
+    if context is not None and max_new_tokens >= context:
+        raise ValueError(
+            f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the target's context of {context} "
+            "positions: ask for fewer new tokens"
+        )
+    return min(LABEL_PROMPT_TOKENS, context - max_new_tokens) if context else LABEL_PROMPT_TOKENS
+
+
 @dataclass
 class Labeler:
     """Labels tasks with one set of loaded models."""
@@ -180,12 +191,7 @@ class Labeler:
 
         new_tokens = self.settings.max_new_tokens
         context = getattr(self.models.target.config.get_text_config(), "max_position_embeddings", None)
-        if context is not None and new_tokens >= context:
-            raise ValueError(
-                f"max_new_tokens {new_tokens} leaves no room for a prompt in the target's context of {context} "
-                "positions: ask for fewer new tokens"
-            )
-        self.prompt_limit = min(LABEL_PROMPT_TOKENS, context - new_tokens) if context else LABEL_PROMPT_TOKENS
+        self.prompt_limit = label_prompt_limit(context, new_tokens)
         reach = max(max(self.candidates), max(self.settings.tree_budgets, default=0) + 1)
         keep_compiled_kernels()
         return Engine(

@@ -422,7 +422,7 @@ class BatchedDecoder:
 
     def start(self) -> BatchedDecoder:
         """Start the engine loop. First the engine builds its declared shapes (every row bucket at the widths the
-        adaptive policy chooses, the first `compile_spans` spans of cache) and freezes, so that nothing compiles while
+        adaptive policy may choose, `block_size_choices`, the first `compile_spans` spans of cache) and freezes, so that nothing compiles while
         serving (a shape outside the set runs eagerly), then decodes one short request under the adaptive policy:
         `warm_up_seconds`, `compiled_shapes`."""
         with self._lock:
@@ -430,8 +430,7 @@ class BatchedDecoder:
                 return self
         if self.warm_up_seconds is None:
             started = time.perf_counter()
-            width, _ = shape_for(self.adaptive)
-            shapes = self._engine.declared_shapes([width] if width else None, spans=self.compile_spans)
+            shapes = self._engine.declared_shapes(self.adaptive.block_size_choices, spans=self.compile_spans)
             self._engine.compile_shapes(shapes)
             self.compiled_shapes = self._engine.decoder.built_shapes
             warm_up = GenerationConfig(max_new_tokens=2 * self._engine.width + 1)  # a few cycles, no stop

@@ -220,6 +220,7 @@ def run_demo(job: DemoJob) -> int:
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
+    from blockpilot.serving import ServeLimits
     from blockpilot.tracking import tracking_uri
     from blockpilot.zoo.build import build_zoo
     from pipelines.label import LabelJob, run_label_job
@@ -242,8 +243,10 @@ def run_demo(job: DemoJob) -> int:
     models = load_models(zoo / "target", zoo / "drafter")
 
     # 4 pooled generations per T = 1 row: single-sample tau vectors at T = 1 are mostly noise.
+    # The labels' reference generations run the same cycle uncompiled: a set of 96 rows does not repay two actors'
+    # compiles on 2 cores (237 s compiled against under 180 s eager, docs/log.md).
     settings = LabelSettings(
-        temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4, compile=job.compile
+        temperatures=(0.0, 1.0), max_new_tokens=recipe.response_tokens, dense=True, samples=4, compile="off"
     )
     depth = max(candidates_around(recipe.block_size))  # the widest candidate: the labels' trees are this deep
     clock.start(
@@ -363,6 +366,8 @@ def run_demo(job: DemoJob) -> int:
         step_model=str(step.model_dir),
         model_name=f"zoo-{size}",
         compile=job.compile,
+        # The demo sends one request: four rows, not the default eight, keep the shapes it builds up front few.
+        limits=ServeLimits(max_batch=4),
     )
     server = serve_locally(loader, port=job.port, log_level="WARNING")
     try:

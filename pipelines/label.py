@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,8 +169,20 @@ def check_fingerprint(job: LabelJob) -> None:
     write_text_atomic(path, json.dumps(wanted, indent=2) + "\n")
 
 
+def check_budget(job: LabelJob) -> None:
+    """Refuse, before any prompt is read or row written, a max_new_tokens the target's context cannot hold beside a
+    prompt (the actors' engines would refuse it one by one)."""
+    from transformers import AutoConfig
+
+    from blockpilot.labeling import label_prompt_limit
+
+    config = AutoConfig.from_pretrained(job.target).get_text_config()
+    label_prompt_limit(getattr(config, "max_position_embeddings", None), job.settings.max_new_tokens)
+
+
 def run_label_job(job: LabelJob) -> LabelSummary:
     """Label what is missing under `job.out`, then summarize every row there (and log it to MLflow)."""
+    check_budget(job)
     records = load_prompts(job.prompts, job.limit)
     job.out.mkdir(parents=True, exist_ok=True)
     with exclusive(job.out):
@@ -214,18 +227,21 @@ def _run_ray_data(job: LabelJob, tasks: list[dict[str, Any]], records: list[Prom
     expected = sum(turns[t["id"]] for t in tasks)
     threads = max(1, int(job.num_cpus_per_actor)) if job.num_gpus_per_actor == 0 else 1
     dataset = ray.data.from_items(tasks, override_num_blocks=max(1, math.ceil(len(tasks) / job.batch_size)))
-    labeled = dataset.map_batches(
-        SweepActor,
-        fn_constructor_kwargs={"job": job, "threads": threads},
-        batch_size=job.batch_size,
-        batch_format="pyarrow",
-        compute=ActorPoolStrategy(size=job.actors),
-        num_cpus=job.num_cpus_per_actor,
-        num_gpus=job.num_gpus_per_actor or None,
-        # A batch that crashes its actor is retried a few times on a restarted one, not without bound.
-        max_restarts=BATCH_RETRIES,
-        max_task_retries=BATCH_RETRIES,
-    )
+    with warnings.catch_warnings():
+        # Ray 2.60 names no parameter for an actor's restarts: they go as remote arguments, which it calls deprecated.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        labeled = dataset.map_batches(
+            SweepActor,
+            fn_constructor_kwargs={"job": job, "threads": threads},
+            batch_size=job.batch_size,
+            batch_format="pyarrow",
+            compute=ActorPoolStrategy(size=job.actors),
+            num_cpus=job.num_cpus_per_actor,
+            num_gpus=job.num_gpus_per_actor or None,
+            # A batch that crashes its actor is retried a few times on a restarted one, not without bound.
+            max_restarts=BATCH_RETRIES,
+            max_task_retries=BATCH_RETRIES,
+        )
     written = 0
     with tqdm(total=expected, desc="[label] rows", unit="row", dynamic_ncols=True, mininterval=2.0) as bar:
         for block in labeled.iter_batches(batch_size=None, batch_format="pyarrow"):

@@ -240,3 +240,17 @@ def test_label_command_rejects_bad_flags(tiny_zoo, tmp_path, capsys, flags, mess
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_budget_past_the_context_is_refused_before_any_row(tiny_zoo, tmp_path, capsys):
+    """`blockpilot label --max-new-tokens 2048` on the tiny zoo (a context of 1,024 positions): refused at once with
+    one line naming the flag's value and the context, before any prompt is read or row written."""
+    from blockpilot.cli import main
+
+    out = tmp_path / "labels"
+    argv = ["label", "--prompts", f"zoo:{tiny_zoo}", "--target", str(tiny_zoo / "target"), "--drafter",
+            str(tiny_zoo / "drafter"), "--out", str(out), "--max-new-tokens", "2048", "--no-track"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "max_new_tokens 2048 leaves no room for a prompt in the target's context of 1024" in error
+    assert len(error.strip().splitlines()) == 1 and not out.exists()

@@ -298,3 +298,18 @@ def test_a_target_the_forward_cannot_compute_exactly_is_refused_naming_the_field
     models = replace(random_models, target=_tiny_target(kind).eval(), drafter=None, mask_token_id=None)
     with pytest.raises(ValueError, match=f"target {field} = .*refused rather than decoded wrong"):
         Engine(models)
+
+
+def test_the_declared_shape_set_is_every_row_bucket_at_the_widths_a_policy_chooses(random_models):
+    """A replica builds this set up front: row buckets x the width buckets holding the policy's block sizes x the
+    first spans; a policy that may choose any b gets every width bucket."""
+    from blockpilot.policies.fixed import EntropyHeuristic
+
+    engine = Engine(random_models, max_batch=4, capacity=1024)
+    assert engine.buckets == [1, 2, 4] and engine.spans == [256, 512, 1024]
+    shapes = engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1)
+    assert shapes == [("_cycle", rows, 256, 4, False) for rows in (1, 2, 4)] and 4 in engine.widths
+    bucket = {b: next(w for w in engine.widths if w >= b) for b in range(2, 6)}
+    assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {*bucket.values()}
+    assert {shape[3] for shape in engine.declared_shapes(None)} == set(engine.widths)
+    assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}

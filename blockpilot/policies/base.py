@@ -97,6 +97,11 @@ class BlockSizePolicy:
     tree_nodes: int | None = None
     tree_depth: int | None = None
 
+    @property
+    def block_size_choices(self) -> tuple[int, ...] | None:
+        """The block sizes this policy may choose (None: any), what an engine builds its cycles for up front."""
+        return None
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")
 

@@ -16,6 +16,10 @@ class FixedBlockSize(BlockSizePolicy):
     block_size: int
     name: str = field(default="fixed", init=False)
 
+    @property
+    def block_size_choices(self) -> tuple[int, ...]:
+        return (self.block_size,)
+
     def __post_init__(self) -> None:
         positive_int(self.block_size, "block_size")
 
@@ -31,6 +35,10 @@ class FixedTree(BlockSizePolicy):
     nodes: int
     depth: int
     name: str = field(default="tree", init=False)
+
+    @property
+    def block_size_choices(self) -> tuple[int, ...]:
+        return (self.depth,)
 
     def __post_init__(self) -> None:
         positive_int(self.nodes, "nodes")
@@ -55,6 +63,10 @@ class Autoregressive(BlockSizePolicy):
 
     name: str = field(default="autoregressive", init=False)
 
+    @property
+    def block_size_choices(self) -> tuple[int, ...]:
+        return (1,)
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         return 1
 
@@ -72,6 +84,10 @@ class EntropyHeuristic(BlockSizePolicy):
     max_block_size: int
     high_entropy: float = 3.0
     name: str = field(default="entropy", init=False)
+
+    @property
+    def block_size_choices(self) -> tuple[int, ...]:
+        return tuple(range(self.min_block_size, self.max_block_size + 1))
 
     def __post_init__(self) -> None:
         positive_int(self.min_block_size, "min_block_size")

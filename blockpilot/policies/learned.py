@@ -26,6 +26,11 @@ class LearnedPolicy(BlockSizePolicy):
         self.tree_nodes = max(budgets) if budgets else None
         self.tree_depth = predictor.config.tree_depth
 
+    @property
+    def block_size_choices(self) -> tuple[int, ...]:
+        depth = (self.tree_depth,) if self.tree_nodes is not None and self.tree_depth else ()
+        return tuple(sorted({*self.predictor.config.candidates, *depth}))
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self._decisions([prefill])[0][0][0]
 

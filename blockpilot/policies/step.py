@@ -30,6 +30,11 @@ class StepPolicy(BlockSizePolicy):
         self.candidates = model.config.candidates
         self.prior = prior
 
+    @property
+    def block_size_choices(self) -> tuple[int, ...] | None:
+        prior = self.prior.block_size_choices if self.prior is not None else ()
+        return None if prior is None else tuple(sorted({*self.candidates, *prior}))
+
     def _choose(
         self,
         logits: torch.Tensor,  # (N, V) the anchor distributions
