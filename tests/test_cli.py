@@ -61,6 +61,8 @@ def test_generate_text_output_with_entropy_policy(random_zoo, capsys):
         "rejection",
         "--max-new-tokens",
         "16",
+        "--compile",
+        "off",
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -100,6 +102,7 @@ def test_missing_paths_exit_nonzero_naming_the_flag(random_zoo, capsys, tmp_path
 
 def test_generate_reports_the_resolved_policy_and_rejects_two_policies(random_zoo, capsys):
     base = ["generate", "--target", str(random_zoo["target"]), "--drafter", str(random_zoo["drafter"]), "--prompt", "hi"]
+    base += ["--compile", "off"]
     assert main([*base, "--policy", "entropy", "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["policy"] == "entropy"
     assert main([*base, "--policy", "entropy", "--block-size", "3"]) == 2

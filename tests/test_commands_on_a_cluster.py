@@ -73,7 +73,7 @@ def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, t
         address,
         runtime_env,
         f"python -m pipelines.label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 "
-        f"--temperatures 0 --max-new-tokens 16 --top-k 8 --actors 1 --num-cpus-per-actor 0.5 --no-track",
+        f"--temperatures 0 --max-new-tokens 16 --top-k 8 --actors 1 --num-cpus-per-actor 0.5 --no-track --compile off",
         env,
     )
     assert read_labels(labels).num_rows == 8
@@ -91,8 +91,9 @@ def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, t
     port = free_port()
     config["http_options"]["port"] = port
     application = config["applications"][0]
+    # The eager cycle: what this test is about is the deployment (compiled serving is test_commands_on_ray.py's).
     application["args"].update(
-        target=str(tiny_zoo / "target"), drafter=str(tiny_zoo / "drafter"), predictor=str(predictor)
+        target=str(tiny_zoo / "target"), drafter=str(tiny_zoo / "drafter"), predictor=str(predictor), compile="off"
     )
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     run(f"serve deploy --address {address} {tmp_path / 'serve.yaml'}", env, noise=UNACTIONABLE)

@@ -476,7 +476,9 @@ def test_a_compiled_tree_replica_builds_its_shapes_up_front_and_compiles_nothing
     """A decoder serving `tree:7`, compiled: `start` builds its declared shapes and freezes; a burst of mixed requests
     (forced block sizes 1 .. its width beside tree rows, short and long prompts, T = 0 and 1, several at once) all
     answer, greedy ones exact, and no step is built after start (a shape outside the set runs eagerly)."""
-    limits = ServeLimits(max_batch=2, max_tokens_cap=64, max_prompt_tokens=600)
+    # One row and a width of 4 keep the set this CPU compiles small (the chain and the tree cycle, ~20 s each cold);
+    # the queue still takes the burst.
+    limits = ServeLimits(max_batch=1, max_tokens_cap=64, max_prompt_tokens=600, max_block_size=4)
     decoder = BatchedDecoder(tiny_models, adaptive="tree:3", limits=limits, compile="compile").start()
     try:
         built = list(decoder.compiled_shapes)
