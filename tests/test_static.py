@@ -300,16 +300,24 @@ def test_a_target_the_forward_cannot_compute_exactly_is_refused_naming_the_field
         Engine(models)
 
 
-def test_the_declared_shape_set_is_every_row_bucket_at_the_widths_a_policy_chooses(random_models):
-    """A replica builds this set up front: row buckets x the width buckets holding the policy's block sizes x the
-    first spans; a policy that may choose any b gets every width bucket."""
+def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models):
+    """A replica builds this set up front: the smallest and largest row bucket x the width bucket of the policy's
+    widest block size x the first spans; frozen, a cycle runs on the smallest built step that holds it, which decodes
+    the same tokens as the eager cycle."""
     from blockpilot.policies.fixed import EntropyHeuristic
 
-    engine = Engine(random_models, max_batch=4, capacity=1024)
+    engine = Engine(random_models, max_batch=4, capacity=1024, compile="compile")
     assert engine.buckets == [1, 2, 4] and engine.spans == [256, 512, 1024]
-    shapes = engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1)
-    assert shapes == [("_cycle", rows, 256, 4, False) for rows in (1, 2, 4)] and 4 in engine.widths
-    bucket = {b: next(w for w in engine.widths if w >= b) for b in range(2, 6)}
-    assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {*bucket.values()}
-    assert {shape[3] for shape in engine.declared_shapes(None)} == set(engine.widths)
+    assert engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1) == [
+        ("_cycle", rows, 256, 4, False) for rows in (1, 4)
+    ]
+    widest = next(w for w in engine.widths if w >= 5)
+    assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}
+    decoder = engine.decoder
+    decoder._steps[("_cycle", 4, 512, 8, False)] = lambda: None  # as if built
+    decoder._steps[("_cycle", 2, 256, 4, False)] = lambda: None
+    assert decoder._holding("_cycle", (2, 256, 3, False)) == ("_cycle", 2, 256, 4, False)
+    assert decoder._holding("_cycle", (3, 256, 4, False)) == ("_cycle", 4, 512, 8, False)
+    assert decoder._holding("_cycle", (1, 1024, 2, False)) is None
+    assert decoder._holding("_cycle", (1, 256, 2, True)) is None  # another rule: not held

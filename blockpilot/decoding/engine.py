@@ -160,20 +160,18 @@ class Engine(RowScheduler):
         return spans
 
     def declared_shapes(self, widths: Sequence[int] | None = None, spans: int = 2) -> list[tuple]:
-        """The engine's shape set: every row bucket x the width buckets that hold `widths` (default: every width
-        bucket) x the first `spans` spans of cache, as chain cycles; with trees, every row bucket x tree size at
-        those spans."""
-        chosen = sorted({next(w for w in self.widths if w >= min(b, self.width)) for b in widths or self.widths})
-        shapes = [
-            ("_cycle", rows, span, width, False)
-            for rows in self.buckets
-            for span in self.spans[:spans]
-            for width in chosen
-        ]
+        """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
+        `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles; with trees, those
+        row buckets x every tree size. Once frozen, a cycle runs on the smallest built step that holds it (more rows,
+        a wider block or a longer span compute the same tokens), so a few steps serve every batch."""
+        widest = min(max(widths), self.width) if widths else self.width
+        width = next(w for w in self.widths if w >= widest)
+        rows_set = sorted({self.buckets[0], self.buckets[-1]})
+        shapes = [("_cycle", rows, span, width, False) for rows in rows_set for span in self.spans[:spans]]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1)
-                for rows in self.buckets
+                for rows in rows_set
                 for span in self.spans[:spans]
                 for size in self.tree_sizes
             ]

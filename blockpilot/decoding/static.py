@@ -478,6 +478,8 @@ class StaticDecoder:
             return
         step = self._steps.get((name, *shape))
         if step is None and self.frozen:
+            step = self._steps.get(self._holding(name, shape))
+        if step is None and self.frozen:
             if (name, *shape) not in self._eager_shapes:
                 self._eager_shapes.add((name, *shape))
                 logger.warning("step %s%s was not built up front: it runs eagerly (nothing compiles while serving)", name, shape)
@@ -486,6 +488,22 @@ class StaticDecoder:
         if step is None:
             step = self._steps[(name, *shape)] = self._build(name, *shape)
         step()
+
+    def _holding(self, name: str, shape: tuple) -> tuple | None:
+        """The smallest built step of `name` that holds `shape`: as many rows or more (the others are free rows,
+        which commit nothing), as long a span or longer (masked), and for a chain cycle as wide or wider (a row's b
+        stops its acceptance) under the same rule; a tree step's slots must match. None when no built step holds it."""
+        rows, span, *rest = shape
+        fits = []
+        for key in self._steps:
+            if key[0] != name or key[1] < rows or key[2] < span:
+                continue
+            if name == "_cycle" and (key[3] < rest[0] or key[4] != rest[1]):
+                continue
+            if name != "_cycle" and list(key[3:]) != rest:
+                continue
+            fits.append(key)
+        return min(fits, key=lambda key: key[1] * key[2] * (key[3] if name == "_cycle" else 1), default=None)
 
     def build(self, name: str, *shape: int) -> None:
         """Compile (or load from the on-disk cache) and capture step `name` at `shape` now, if the mode compiles and
