@@ -81,7 +81,7 @@ class DemoJob:
     size: str = option(
         DEFAULT_SIZE,
         choices=tuple(RECIPES),
-        help="which zoo the flow runs on: mini (default) ends in under 20 minutes on 2 cores, small is the bigger "
+        help="which zoo the flow runs on: mini (default) ends in about 11 minutes on 2 cores, small is the bigger "
         "zoo the benchmarks use (about 40 minutes to build once), tiny is the test suite's",
     )
     port: int = option(8000, type=positive_int_arg, help="port of the endpoint on 127.0.0.1")
