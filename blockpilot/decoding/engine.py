@@ -180,7 +180,8 @@ class Engine(RowScheduler):
     @torch.inference_mode()
     def compile_shapes(self, shapes: Sequence[tuple]) -> float:
         """Build `shapes` (`declared_shapes`) and whole-prompt prefill now, then freeze: from here on nothing compiles
-        (a shape outside the set runs eagerly, logged once). Returns the seconds it took. The engine must be idle."""
+        (a cycle runs on the smallest built step that holds it, else eagerly, logged once). Returns the seconds it
+        took. The engine must be idle."""
         if self.busy:
             raise ValueError("compile_shapes needs an idle engine")
         started = time.perf_counter()
@@ -259,14 +260,13 @@ class Engine(RowScheduler):
             if is_device_failure(error):
                 raise
             for row in rows:
-                row.failure, row.stop_reason = error, "error"
+                row.fail(error)
             if self.prefilling is not None and self.prefilling.failure is not None:
                 self.prefilling = None
                 self.decoder.free(self.max_batch, clear=True)
-                updates.append(RowUpdate(rows[0].id, [], rows[0].result("error"), error))
             for index in reversed([i for i, row in enumerate(self.rows) if row.failure is not None]):
                 self._retire(index, updates)
-            for row in rows:  # rows that failed before they took a cache row
+            for row in rows:  # rows that failed before they took a cache row (the long prompt's prefill too)
                 if all(update.row_id != row.id or update.result is None for update in updates):
                     updates.append(RowUpdate(row.id, [], row.result("error"), error))
                     self._seeds.pop(row.id, None)
