@@ -1,25 +1,30 @@
 """What one draft/verify cycle costs against what it must cost, at a real model's shape (random weights).
 
-    python benchmarks/bench_cycle.py [--drafter-config tests/fixtures/zlab_qwen3_4b_dflash_b16_config.json] \\
+    python benchmarks/bench_cycle.py [--shape qwen3-4b|llama-3.1-8b] [--drafter-config CONFIG.json] \\
         [--batches 1,8,32,64] [--widths 1,8,16] [--modes graph] [--compile-points 1x1,1x16] \\
         [--tree-nodes 16,17,32,33,64,65,128,129,256,257] [--tree-points 1x16,1x64,8x64] [--capacity 1024] \\
         [--out results.json]
 
-Builds the target and drafter the config names (z-lab's Qwen3-4B b16 drafter by default: a 36-layer, 2560-wide
-target), random weights, bf16 on a GPU (timing does not depend on weight values), and prints, in one run:
+Builds the target and drafter of --shape (Qwen3-4B's with z-lab's b16 drafter by default: a 36-layer, 2560-wide
+target; Llama-3.1-8B's with a drafter of the same make), or those a drafter config names, random weights, bf16
+on a GPU (timing does not depend on weight values), and prints, in one run:
 
 1. the floor: the bytes of the target's and the drafter's weights over a measured device-to-device copy bandwidth
    (bytes read + written per second), the least a batch-1 cycle can cost when it reads every weight once;
 2. transformers' autoregressive step on the same weights: eager with a `DynamicCache`, and (with --hf-compile)
    a `StaticCache` step under `torch.compile(mode="reduce-overhead")`;
-3. the engine's cycle (`blockpilot.cost.seconds_per_cycle`, transformers' modules, eager) at each width, batch 1;
+3. the engine's cycle (`Engine` through `seconds_per_cycle`, eager: the figure `calibrate --compile off` prices)
+   at each width, batch 1;
 4. the static cycle (`blockpilot.decoding.static`) at every batch x width, per --modes; --compile-points
    (BATCHxWIDTH) lists the points also run `compile+graph` (each shape compiles on its own, in step 7);
 5. a tree verify: one target pass over N nodes a row (a random ancestor mask), batch 1 and 8, as a CUDA graph;
 6. with --tree-points (BATCHxNODES), the static engine's whole tree cycle in one step: draft, best-first trees grown
    on the device, verify, walk and commit (`--tree-mode`, compile+graph on a GPU; --tree-compile-points too);
    with --tree-parts, also its two halves apart: the drafter's pass with the trees' growth, and the verify;
-7. the points that compile, last: --compile-points, --sampled-points, --tree-compile-points, --hf-compile. A point
+7. with --replica-start N, a serving replica's start: an `Engine` of N rows (b up to the drafter's B, compile+graph
+   on a GPU) builds its declared shapes (`compile_shapes`: the 1-row and N-row steps, the first span) and the
+   seconds are printed, then its frozen cycle at b = B for 1, 2 and N rows (2 rows run on the N-row step);
+8. the points that compile, last: --compile-points, --sampled-points, --tree-compile-points, --hf-compile. A point
    that fails is printed and skipped; with --time-budget, so is every costly point left once that many seconds
    have passed.
 
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
+from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.forwards import StaticTarget
 from blockpilot.decoding.static import StaticDecoder
 from blockpilot.models.drafter import DFlashConfig
@@ -48,7 +54,22 @@ from blockpilot.models.loading import cache_keyword
 from blockpilot.options import block_size_list
 from blockpilot.zoo.random_models import random_models_like
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+# A target's shape: (the drafter config whose sizes the target copies, the target's family, its RoPE, tied embeddings).
+# Llama-3.1-8B's drafter is a stand-in of z-lab's Qwen3-4B drafter's make (5 layers at the target's width; the
+# real config is not stored here); the target is Llama-3.1-8B's (32 layers of 4,096, 128,256 tokens, untied, llama3).
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+SHAPES = {
+    "qwen3-4b": (FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json", "qwen3", None, True),
+    "llama-3.1-8b": (FIXTURES / "llama31_8b_dflash_b16_shape.json", "llama", LLAMA31_ROPE, False),
+}
 RESULTS: dict = {}
 
 
@@ -246,7 +267,8 @@ def points(text: str) -> list[tuple[int, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter-config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b", help="the target's shape and family")
+    parser.add_argument("--drafter-config", type=Path, default=None, help="sizes of another drafter (and target)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batches", type=block_size_list, default=(1, 8, 32, 64))
@@ -275,6 +297,7 @@ def main() -> None:
     parser.add_argument(
         "--time-budget", type=float, default=0, help="seconds after which the costly points left are skipped (0: none)"
     )
+    parser.add_argument("--replica-start", type=int, default=0, help="rows of a replica whose start is timed (0: none)")
     parser.add_argument("--capacity", type=int, default=1024, help="cache slots a row")
     parser.add_argument("--cycles", type=int, default=8, help="cycles per timed run")
     parser.add_argument("--hf-steps", type=int, default=32)
@@ -283,9 +306,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    config = DFlashConfig.from_dict(json.loads(args.drafter_config.read_text()))
+    config_path, family, rope, tied = SHAPES[args.shape]
+    config = DFlashConfig.from_dict(json.loads((args.drafter_config or config_path).read_text()))
     started = time.perf_counter()
-    models = random_models_like(config, device=args.device, dtype=args.dtype)
+    models = random_models_like(
+        config, device=args.device, dtype=args.dtype, family=family, rope_parameters=rope, tie_word_embeddings=tied
+    )
     device = models.device
     models.target.eval()
     target_bytes, drafter_bytes = weight_bytes(models.target), weight_bytes(models.drafter)
@@ -302,6 +328,8 @@ def main() -> None:
         f"(target alone {target_bytes / bandwidth * 1000:.2f} ms)"
     )
     RESULTS.update(
+        shape=args.shape,
+        family=family,
         device=name,
         torch=torch.__version__,
         target_bytes=target_bytes,
@@ -323,7 +351,7 @@ def main() -> None:
             prompts = random_prompts(models, 1, 64, torch.Generator().manual_seed(width))
             seconds_per_cycle(models, prompts, [width], 2)
             engine = statistics.median(seconds_per_cycle(models, prompts, [width], args.cycles) for _ in range(3))
-            say(f"engine cycle (transformers modules, eager), batch 1, b = {width}: {engine * 1000:.2f} ms")
+            say(f"engine cycle (eager), batch 1, b = {width}: {engine * 1000:.2f} ms")
             RESULTS.setdefault("engine_cycle_s", {})[width] = engine
 
         say(f"static cycle, ms (capacity {args.capacity} slots a row); columns: batch {list(args.batches)}")
@@ -398,7 +426,22 @@ def main() -> None:
             )
             RESULTS["hf_compiled_step_s"] = [step, compile_seconds]
 
+        def replica_start() -> None:
+            rows, width = args.replica_start, models.train_block_size
+            engine = Engine(models, max_batch=rows, width=width, capacity=args.capacity, compile=compiled)
+            shapes = engine.declared_shapes(spans=1)
+            seconds = engine.compile_shapes(shapes)
+            say(f"replica start, {rows} rows, b up to {width}: {len(shapes)} shapes built in {seconds:.0f} s")
+            RESULTS["replica_start_s"] = [rows, len(shapes), seconds]
+            for batch in sorted({1, 2, rows}):
+                prompts = random_prompts(models, batch, 64, torch.Generator().manual_seed(batch))
+                cycle = seconds_per_cycle(models, prompts, [width] * batch, args.cycles, engine=engine)
+                say(f"  its frozen cycle, {batch} rows at b = {width}: {cycle * 1000:.2f} ms")
+                RESULTS.setdefault("replica_cycle_s", {})[batch] = cycle
+
         compiled = "compile+graph" if device.type == "cuda" else "compile"
+        if args.replica_start:
+            guarded("replica start", replica_start)
         tree_mode = args.tree_mode or ("compile+graph" if device.type == "cuda" else "off")
         for batch, nodes in args.tree_points:
             guarded(f"tree cycle {batch}x{nodes}", partial(tree_point, tree_mode, batch, nodes))

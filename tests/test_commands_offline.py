@@ -120,8 +120,8 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
 
 
 def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
-    """`benchmarks/bench_cycle.py` (kept ready for a lent GPU) end to end on the CPU, eager, at a tiny shape: a
-    script that breaks would waste the rare minutes of a GPU lease."""
+    """`benchmarks/bench_cycle.py` (kept ready for a lent GPU) end to end on the CPU, eager, at a tiny shape of its
+    Llama 3.1 preset (a llama3 RoPE, untied): a script that breaks would waste the rare minutes of a GPU lease."""
     config = json.loads((ROOT / "tests" / "fixtures" / "zlab_qwen3_4b_dflash_b16_config.json").read_text())
     config.update(
         hidden_size=64,
@@ -138,7 +138,8 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / "results.json"
     printed = run(
-        f"python benchmarks/bench_cycle.py --drafter-config {tmp_path / 'config.json'} --device cpu --batches 1,2 "
+        f"python benchmarks/bench_cycle.py --shape llama-3.1-8b --drafter-config {tmp_path / 'config.json'} "
+        "--device cpu --batches 1,2 "
         f"--widths 1,4 --modes off --tree-nodes 8 --tree-points 2x6 --tree-parts --capacity 128 --cycles 2 --hf-steps 2 "
         "--engine-widths 4 "
         f"--out {out}",
@@ -146,6 +147,7 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
     )
     results = json.loads(out.read_text())
     assert set(results["static_cycle_s"]["off"]) == {"1", "4"} and results["floor_s"] > 0
+    assert results["family"] == "llama" and "random llama" in printed
     assert "static cycle" in printed and "tree verify" in printed and "2x6" in results["tree_cycle_s"]["off"]
     grow, verify = results["tree_parts_s"]["off"]["2x6"]
     assert grow > 0 and verify > 0 and "as two steps: the drafter's pass and the trees' growth" in printed

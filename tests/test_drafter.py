@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from blockpilot.models.attention import RaggedTokens
 from blockpilot.models.drafter import Blocks, DFlashConfig, DFlashDrafter, dflash_target_layer_ids
-from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target, random_models_like
+from blockpilot.zoo.random_models import ModelShape, drafter_for, random_target, random_models_like
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB_WEIGHT_NAME = re.compile(
@@ -26,7 +26,7 @@ ZLAB_WEIGHT_NAME = re.compile(
 @pytest.fixture(scope="module")
 def target_and_drafter():
     shape = ModelShape(drafter_layers=2, init_std=0.2)
-    target = qwen3_target(64, shape, seed=0)
+    target = random_target(64, shape, seed=0)
     return target, drafter_for(target, shape, mask_token_id=63, seed=1)
 
 
@@ -238,7 +238,7 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     reference's for that block alone over exactly the context before its anchor. On random weights (GQA,
     several layers), nothing shared with the project's drafter code but the weights."""
     shape = ModelShape(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, drafter_layers=3, init_std=0.2)
-    target = qwen3_target(80, shape, seed=3)
+    target = random_target(80, shape, seed=3)
     drafter = drafter_for(target, shape, mask_token_id=79, seed=4)
     ids = torch.randint(0, 78, (1, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

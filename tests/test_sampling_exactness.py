@@ -19,7 +19,7 @@ from support import greedy_reference, oracle_drafts
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.fixed import FixedBlockSize
-from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
+from blockpilot.zoo.random_models import ModelShape, drafter_for, random_target
 
 VOCAB = 16
 PROMPT = [1, 2, 3, 4]
@@ -41,7 +41,7 @@ SHAPE = ModelShape(
 
 @pytest.fixture(scope="module")
 def small_target():
-    return qwen3_target(VOCAB, SHAPE, seed=3)
+    return random_target(VOCAB, SHAPE, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -269,37 +269,6 @@ def test_a_recording_static_engine_keeps_what_the_tables_need(tiny_models):
         assert (tables[0].commits == tables[1].commits).all()
 
 
-def _tiny_target(kind: str) -> torch.nn.Module:
-    """A tiny random target of a family (or a Qwen3 variant) the engine's forward does not compute exactly."""
-    import transformers
-
-    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
-    if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
-    extra = {
-        "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                      "original_max_position_embeddings": 32}},
-        "sliding": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-        "bias": {"attention_bias": True},
-    }[kind]
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, **extra))
-
-
-@pytest.mark.parametrize(
-    "kind, field",
-    [("llama", "model_type"), ("qwen2", "model_type"), ("yarn", "rope_type"), ("sliding", "layer_types"),
-     ("bias", "attention_bias")],
-)
-def test_a_target_the_forward_cannot_compute_exactly_is_refused_naming_the_field(random_models, kind, field):
-    """Refused as the engine is built (every command builds it right after loading), never decoded wrong."""
-    models = replace(random_models, target=_tiny_target(kind).eval(), drafter=None, mask_token_id=None)
-    with pytest.raises(ValueError, match=f"target {field} = .*refused rather than decoded wrong"):
-        Engine(models)
-
-
 def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models):
     """A replica builds this set up front: the smallest and largest row bucket x the width bucket of the policy's
     widest block size x the first spans; frozen, a cycle runs on the smallest built step that holds it, which decodes

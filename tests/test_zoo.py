@@ -15,7 +15,7 @@ from blockpilot.models.drafter import DFlashDrafter
 from blockpilot.models.drafter_training import DrafterObjective, drafter_hidden, loss_weights, sample_drafter_batch
 from blockpilot.zoo.build import RECIPES, build_zoo, ends_in_loop, summarize_tau, zoo_cache_dir
 from blockpilot.zoo.corpus import Corpus, CorpusSpec, split_files, stdlib_sources
-from blockpilot.zoo.random_models import ModelShape, drafter_for, qwen3_target
+from blockpilot.zoo.random_models import ModelShape, drafter_for, random_target
 from blockpilot.zoo.tokenizer import train_byte_level_tokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "Count from 1 to 10.", "1 2 3 4 5 6 7 8 9 10"] * 50
@@ -96,7 +96,7 @@ def small_pair():
         block_size=4,
         init_std=0.2,
     )
-    target = qwen3_target(40, shape, seed=0)
+    target = random_target(40, shape, seed=0)
     return target, drafter_for(target, shape, mask_token_id=39, seed=1)
 
 
@@ -279,7 +279,7 @@ def _untrained_chat_target():
     """(tokenizer, shape, target): a random two-layer target over a small trained tokenizer."""
     tokenizer = train_byte_level_tokenizer(TEXTS, vocab_size=300)
     shape = ModelShape(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
-    return tokenizer, shape, qwen3_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
+    return tokenizer, shape, random_target(len(tokenizer), shape, seed=0, eos_token_id=tokenizer.eos_token_id).eval()
 
 
 def test_self_distillation_makes_the_target_surer_of_its_own_answers(tmp_path):
@@ -314,7 +314,7 @@ def test_self_distillation_makes_the_target_surer_of_its_own_answers(tmp_path):
             raise AssertionError("the finished stage should have been read back")
 
     again = ZooBuild(recipe, 0, tmp_path, torch.device("cpu"), log=lambda _: None)
-    reloaded = again.self_distill_stage(qwen3_target(len(tokenizer), shape, seed=1), tokenizer, corpus, NoTraining())
+    reloaded = again.self_distill_stage(random_target(len(tokenizer), shape, seed=1), tokenizer, corpus, NoTraining())
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), tuned.state_dict().values()))
     assert again.losses["self_distill"] == build.losses["self_distill"]
 
@@ -366,7 +366,7 @@ def test_ray_train_target_learns_the_responses_only_as_the_local_trainer(local_r
     schedule = Schedule(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, log_every=3)
 
     def losses(trainer, cuts):
-        target = qwen3_target(40, shape, seed=0)
+        target = random_target(40, shape, seed=0)
         return trainer.train_target(target, TargetFit(sequences, cuts, 0, schedule, 0))
 
     local = losses(LocalTrainer(), loss_from)

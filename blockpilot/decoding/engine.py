@@ -104,7 +104,9 @@ class Engine(RowScheduler):
     decode at T > 0 (off, the cycle skips the sampler). `prefill_chunk`: prompts longer than this are prefilled a
     chunk a step, beside the running rows' cycles. `tree_nodes`: every cycle verifies draft trees of up to this
     many nodes (`tree.py`; a row without a tree policy as the chain of its b), branching into each slot's `top_k`
-    tokens (at least the engine's widest chain: a chain of b is the tree of b - 1 nodes).
+    tokens (at least the engine's widest chain: a chain of b is the tree of b - 1 nodes). `row_buckets`: the row
+    counts a cycle runs at (default: powers of two up to `max_batch`; a cycle of fewer rows runs at the next, its
+    free rows committing nothing), so many compiled shapes a span.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class Engine(RowScheduler):
         tree_nodes: int | None = None,
         top_k: int = TOP_K,
         record: bool = False,
+        row_buckets: Sequence[int] | None = None,
     ) -> None:
         super().__init__(models, max_batch, prefill_chunk)
         if width is None:
@@ -143,7 +146,11 @@ class Engine(RowScheduler):
         self.tree_sizes = tree_buckets(tree_nodes) if tree_nodes is not None else []
         self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
         self.reach = max(self.width, (tree_nodes or 0) + 1)  # slots a cycle writes past a row's length
-        self.buckets = power_buckets(self.max_batch)
+        self.buckets = sorted(set(row_buckets)) if row_buckets else power_buckets(self.max_batch)
+        if self.buckets[-1] != self.max_batch or self.buckets[0] < 1:
+            raise ValueError(
+                f"row_buckets must lie in 1 .. {self.max_batch} and hold max_batch {self.max_batch}, got {row_buckets}"
+            )
         self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockpilot.models.drafter import apply_rotary, rms_norm, rotary_cos_sin
+from blockpilot.models.drafter import apply_rotary, default_inverse_frequencies, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
 
 
@@ -40,36 +40,60 @@ def stacked(weights: Sequence[nn.Parameter]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Attention:
-    """One layer's attention weights (views of the model's own parameters)."""
+    """One layer's attention weights (views of the model's own parameters); what a family lacks is None."""
 
     qkv: torch.Tensor  # the query, key and value projections stacked (`stacked`)
     o: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None  # Qwen2's q/k/v biases, Llama's and Qwen3's with attention_bias (concatenated)
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3's per-head RMSNorm of queries and keys, before the rotation
+    k_norm: torch.Tensor | None
+
+
+def _biases(*projections: nn.Module) -> torch.Tensor | None:
+    """The projections' biases concatenated, or None when they have none (all or none: a family's rule)."""
+    biases = [p.bias for p in projections]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("the engine computes q/k/v projections that all have biases or none do")
+    return torch.cat([b.detach() for b in biases])
+
+
+def head_dim_of(config: Any) -> int:
+    """A layer's head size: `head_dim` where the config names one (Qwen3, Llama 3), else width over heads (Qwen2)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class _Layers(nn.Module):
-    """Qwen3 decoder layers (target or drafter) as plain functions of their weights, with a KV cache per layer of
-    `rows` x `capacity` slots. `config` names the layers' shape as both Qwen3's and DFlash's configs do
-    (`num_attention_heads`, `num_key_value_heads`, `head_dim`, `rms_norm_eps`)."""
+    """Decoder layers (a target's or the drafter's) as plain functions of their weights, with a KV cache per layer of
+    `rows` x `capacity` slots: pre-norm attention and a SiLU-gated MLP, plus what a family's layer has beyond them,
+    read from the layers themselves (q/k norms, projection biases). `config` names the layers' shape as the families'
+    and DFlash's configs do (`num_attention_heads`, `num_key_value_heads`, `rms_norm_eps`, and `head_dim` or
+    `hidden_size`)."""
 
     def __init__(self, layers: Sequence[nn.Module], config: Any, rows: int, capacity: int) -> None:
         super().__init__()
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
-        self.attention = [
-            _Attention(
-                stacked([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                a.o_proj.weight,
-                a.q_norm.weight,
-                a.k_norm.weight,
+        self.head_dim, self.eps = head_dim_of(config), config.rms_norm_eps
+        self.attention = []
+        for a in (layer.self_attn for layer in layers):
+            q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            self.attention.append(
+                _Attention(
+                    stacked([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    a.o_proj.weight,
+                    _biases(a.q_proj, a.k_proj, a.v_proj),
+                    a.o_proj.bias.detach() if a.o_proj.bias is not None else None,
+                    q_norm.weight if q_norm is not None else None,
+                    k_norm.weight if k_norm is not None else None,
+                )
             )
-            for a in (layer.self_attn for layer in layers)
-        ]
-        self.mlp = [
-            (stacked([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight)
-            for m in (layer.mlp for layer in layers)
-        ]
+        self.mlp = []
+        for m in (layer.mlp for layer in layers):
+            if any(p.bias is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
+                raise ValueError("the engine computes MLPs without biases (mlp_bias = False)")
+            self.mlp.append((stacked([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
         self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
         # One buffer per layer, slots before heads: a cycle's writes are one in-place `index_put_` on the two leading
         # dimensions, which inductor keeps in place (written through a view of one stacked cache, it copied the whole
@@ -85,19 +109,22 @@ class _Layers(nn.Module):
         self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, queries: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """x (n, S, hidden) -> queries (n, heads, S, d) (None without `queries`: the drafter's context) and keys
-        (n, kv_heads, S, d), both normed and rotated, and values (n, kv_heads, S, d): one matmul."""
+        (n, kv_heads, S, d), both normed (where the family norms them) and rotated, and values (n, kv_heads, S, d):
+        one matmul."""
         a = self.attention[index]
         n, s, _ = x.shape
         query_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         if queries:
-            q, k, v = F.linear(x, a.qkv).split([query_size, kv_size, kv_size], dim=-1)
+            q, k, v = F.linear(x, a.qkv, a.qkv_bias).split([query_size, kv_size, kv_size], dim=-1)
         else:
-            q, (k, v) = None, F.linear(x, a.qkv[query_size:]).split([kv_size, kv_size], dim=-1)
+            bias = a.qkv_bias[query_size:] if a.qkv_bias is not None else None
+            q, (k, v) = None, F.linear(x, a.qkv[query_size:], bias).split([kv_size, kv_size], dim=-1)
 
-        def rotated(t: torch.Tensor, heads: int, norm: torch.Tensor) -> torch.Tensor:
-            return apply_rotary(
-                rms_norm(t.reshape(n, s, heads, self.head_dim), norm, self.eps).transpose(1, 2), cos, sin
-            )
+        def rotated(t: torch.Tensor, heads: int, norm: torch.Tensor | None) -> torch.Tensor:
+            t = t.reshape(n, s, heads, self.head_dim)
+            if norm is not None:
+                t = rms_norm(t, norm, self.eps)
+            return apply_rotary(t.transpose(1, 2), cos, sin)
 
         q = rotated(q, self.heads, a.q_norm) if q is not None else None
         return q, rotated(k, self.kv_heads, a.k_norm), v.reshape(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -128,10 +155,24 @@ class _Layers(nn.Module):
         else:
             keys, values = self.cached(index, rows, mask.shape[-1])
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        x = x + F.linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), self.attention[index].o)
+        attention = self.attention[index]
+        x = x + F.linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), attention.o, attention.o_bias)
         gate_up, down = self.mlp[index]
         gate, up = F.linear(rms_norm(x, second, self.eps), gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, down)
+
+
+def target_rope(target: nn.Module) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (head_dim // 2,) in fp32, attention scaling) of the target's RoPE, as transformers' own
+    rope initialization computed them for its `rope_type` (the values the model's rotary module holds), so that the
+    engine cannot drift from the model it loads. A dynamic RoPE's are its starting ones, which hold while positions
+    stay within the context the engine admits (`check_fits_context`)."""
+    rotary = getattr(getattr(target, "model", None), "rotary_emb", None)
+    if rotary is None or getattr(rotary, "inv_freq", None) is None:
+        raise ValueError(f"cannot find the rotary embedding of {type(target).__name__} at `model.rotary_emb`")
+    inverse = getattr(rotary, "original_inv_freq", None)
+    inverse = inverse if inverse is not None else rotary.inv_freq
+    return inverse.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0))
 
 
 class StaticTarget(nn.Module):
@@ -146,7 +187,7 @@ class StaticTarget(nn.Module):
         self.embed = target.get_input_embeddings().weight
         self.head = target.get_output_embeddings().weight
         self.norm, self.eps = norm.weight, config.rms_norm_eps
-        self.theta, self.head_dim = float(config.rope_parameters["rope_theta"]), config.head_dim
+        self.inverse_frequencies, self.rope_scaling = target_rope(target)
         self.layer_ids = list(layer_ids) if layer_ids is not None else []
         self.last = len(layers) - 1
 
@@ -163,7 +204,7 @@ class StaticTarget(nn.Module):
         """Logits (n, S, V) in fp32, or (n, 1, V) at `logits_at`, and features (n, S, len(layer_ids) * hidden) or
         None."""
         rows = rows if rows is not None else slice(0, ids.shape[0])
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.embed.dtype)
+        cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.embed.dtype, self.rope_scaling)
         x = F.embedding(ids, self.embed)
         taps = {}
         for index in range(len(self.body.attention)):
@@ -189,13 +230,14 @@ class StaticDrafter(nn.Module):
         config = drafter.config
         self.body = _Layers(drafter.layers, config, rows, capacity)
         self.fc, self.hidden_norm, self.norm = drafter.fc.weight, drafter.hidden_norm.weight, drafter.norm.weight
-        self.eps, self.theta, self.head_dim = config.rms_norm_eps, config.rope_theta, config.head_dim
+        self.eps = config.rms_norm_eps
+        self.inverse_frequencies = default_inverse_frequencies(config.head_dim, config.rope_theta, self.fc.device)
 
     def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: slice) -> None:
         """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S) of
         cache rows `rows`."""
         context = rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
+        cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.fc.dtype)
         for index in range(len(self.body.attention)):
             _, keys, values = self.body.project(index, context, cos, sin, queries=False)
             self.body.write(index, rows, slots, keys, values)
@@ -204,16 +246,28 @@ class StaticDrafter(nn.Module):
         """Hidden states (n, W, hidden) of blocks (embeds (n, W, hidden)) at `positions` (n, W), written at those
         slots of cache rows `rows`; mask (n, 1, 1 or W, span) True = seen (the context before the anchor and the
         block's own slots)."""
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.theta, self.fc.dtype)
+        cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.fc.dtype)
         x = embeds.to(self.fc.dtype)
         for index in range(len(self.body.attention)):
             x = self.body.layer(index, x, cos, sin, rows, positions, mask)
         return rms_norm(x, self.norm, self.eps)
 
 
-# What the target forward here computes: Qwen3 dense layers (q/k norms, no biases, SiLU gated MLP), default RoPE,
-# full attention in every layer. A target with anything else would decode wrong tokens without an error.
-EXACT_TARGET = "Qwen3 dense targets with the default RoPE and full attention in every layer"
+# The target families the forward computes exactly (transformers' `model_type`), and what each one's decoder layer
+# has beyond pre-norm attention with full causal attention and a SiLU-gated MLP (read from the layers themselves).
+TARGET_FAMILIES = {
+    "qwen3": "q/k RMSNorm per head, q/k/v/o biases with attention_bias",
+    "llama": "q/k/v/o biases with attention_bias (Llama 3.x)",
+    "qwen2": "q/k/v biases (Qwen2, Qwen2.5)",
+}
+# The RoPE types whose tables are static over the positions the engine admits (`target_rope`).
+EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# Config fields of features the forward does not compute: refused whenever set.
+UNSUPPORTED_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window_pattern")
+EXACT_TARGET = (
+    f"{', '.join(TARGET_FAMILIES)} targets with full attention in every layer and a RoPE of type "
+    f"{', '.join(EXACT_ROPE_TYPES)}"
+)
 
 
 def check_exact_target(config: Any) -> None:
@@ -227,18 +281,21 @@ def check_exact_target(config: Any) -> None:
         )
 
     model_type = getattr(text, "model_type", None)
-    if model_type != "qwen3":
+    if model_type not in TARGET_FAMILIES:
         refuse("model_type", model_type)
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in EXACT_ROPE_TYPES:
         refuse("rope_type", rope_type)
     layer_types = getattr(text, "layer_types", None)
     if layer_types is None and getattr(text, "use_sliding_window", False):
         refuse("use_sliding_window", True)
     if any(kind != "full_attention" for kind in layer_types or []):
         refuse("layer_types", sorted(set(layer_types)))
-    if getattr(text, "attention_bias", False):
-        refuse("attention_bias", True)
     if getattr(text, "hidden_act", "silu") != "silu":
         refuse("hidden_act", text.hidden_act)
+    if getattr(text, "mlp_bias", False):
+        refuse("mlp_bias", True)
+    for field in UNSUPPORTED_FIELDS:
+        if getattr(text, field, None) is not None:
+            refuse(field, getattr(text, field))

@@ -231,17 +231,24 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def default_inverse_frequencies(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """The default RoPE's inverse frequencies (head_dim // 2,), in fp32."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return 1.0 / (theta**exponent)
+
+
 def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, inverse_frequencies: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's default rotary tables for `positions` (..., S) -> cos, sin (..., S, head_dim).
+    """Rotary tables for `positions` (..., S) -> cos, sin (..., S, head_dim), from a RoPE's inverse frequencies
+    (head_dim // 2,) and its attention scaling (YaRN's; 1 for the others), as transformers' rotary modules apply them.
 
     Computed in fp32 on every call (cheap) rather than kept in a buffer that a `.to(bf16)` would round.
     """
-    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.float()[..., None] * inv_freq
+    freqs = positions.float()[..., None] * inverse_frequencies.float()
     angles = torch.cat([freqs, freqs], dim=-1)
+    if scaling != 1.0:
+        return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -462,7 +469,8 @@ class DFlashDrafter(nn.Module):
         return self.fc.weight.dtype
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        inverse = default_inverse_frequencies(self.config.head_dim, self.config.rope_theta, positions.device)
+        return rotary_cos_sin(positions, inverse, self.dtype)
 
     def encode_context(
         self,

@@ -273,7 +273,7 @@ class ZooBuild:
         return AutoTokenizer.from_pretrained(directory)
 
     def target_stage(self, tokenizer: Any, corpus: dict[str, list[Example]], trainer: Trainer) -> Any:
-        from blockpilot.zoo.random_models import qwen3_target
+        from blockpilot.zoo.random_models import random_target
 
         # With self-distillation to follow, the pretrained target is kept apart: a build stopped during the
         # self-distillation resumes after the pretraining.
@@ -285,7 +285,7 @@ class ZooBuild:
         # The prompts of most families are random (word lists, tables, numbers): learning the responses only
         # spends the small target's capacity where generation happens.
         loss_from = [len(chat_ids(tokenizer, e.prompt)) for e in corpus[ZOO_CORPUS_PART]]
-        target = qwen3_target(
+        target = random_target(
             len(tokenizer),
             self.recipe.shape,
             seed=self.seed,

@@ -1,4 +1,4 @@
-"""Randomly initialised tiny models: a Qwen3 target, its tokenizer and a DFlash drafter.
+"""Randomly initialised models: a target (Qwen3, Llama or Qwen2), its tokenizer and a DFlash drafter.
 
 For smoke tests and first-time users: everything runs, nothing is learned (tau stays near 1).
 """
@@ -33,34 +33,58 @@ class ModelShape:
     init_std: float = 0.02
 
 
-def qwen3_target(
+# The target families a random target may be built of: transformers' classes, the engine's exact forwards.
+RANDOM_FAMILIES = ("qwen3", "llama", "qwen2")
+
+
+def random_target(
     vocab_size: int,
     shape: ModelShape = ModelShape(),
     *,
+    family: str = "qwen3",
     seed: int = 0,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    tie_word_embeddings: bool = True,
+    rope_parameters: dict[str, Any] | None = None,
+    attention_bias: bool = False,
 ) -> Any:
-    """A randomly initialised `Qwen3ForCausalLM` with tied embeddings."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A randomly initialised causal LM of `family` (transformers' own class: `Qwen3ForCausalLM`,
+    `LlamaForCausalLM`, `Qwen2ForCausalLM`, which has q/k/v biases whatever `attention_bias` says) at `shape`;
+    `rope_parameters` as transformers takes them (default: the class's own)."""
+    import transformers
 
-    config = Qwen3Config(
+    classes = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    if family not in classes:
+        raise ValueError(f"family must be one of {RANDOM_FAMILIES}, got {family!r}")
+    config_class, model_class = classes[family]
+    fields = dict(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
         max_position_embeddings=shape.max_positions,
         initializer_range=shape.init_std,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
     )
+    if rope_parameters is not None:
+        fields["rope_parameters"] = rope_parameters
+    if family == "qwen2":  # its head size is the width over the heads
+        if shape.head_dim * shape.num_heads != shape.hidden_size:
+            raise ValueError(f"a Qwen2 target's head_dim is hidden_size / num_heads; {shape} does not have that")
+    else:
+        fields.update(head_dim=shape.head_dim, attention_bias=attention_bias)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
+    model = model_class(config_class(**fields)).eval()
     if eos_token_id is not None:
         model.generation_config.eos_token_id = eos_token_id
         model.generation_config.pad_token_id = pad_token_id
@@ -113,7 +137,7 @@ def write_random_zoo(out: str | Path, *, seed: int = 0, shape: ModelShape = RAND
 
     out = Path(out)
     tokenizer = train_byte_level_tokenizer([], vocab_size=len(SPECIAL_TOKENS) + 256)
-    target = qwen3_target(
+    target = random_target(
         len(tokenizer), shape, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     drafter = drafter_for(target, shape, mask_token_id=tokenizer.mask_token_id, seed=seed + 1)
@@ -130,8 +154,11 @@ def random_models_like(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
+    family: str = "qwen3",
+    rope_parameters: dict[str, Any] | None = None,
+    tie_word_embeddings: bool = True,
 ) -> SpeculativeModels:
-    """A random Qwen3 target and DFlash drafter at the sizes a drafter config names, built on `device`.
+    """A random target of `family` and DFlash drafter at the sizes a drafter config names, built on `device`.
 
     The drafter is `config` itself; the target takes its width, heads, MLP, vocabulary and
     `num_target_layers` (a DFlash drafter copies its target's layer shape), so z-lab's Qwen3-4B b16 config
@@ -156,12 +183,19 @@ def random_models_like(
     torch.set_default_dtype(dtype)  # initialise in place: a 4B model in fp32 on the host would be 16 GB
     try:
         with device:
-            target = qwen3_target(config.vocab_size, shape, seed=seed)
+            target = random_target(
+                config.vocab_size,
+                shape,
+                family=family,
+                seed=seed,
+                rope_parameters=rope_parameters,
+                tie_word_embeddings=tie_word_embeddings,
+            )
             torch.manual_seed(seed + 1)
             drafter = DFlashDrafter(config).init_weights(shape.init_std).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     check_drafter_fits_target(target, drafter.config, config.mask_token_id)
-    name = f"random ({config.num_target_layers} layers x {config.hidden_size}, vocabulary {config.vocab_size})"
+    name = f"random {family} ({config.num_target_layers} layers x {config.hidden_size}, vocabulary {config.vocab_size})"
     drafter_name = f"random DFlash b{config.block_size}"
     return SpeculativeModels(target, None, drafter, config.mask_token_id, target_id=name, drafter_id=drafter_name)
