@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from blockpilot.checks import check_fits_context, distinct_block_sizes, distinct_tree_budgets, positive_int
 from blockpilot.data.labels import ANCHOR_TOP_K, LABEL_SCHEMA, label_key
 from blockpilot.data.sources import PromptRecord
-from blockpilot.decoding.compiled import COMPILE_MODES
+from blockpilot.decoding.compiled import COMPILE_MODES, compile_mode
 from blockpilot.decoding.engine import COMPILE_HELP
 from blockpilot.decoding.rows import is_device_failure as engine_device_failure
 from blockpilot.options import block_size_list, option, positive_int_arg, temperature_list, tree_budget_list
@@ -194,6 +194,7 @@ class Labeler:
         self.prompt_limit = label_prompt_limit(context, new_tokens)
         reach = max(max(self.candidates), max(self.settings.tree_budgets, default=0) + 1)
         keep_compiled_kernels()
+        compiled = compile_mode(self.settings.compile, self.models.device) != "off"
         return Engine(
             self.models,
             max_batch=self.max_batch,
@@ -201,6 +202,9 @@ class Labeler:
             capacity=self.prompt_limit + new_tokens + reach,
             compile=self.settings.compile,
             record=True,
+            # Batch work: a batch's last rows run at its full rows, so the cycle compiles once a span, not once a
+            # row count too (4 shapes to 1 on the tiny zoo's labels, about 20 s each on a CPU).
+            row_buckets=(self.max_batch,) if compiled else None,
         )
 
     def label(self, record: PromptRecord, temperature: float) -> list[dict[str, Any]]:

@@ -64,8 +64,14 @@ DEFAULT_CAPACITY = 2048
 
 def keep_compiled_kernels() -> None:
     """Inductor's compiled kernels go under $BLOCKPILOT_HOME/inductor, with everything else the project writes (a
-    second run of the same shapes loads them instead of compiling), unless TORCHINDUCTOR_CACHE_DIR says otherwise."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(blockpilot_home() / "inductor"))
+    second run of the same shapes loads them instead of compiling), unless TORCHINDUCTOR_CACHE_DIR says otherwise.
+    Inductor writes its default folder into that variable the first time it looks (an import may), so the default
+    is replaced too; call before anything compiles."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(blockpilot_home() / "inductor")
 
 
 def shape_for(policy: BlockSizePolicy) -> tuple[int | None, int | None]:
@@ -193,13 +199,9 @@ class Engine(RowScheduler):
             raise ValueError("compile_shapes needs an idle engine")
         started = time.perf_counter()
         decoder = self.decoder
-        if decoder.mode != "off":
-            for prompts in ([torch.arange(1, 3)], [torch.arange(1, 3)] * 2, [torch.arange(1, 4)] * 2):
-                decoder.prefill(0, prompts)  # one prompt, several, lengths past 2: dynamo's specializations
-            for row in range(min(3, self.max_batch)):
-                decoder.free(row, clear=True)
-            for shape in shapes:
-                decoder.build(*shape)
+        decoder.compile_prefill()
+        for shape in shapes:
+            decoder.build(*shape)
         decoder.frozen = True
         return time.perf_counter() - started
 

@@ -225,15 +225,8 @@ class StaticDecoder:
         self._steps: dict[tuple, Callable[[], None]] = {}
         self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive while their replays are in `_steps`
         self._compiled: dict[str, Callable[..., None]] = {}
-        # Whole prompts' prefill compiled too on a CPU, once for every prompt length (dynamic shapes): eager, its
-        # few hundred small operations were a fifth of a mini-zoo request's time. (On a GPU it stays eager: not
-        # yet measured there.)
+        # Whole prompts' prefill compiled too, by `compile_prefill` (a long-lived engine's start), on a CPU.
         self._prefill_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
-        if "compile" in compile and self.device.type == "cpu":
-            self._prefill_compiled = torch.compile(
-                self._prefill_pass, fullgraph=True, dynamic=True, options=inductor_options(self.device)
-            )
-        self._prefill_built = False
         # Once frozen (a serving engine, after it built its declared shapes), nothing compiles: a step of a shape not
         # built runs eagerly (logged once), and a prefill that would recompile runs eagerly.
         self.frozen = False
@@ -557,7 +550,7 @@ class StaticDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompts (token tensors, right-padded to the longest) into cache rows first .. first + k - 1, their tokens
         at positions start .. (a long prompt's chunk after `start` tokens already there), the drafter's context
-        too: one target pass (compiled for whole prompts on a CPU, eager otherwise). Returns each prompt's
+        too: one target pass (compiled for whole prompts once `compile_prefill` ran). Returns each prompt's
         next-token logits after its last token, (k, V) fp32, and its positions' target features (k, P, F) (None
         without a drafter)."""
         k, lengths = len(prompts), [len(p) for p in prompts]
@@ -573,20 +566,33 @@ class StaticDecoder:
             mask = (self.slot_range[: start + max(lengths)][None, None, :] <= positions[:, :, None])[:, None]
         if mask is not None or self._prefill_compiled is None:
             return self._prefill_pass(ids, positions, mask, first, last)
+        if not self.frozen:
+            return self._prefill_compiled(ids, positions, None, first, last)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._prefill_compiled(ids, positions, None, first, last)
+        except RuntimeError as error:  # this prompt shape would recompile: eager, the same pass
+            if "recompile" not in str(error).lower():
+                raise
+            return self._prefill_pass(ids, positions, None, first, last)
+
+    def compile_prefill(self) -> None:
+        """Compile the whole-prompt prefill for every prompt count and length (dynamic shapes), on a CPU in a mode
+        that compiles, and warm it up (rows 0 .. 2 are left free and clean). Eager, its few hundred small operations
+        were a fifth of a mini-zoo request's time (0.8-0.9 ms saved a request); compiling costs about 34 s cold and
+        5 s from the on-disk cache on 2 cores, so a long-lived engine pays it as it starts, a one-off generation not.
+        (On a GPU the prefill stays eager: not measured there.)"""
+        if "compile" not in self.mode or self.device.type != "cpu" or self._prefill_compiled is not None:
+            return
         started = time.perf_counter()
-        if self.frozen:
-            try:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    return self._prefill_compiled(ids, positions, None, first, last)
-            except RuntimeError as error:  # this prompt shape would recompile: eager, the same pass
-                if "recompile" not in str(error).lower():
-                    raise
-                return self._prefill_pass(ids, positions, None, first, last)
-        out = self._prefill_compiled(ids, positions, None, first, last)
-        if not self._prefill_built:  # the first call compiles
-            self._prefill_built = True
-            self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
-        return out
+        self._prefill_compiled = torch.compile(
+            self._prefill_pass, fullgraph=True, dynamic=True, options=inductor_options(self.device)
+        )
+        for prompts in ([torch.arange(1, 3)], [torch.arange(1, 3)] * 2, [torch.arange(1, 4)] * 2):
+            self.prefill(0, prompts)  # one prompt, several, lengths past 2: dynamo's specializations
+        for row in range(min(3, self.rows)):
+            self.free(row, clear=True)
+        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
 
     def _prefill_pass(
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, first: int, last: torch.Tensor
