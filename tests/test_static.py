@@ -5,6 +5,7 @@ does (`test_commands_offline.py` runs the command compiled). Sampling at T > 0: 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -290,3 +291,20 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert decoder._holding("_cycle", (3, 256, 4, False)) == ("_cycle", 4, 512, 8, False)
     assert decoder._holding("_cycle", (1, 1024, 2, False)) is None
     assert decoder._holding("_cycle", (1, 256, 2, True)) is None  # another rule: not held
+
+
+def test_compiled_kernels_go_under_the_home_unless_the_user_names_a_folder(monkeypatch, tmp_path):
+    """Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR the first time it looks: that default is
+    replaced by $BLOCKPILOT_HOME/inductor, a folder the user named is kept."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from blockpilot.decoding.engine import keep_compiled_kernels
+
+    monkeypatch.setenv("BLOCKPILOT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # as an import may do: the variable now holds inductor's default
+    keep_compiled_kernels()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    keep_compiled_kernels()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
