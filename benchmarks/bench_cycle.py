@@ -1,13 +1,13 @@
 """What one draft/verify cycle costs against what it must cost, at a real model's shape (random weights).
 
-    python benchmarks/bench_cycle.py [--shape qwen3-4b|llama-3.1-8b] [--drafter-config CONFIG.json] \\
+    python benchmarks/bench_cycle.py [--shape qwen3-4b|llama-3.1-8b|qwen3-30b-a3b] [--drafter-config CONFIG.json] \\
         [--batches 1,8,32,64] [--widths 1,8,16] [--modes graph] [--compile-points 1x1,1x16] \\
         [--tree-nodes 16,17,32,33,64,65,128,129,256,257] [--tree-points 1x16,1x64,8x64] [--capacity 1024] \\
         [--out results.json]
 
 Builds the target and drafter of --shape (Qwen3-4B's with z-lab's b16 drafter by default: a 36-layer, 2560-wide
-target; Llama-3.1-8B's with a drafter of the same make), or those a drafter config names, random weights, bf16
-on a GPU (timing does not depend on weight values), and prints, in one run:
+target; Llama-3.1-8B's and Qwen3-30B-A3B's with drafters of the same make), or those a drafter config names,
+random weights, bf16 on a GPU (timing does not depend on weight values), and prints, in one run:
 
 1. the floor: the bytes of the target's and the drafter's weights over a measured device-to-device copy bandwidth
    (bytes read + written per second), the least a batch-1 cycle can cost when it reads every weight once;
@@ -67,8 +67,16 @@ LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 SHAPES = {
-    "qwen3-4b": (FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json", "qwen3", None, True),
-    "llama-3.1-8b": (FIXTURES / "llama31_8b_dflash_b16_shape.json", "llama", LLAMA31_ROPE, False),
+    "qwen3-4b": (FIXTURES / "zlab_qwen3_4b_dflash_b16_config.json", "qwen3", None, True, {}),
+    "llama-3.1-8b": (FIXTURES / "llama31_8b_dflash_b16_shape.json", "llama", LLAMA31_ROPE, False, {}),
+    # Qwen3-30B-A3B: 48 sparse layers of 128 experts (768 wide), 8 a token; its drafter a stand-in as Llama's.
+    "qwen3-30b-a3b": (
+        FIXTURES / "qwen3_30b_a3b_dflash_b16_shape.json",
+        "qwen3_moe",
+        None,
+        False,
+        {"num_experts": 128, "experts_per_token": 8, "expert_intermediate_size": 768},
+    ),
 }
 RESULTS: dict = {}
 
@@ -116,6 +124,15 @@ def weight_bytes(module: torch.nn.Module) -> int:
             seen.add(parameter.data_ptr())
             total += parameter.numel() * parameter.element_size()
     return total
+
+
+def routed_experts(target: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(experts a sparse layer, experts a token, bytes of every expert of every layer) of an MoE target, else None."""
+    blocks = [m for m in target.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    if not blocks:
+        return None
+    expert_bytes = sum(weight_bytes(block.experts) for block in blocks)
+    return blocks[0].gate.num_experts, blocks[0].gate.top_k, expert_bytes
 
 
 def hf_eager_step(models, steps: int) -> float:
@@ -306,17 +323,29 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    config_path, family, rope, tied = SHAPES[args.shape]
+    config_path, family, rope, tied, target_shape = SHAPES[args.shape]
     config = DFlashConfig.from_dict(json.loads((args.drafter_config or config_path).read_text()))
     started = time.perf_counter()
     models = random_models_like(
-        config, device=args.device, dtype=args.dtype, family=family, rope_parameters=rope, tie_word_embeddings=tied
+        config,
+        device=args.device,
+        dtype=args.dtype,
+        family=family,
+        rope_parameters=rope,
+        tie_word_embeddings=tied,
+        **target_shape,
     )
     device = models.device
     models.target.eval()
     target_bytes, drafter_bytes = weight_bytes(models.target), weight_bytes(models.drafter)
     bandwidth = copy_bandwidth(device)
     floor = (target_bytes + drafter_bytes) / bandwidth
+    experts = routed_experts(models.target)
+    if experts is not None:  # an MoE cycle reads the experts its tokens route to, not all: the floor of a b = 16 pass
+        count, per_token, expert_bytes = experts
+        tokens = max(args.widths) + 1
+        distinct = count * (1 - (1 - per_token / count) ** tokens)  # expected, routes drawn independently
+        floor = (target_bytes - expert_bytes + expert_bytes * distinct / count + drafter_bytes) / bandwidth
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     say(
         f"{models.target_id} + {models.drafter_id}, {models.target.dtype} on {name}; torch {torch.__version__}; "
@@ -326,6 +355,13 @@ def main() -> None:
         f"weights: target {target_bytes / 1e9:.2f} GB, drafter {drafter_bytes / 1e9:.2f} GB; copy bandwidth "
         f"{bandwidth / 1e12:.2f} TB/s (read + written) -> floor {floor * 1000:.2f} ms a batch-1 cycle "
         f"(target alone {target_bytes / bandwidth * 1000:.2f} ms)"
+        + (
+            f"; MoE: the floor counts the {distinct:.0f} of {count} experts a layer that {tokens} tokens of "
+            f"{per_token} routes each reach on average (all weights: "
+            f"{(target_bytes + drafter_bytes) / bandwidth * 1000:.2f} ms)"
+            if experts is not None
+            else ""
+        )
     )
     RESULTS.update(
         shape=args.shape,

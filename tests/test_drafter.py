@@ -91,6 +91,10 @@ def test_config_fields_may_sit_under_dflash_config_and_rope_parameters():
         (lambda raw: raw.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type"),
         (lambda raw: raw["dflash_config"].update(target_layer_ids=[]), "target_layer_ids"),
         (lambda raw: raw.update(num_key_value_heads=7), "num_key_value_heads"),
+        # Fields of newer drafters the engine would ignore: refused, never drafted wrong.
+        (lambda raw: raw["dflash_config"].update(output_multiplier=0.5), "dflash_config.output_multiplier = 0.5"),
+        (lambda raw: raw.update(final_logit_softcapping=30.0), "final_logit_softcapping = 30.0 is not computed"),
+        (lambda raw: raw.update(input_embedding_scale=2.0), "input_embedding_scale = 2.0"),
     ],
 )
 def test_bad_configs_name_the_field(change, message):

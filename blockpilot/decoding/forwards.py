@@ -50,6 +50,43 @@ class _Attention:
     k_norm: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """A Qwen3-MoE sparse block's weights (the model's own tensors): each token's `top_k` experts by the router's
+    softmax, their weights renormalized to sum to 1 where `normalize` (`norm_topk_prob`), each expert a SiLU-gated
+    MLP.
+
+    Two exact forms, chosen by the step's static token count T: with fewer routes than experts (T * top_k <
+    experts: an autoregressive or narrow step) each token gathers its chosen experts' matrices and multiplies them,
+    so the step reads the chosen experts, not all; with as many or more (a verify block: 17 tokens x 8 routes
+    against Qwen3-30B-A3B's 128 experts), every expert runs over every token with a routing weight of 0 where it
+    was not chosen, reading each expert once."""
+
+    router: torch.Tensor  # (experts, hidden)
+    gate_up: torch.Tensor  # (experts, 2 * intermediate, hidden): each expert's gate and up projections stacked
+    down: torch.Tensor  # (experts, hidden, intermediate)
+    top_k: int
+    normalize: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (n, S, hidden) -> the block's output (n, S, hidden)."""
+        shape, flat = x.shape, x.reshape(-1, x.shape[-1])
+        probabilities = F.linear(flat, self.router).softmax(dim=-1, dtype=torch.float32)
+        weights, chosen = probabilities.topk(self.top_k, dim=-1)  # (T, k)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        experts = self.router.shape[0]
+        if flat.shape[0] * self.top_k < experts:
+            gate, up = (self.gate_up[chosen] @ flat[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)  # (T, k, I)
+            out = (self.down[chosen] @ (F.silu(gate) * up)[..., None]).squeeze(-1)  # (T, k, hidden)
+            return (out * weights[..., None]).sum(dim=1).reshape(shape)
+        routing = torch.zeros(flat.shape[0], experts, dtype=x.dtype, device=x.device).scatter(1, chosen, weights)
+        gate, up = torch.einsum("th,eih->eti", flat, self.gate_up).chunk(2, dim=-1)  # (E, T, I)
+        out = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.down)  # (E, T, hidden)
+        return torch.einsum("eth,te->th", out, routing).reshape(shape)
+
+
 def _biases(*projections: nn.Module) -> torch.Tensor | None:
     """The projections' biases concatenated, or None when they have none (all or none: a family's rule)."""
     biases = [p.bias for p in projections]
@@ -89,8 +126,13 @@ class _Layers(nn.Module):
                     k_norm.weight if k_norm is not None else None,
                 )
             )
-        self.mlp = []
+        self.mlp: list[tuple[torch.Tensor, torch.Tensor] | _Experts] = []
         for m in (layer.mlp for layer in layers):
+            if hasattr(m, "experts"):  # Qwen3-MoE's sparse block (its dense layers have a plain MLP)
+                router, experts = m.gate, m.experts
+                weights = (router.weight, experts.gate_up_proj, experts.down_proj)
+                self.mlp.append(_Experts(*weights, router.top_k, router.norm_topk_prob))
+                continue
             if any(p.bias is not None for p in (m.gate_proj, m.up_proj, m.down_proj)):
                 raise ValueError("the engine computes MLPs without biases (mlp_bias = False)")
             self.mlp.append((stacked([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
@@ -157,8 +199,11 @@ class _Layers(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         attention = self.attention[index]
         x = x + F.linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), attention.o, attention.o_bias)
-        gate_up, down = self.mlp[index]
-        gate, up = F.linear(rms_norm(x, second, self.eps), gate_up).chunk(2, dim=-1)
+        mlp, h = self.mlp[index], rms_norm(x, second, self.eps)
+        if isinstance(mlp, _Experts):
+            return x + mlp(h)
+        gate_up, down = mlp
+        gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, down)
 
 
@@ -259,6 +304,7 @@ TARGET_FAMILIES = {
     "qwen3": "q/k RMSNorm per head, q/k/v/o biases with attention_bias",
     "llama": "q/k/v/o biases with attention_bias (Llama 3.x)",
     "qwen2": "q/k/v biases (Qwen2, Qwen2.5)",
+    "qwen3_moe": "Qwen3's attention; sparse blocks of top-k routed SiLU experts (`_Experts`), dense MLPs elsewhere",
 }
 # The RoPE types whose tables are static over the positions the engine admits (`target_rope`).
 EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")

@@ -63,9 +63,25 @@ def dflash_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     return [int(round(i * end / (num_ids - 1))) for i in range(num_ids)]
 
 
+# The fields of a z-lab `dflash_config` this drafter computes; a drafter with any other is refused.
+DFLASH_FIELDS = frozenset({"mask_token_id", "target_layer_ids", "block_size", "num_target_layers"})
+# Fields that change a layer's arithmetic in newer drafters and other families; refused when set (1 or null: unset).
+IGNORED_COMPUTATION = (
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "embedding_multiplier",
+    "logits_scaling",
+    "residual_multiplier",
+    "attention_multiplier",
+)
+
+
 @dataclass
 class DFlashConfig:
-    """What a DFlash drafter's `config.json` says, in typed fields; unknown keys ride along in `extra`."""
+    """What a DFlash drafter's `config.json` says, in typed fields; other keys (transformers' bookkeeping: ids,
+    dtype, initializer) ride along in `extra`. What would change the drafter's arithmetic is refused."""
 
     hidden_size: int
     intermediate_size: int
@@ -139,6 +155,18 @@ class DFlashConfig:
             raise ValueError(f"drafter config: rope_type must be 'default', got {rope_type!r}")
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
 
+        unknown = sorted(set(dflash) - DFLASH_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"drafter config: dflash_config.{unknown[0]} = {dflash[unknown[0]]!r} is not computed by this engine "
+                f"(it knows {sorted(DFLASH_FIELDS)}); refused rather than drafted wrong"
+            )
+        for name in IGNORED_COMPUTATION:
+            if raw.get(name) not in (None, 1, 1.0):
+                raise ValueError(
+                    f"drafter config: {name} = {raw[name]!r} is not computed by this engine; refused rather than "
+                    "drafted wrong"
+                )
         num_target_layers = pick("num_target_layers")
         target_layer_ids = pick("target_layer_ids")
         if target_layer_ids is None:

@@ -31,10 +31,13 @@ class ModelShape:
     block_size: int = 8
     max_positions: int = 2048
     init_std: float = 0.02
+    num_experts: int = 8  # a Qwen3-MoE target's experts a sparse layer, each token's top experts_per_token
+    experts_per_token: int = 2
+    expert_intermediate_size: int = 32
 
 
 # The target families a random target may be built of: transformers' classes, the engine's exact forwards.
-RANDOM_FAMILIES = ("qwen3", "llama", "qwen2")
+RANDOM_FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 
 
 def random_target(
@@ -50,7 +53,8 @@ def random_target(
     attention_bias: bool = False,
 ) -> Any:
     """A randomly initialised causal LM of `family` (transformers' own class: `Qwen3ForCausalLM`,
-    `LlamaForCausalLM`, `Qwen2ForCausalLM`, which has q/k/v biases whatever `attention_bias` says) at `shape`;
+    `LlamaForCausalLM`, `Qwen2ForCausalLM`, which has q/k/v biases whatever `attention_bias` says,
+    `Qwen3MoeForCausalLM`, every layer sparse, with the shape's experts) at `shape`;
     `rope_parameters` as transformers takes them (default: the class's own)."""
     import transformers
 
@@ -58,6 +62,7 @@ def random_target(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {RANDOM_FAMILIES}, got {family!r}")
@@ -83,6 +88,13 @@ def random_target(
             raise ValueError(f"a Qwen2 target's head_dim is hidden_size / num_heads; {shape} does not have that")
     else:
         fields.update(head_dim=shape.head_dim, attention_bias=attention_bias)
+    if family == "qwen3_moe":
+        fields.update(
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.experts_per_token,
+            moe_intermediate_size=shape.expert_intermediate_size,
+            norm_topk_prob=True,
+        )
     torch.manual_seed(seed)
     model = model_class(config_class(**fields)).eval()
     if eos_token_id is not None:
@@ -157,6 +169,7 @@ def random_models_like(
     family: str = "qwen3",
     rope_parameters: dict[str, Any] | None = None,
     tie_word_embeddings: bool = True,
+    **target_shape: int,
 ) -> SpeculativeModels:
     """A random target of `family` and DFlash drafter at the sizes a drafter config names, built on `device`.
 
@@ -178,6 +191,7 @@ def random_models_like(
         head_dim=config.head_dim,
         intermediate_size=config.intermediate_size,
         max_positions=config.max_position_embeddings,
+        **target_shape,  # what the target has that a drafter config does not say (an MoE target's experts)
     )
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialise in place: a 4B model in fp32 on the host would be 16 GB
