@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 
 from blockpilot.options import (
+    RANDOM_FAMILIES,
     block_size_list,
     from_args,
     model_ref,
@@ -39,7 +40,7 @@ def cmd_zoo_random(args: argparse.Namespace) -> int:
     from blockpilot.zoo.random_models import write_random_zoo
 
     _quiet_transformers()
-    paths = write_random_zoo(args.out, seed=args.seed)
+    paths = write_random_zoo(args.out, seed=args.seed, family=args.family)
     print(f"target:  {paths['target']}\ndrafter: {paths['drafter']}")
     return 0
 
@@ -229,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     random = zoo_commands.add_parser("random", help="random-initialised tiny target, tokenizer and drafter")
     random.add_argument("--out", type=Path, required=True, help="folder to write target/ and drafter/ into")
     random.add_argument("--seed", type=int, default=0)
+    random.add_argument(
+        "--family", choices=RANDOM_FAMILIES, default="qwen3", help="the target's family (transformers' own class)"
+    )
     random.set_defaults(handler=cmd_zoo_random)
     build = zoo_commands.add_parser("build", help="train a target and its DFlash drafter from local text")
     add_options(build, ZooBuildJob)

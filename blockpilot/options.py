@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+# The families a random target may be built of (`zoo random --family`): transformers' classes the engine computes.
+RANDOM_FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe")
+
 _OPTION = "blockpilot.option"
 _NESTED = "blockpilot.nested"
 

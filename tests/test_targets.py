@@ -141,3 +141,24 @@ def test_a_target_the_forward_cannot_compute_exactly_is_refused_naming_the_field
     models = SpeculativeModels(target, None, None, None)
     with pytest.raises(ValueError, match=f"target {field} = .*refused rather than decoded wrong"):
         Engine(models)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
+def test_the_cli_decodes_each_familys_greedy_output(family, tmp_path, capsys):
+    """`blockpilot zoo random --family F`, then `blockpilot generate` on it (in process; eager here, the compiled
+    cycle is the slow test above): the target's greedy decoding."""
+    import json
+
+    from blockpilot.cli import main
+    from blockpilot.models import load_models
+
+    assert main(["zoo", "random", "--family", family, "--out", str(tmp_path / "zoo")]) == 0
+    models = f"--target {tmp_path / 'zoo' / 'target'} --drafter {tmp_path / 'zoo' / 'drafter'}"
+    capsys.readouterr()
+    generate = f"generate {models} --prompt Count --max-new-tokens 16 --policy fixed:3 --compile off --json"
+    assert main(generate.split()) == 0
+    payload = json.loads(capsys.readouterr().out)
+    loaded = load_models(tmp_path / "zoo" / "target", tmp_path / "zoo" / "drafter", device="cpu")
+    assert loaded.target.config.model_type == family
+    expected = greedy_reference(loaded.target, loaded.encode_prompt("Count"), 16, loaded.stop_token_ids())
+    assert payload["token_ids"] == expected

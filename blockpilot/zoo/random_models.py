@@ -13,6 +13,7 @@ import torch
 
 from blockpilot.models.drafter import DFlashConfig, DFlashDrafter, dflash_target_layer_ids
 from blockpilot.models.loading import SpeculativeModels, check_drafter_fits_target, resolve_device_dtype
+from blockpilot.options import RANDOM_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,6 @@ class ModelShape:
     num_experts: int = 8  # a Qwen3-MoE target's experts a sparse layer, each token's top experts_per_token
     experts_per_token: int = 2
     expert_intermediate_size: int = 32
-
-
-# The target families a random target may be built of: transformers' classes, the engine's exact forwards.
-RANDOM_FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 
 
 def random_target(
@@ -143,14 +140,21 @@ def drafter_for(
 RANDOM_ZOO_SHAPE = ModelShape(init_std=0.2)
 
 
-def write_random_zoo(out: str | Path, *, seed: int = 0, shape: ModelShape = RANDOM_ZOO_SHAPE) -> dict[str, Path]:
-    """Write `target/` (model + tokenizer) and `drafter/` (z-lab layout) under `out`."""
+def write_random_zoo(
+    out: str | Path, *, seed: int = 0, shape: ModelShape = RANDOM_ZOO_SHAPE, family: str = "qwen3"
+) -> dict[str, Path]:
+    """Write `target/` (model + tokenizer; a target of `family`) and `drafter/` (z-lab layout) under `out`."""
     from blockpilot.zoo.tokenizer import SPECIAL_TOKENS, train_byte_level_tokenizer
 
     out = Path(out)
     tokenizer = train_byte_level_tokenizer([], vocab_size=len(SPECIAL_TOKENS) + 256)
     target = random_target(
-        len(tokenizer), shape, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        len(tokenizer),
+        shape,
+        family=family,
+        seed=seed,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     drafter = drafter_for(target, shape, mask_token_id=tokenizer.mask_token_id, seed=seed + 1)
     target_dir, drafter_dir = out / "target", out / "drafter"
