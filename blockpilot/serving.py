@@ -560,7 +560,11 @@ class BatchedDecoder:
                 handle.row_id = self._engine.submit(GenerationRequest(handle.request.prompt_ids, config, handle.policy))
             except Exception as error:  # this request's alone: it gets the error, nobody waits on it forever
                 self._waiting.popleft()
-                handle.emit("error", RowFailure(f"the engine refused the request: {error}"))
+                # The engine's refusal of what was asked (a ValueError naming it) is the client's to fix: a 400.
+                if isinstance(error, ValueError):
+                    handle.emit("error", RequestError("request", f"the engine refused it: {error}"))
+                else:
+                    handle.emit("error", RowFailure(f"the engine refused the request: {error}"))
                 continue
             self._waiting.popleft()
             handle.started_at = now

@@ -9,22 +9,36 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from blockpilot.serving import BatchedDecoder, DecodeRequest, RequestError
 
-# OpenAI fields of features this server does not have: refused unless absent or at their neutral value.
-UNSUPPORTED_FIELDS = (
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "logit_bias",
-    "response_format",
-    "echo",
-    "suffix",
-    "best_of",
-    "presence_penalty",
-    "frequency_penalty",
-)
+# Every request field this server accepts beyond the typed ones below, and what it does with it. A field that would
+# change what is generated or returned is honored (typed below) or accepted only at its neutral value (OpenAI's and
+# vLLM's sampling extras), so nothing a client asks for is silently dropped; fields that change nothing generated
+# (billing, tracing) are accepted and not used; anything else is a 400 naming it, as OpenAI answers an unrecognized
+# argument. docs/operations.md has the table.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),  # chat: a flag; completions: a count, where even 0 asks for the sampled token's
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "top_k": (-1, 0),  # vLLM's "off"
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "modalities": (["text"],),
+}
+UNUSED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+
+
+def neutral(value: Any, values: tuple[Any, ...]) -> bool:
+    """Whether `value` is absent or one of `values`, of the same type (0 is not False: `logprobs: 0` asks)."""
+    return value is None or any(type(value) is type(v) and value == v for v in values)
 
 
 # ----------------------------------------------------------------------------- typed requests
@@ -49,8 +63,8 @@ class ChatMessage(BaseModel):
 
 
 class GenerationFields(BaseModel):
-    """What completions and chat completions share. Unknown fields are ignored, as OpenAI does; fields of
-    features this server does not have are refused rather than silently dropped."""
+    """What completions and chat completions share. Other fields are checked by `refuse_unsupported` against
+    `NEUTRAL_VALUES` and `UNUSED_FIELDS`: refused rather than silently dropped."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -78,13 +92,15 @@ class GenerationFields(BaseModel):
         return value
 
     def refuse_unsupported(self) -> None:
-        extra = self.model_extra or {}
-        neutral = {"response_format": ({"type": "text"},), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,)}
-        for name in UNSUPPORTED_FIELDS:
-            value = extra.get(name)
-            if value in (None, False, [], {}) or value in neutral.get(name, ()):
+        """A 400 (`RequestError`) naming the first field this server would not honor exactly."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNUSED_FIELDS:
                 continue
-            raise RequestError(name, "not supported by this server")
+            if name not in NEUTRAL_VALUES:
+                raise RequestError(name, "not a field this server knows (docs/operations.md lists them)")
+            if not neutral(value, NEUTRAL_VALUES[name]):
+                allowed = " or ".join(repr(v) for v in NEUTRAL_VALUES[name])
+                raise RequestError(name, f"not supported by this server: only {allowed} (or absent) is accepted")
         if self.n is not None and self.n != 1:
             raise RequestError("n", "only n = 1 is supported")
         if self.top_p is not None and self.top_p != 1:

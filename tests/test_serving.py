@@ -12,7 +12,14 @@ import pytest
 from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.policies.fixed import FixedBlockSize
 from blockpilot.serving import BatchedDecoder, DecodeHandle, IncrementalText, Overloaded, RequestError, ServeLimits
-from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
+from pipelines.openai_protocol import (
+    NEUTRAL_VALUES,
+    UNUSED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+    parse_request,
+)
 from pipelines.serve import ServeJob
 
 HUGE = 10**400
@@ -82,6 +89,44 @@ def test_bad_requests_name_the_field(decoder, body, chat, field):
     with pytest.raises(RequestError) as error:
         checked(decoder, body, chat)
     assert error.value.field == field
+
+
+# OpenAI's (and vLLM's) request fields against what the endpoint does: honored (typed), accepted at their neutral
+# value only, accepted and unused (nothing generated depends on them), or refused.
+HONORED = {"model": "blockpilot", "max_tokens": 4, "max_completion_tokens": 4, "temperature": 0, "top_p": 1,
+           "stop": ["\n"], "seed": 1, "stream": False, "stream_options": {"include_usage": True}, "n": 1,
+           "block_size": 2, "policy": "fixed", "ignore_eos": True}
+NOT_NEUTRAL = {"logprobs": 0, "top_logprobs": 2, "tools": [{"type": "function"}], "tool_choice": "auto",
+               "functions": [{"name": "f"}], "function_call": "auto", "logit_bias": {"5": 1}, "response_format":
+               {"type": "json_object"}, "echo": True, "suffix": "x", "best_of": 2, "presence_penalty": 0.5,
+               "frequency_penalty": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "modalities":
+               ["text", "audio"]}
+
+
+@pytest.mark.parametrize("name", sorted(HONORED))
+def test_honored_fields_are_accepted(name):
+    parse_request({"prompt": "hi", name: HONORED[name]}, CompletionRequest)
+
+
+@pytest.mark.parametrize("name", sorted(NEUTRAL_VALUES))
+def test_fields_of_features_the_server_lacks_pass_only_at_their_neutral_value(name):
+    assert set(NOT_NEUTRAL) == set(NEUTRAL_VALUES), "every field of the table has a case"
+    for value in NEUTRAL_VALUES[name]:
+        parse_request({"prompt": "hi", name: value}, CompletionRequest)
+    with pytest.raises(RequestError) as error:
+        parse_request({"prompt": "hi", name: NOT_NEUTRAL[name]}, CompletionRequest)
+    assert error.value.field == name and "not supported" in error.value.message
+
+
+@pytest.mark.parametrize("name", UNUSED_FIELDS)
+def test_fields_that_change_nothing_generated_are_accepted(name):
+    parse_request({"messages": [{"role": "user", "content": "hi"}], name: "x"}, ChatCompletionRequest)
+
+
+def test_an_unknown_field_is_refused_naming_it():
+    with pytest.raises(RequestError) as error:
+        parse_request({"prompt": "hi", "temprature": 0}, CompletionRequest)
+    assert error.value.field == "temprature" and "not a field this server knows" in error.value.message
 
 
 def test_nan_temperature_is_rejected(decoder):
@@ -359,15 +404,14 @@ def test_a_cancelled_queued_request_frees_its_queue_slot_at_once(tiny_models):
 
 
 def test_a_request_the_engine_refuses_gets_its_error_instead_of_waiting_forever(tiny_models):
-    from blockpilot.serving import RowFailure
-
+    """The engine's refusal of what was asked is the client's error (a RequestError: a 400), not the server's."""
     decoder = BatchedDecoder(tiny_models).start()
     try:
         vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
         good = checked(decoder, {"prompt": "hi", "max_tokens": 4})
         bad = dataclasses.replace(good, prompt_ids=(vocab + 7,))  # past the vocabulary: engine.submit refuses it
         kind, error = next(decoder.submit(bad).events(timeout_s=30))
-        assert kind == "error" and isinstance(error, RowFailure) and "token ids" in str(error)
+        assert kind == "error" and isinstance(error, RequestError) and "token ids" in str(error)
         assert decoder.healthy and decoder.complete(good)[1]["usage"]["completion_tokens"] >= 1
     finally:
         decoder.stop()
