@@ -80,6 +80,9 @@ class LabelJob:
     device: str | None = option(None, help="cpu, cuda, ... (default: cuda when present)")
     dtype: str | None = option(None, help="float32, bfloat16, ... (default: bf16 on cuda, fp32 on cpu)")
     track: bool = option(True, flag="--no-track", help="do not log to MLflow")
+    restart: bool = option(
+        False, help="move the labels already under --out (and its job file) aside to OUT.replaced-TIME, label anew"
+    )
 
     def fingerprint(self) -> dict[str, Any]:
         """What must match for rows of two runs to sit in one folder (flat: the settings beside the models)."""
@@ -149,8 +152,30 @@ def exclusive(out: Path) -> Iterator[None]:
         handle.close()
 
 
+def move_labels_aside(out: Path) -> Path | None:
+    """Everything under `out` but the job's lock, moved into a new sibling `OUT.replaced-TIME` (returned; None when
+    there was nothing): a restarted job starts from an empty folder, and nothing of the old one is lost."""
+    moving = [path for path in out.iterdir() if path.name != LOCK_FILE]
+    if not moving:
+        return None
+    aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    suffix = 0
+    while aside.exists():  # two restarts in one second
+        suffix += 1
+        aside = aside.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}")
+    aside.mkdir()
+    for path in moving:
+        path.rename(aside / path.name)
+    return aside
+
+
 def check_fingerprint(job: LabelJob) -> None:
-    """Refuse to mix rows of differently configured jobs in one folder; record the fingerprint otherwise."""
+    """Refuse to mix rows of differently configured jobs in one folder; record the fingerprint otherwise. With
+    `job.restart`, the folder's labels are moved aside first (`move_labels_aside`)."""
+    if job.restart:
+        aside = move_labels_aside(job.out)
+        if aside is not None:
+            print(f"[label] --restart: the labels that were in {job.out} are in {aside} now", flush=True)
     path = job.out / FINGERPRINT_FILE
     if (job.out / OLD_FINGERPRINT_FILE).is_file():
         raise ValueError(
@@ -163,7 +188,7 @@ def check_fingerprint(job: LabelJob) -> None:
         if found != wanted:
             raise ValueError(
                 f"{str(job.out)!r} holds labels of another job (differing: {', '.join(differing_fields(found, wanted))}); "
-                f"label into a new --out, or remove {FINGERPRINT_FILE} there to start over"
+                "label into a new --out, or pass --restart to move these labels aside and label anew"
             )
         return
     write_text_atomic(path, json.dumps(wanted, indent=2) + "\n")

@@ -254,3 +254,25 @@ def test_a_budget_past_the_context_is_refused_before_any_row(tiny_zoo, tmp_path,
     error = capsys.readouterr().err
     assert "max_new_tokens 2048 leaves no room for a prompt in the target's context of 1024" in error
     assert len(error.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_restart_moves_the_old_labels_aside_and_the_refusal_names_it(tmp_path):
+    """A job with other settings is refused naming --restart; with it, every file of the folder (parts and job
+    file) moves to a sibling OUT.replaced-TIME, and the new job's fingerprint is written into the empty folder."""
+    from pipelines.label import FINGERPRINT_FILE, check_fingerprint
+
+    out = tmp_path / "labels"
+    out.mkdir()
+    zoo = tmp_path / "zoo"
+    first = make_job(zoo, out)
+    check_fingerprint(first)
+    (out / "part-0.parquet").write_bytes(b"old rows")
+    other = make_job(zoo, out, settings=LabelSettings(max_new_tokens=16, compile="off"))
+    with pytest.raises(ValueError, match="differing: .*pass --restart to move these labels aside"):
+        check_fingerprint(other)
+    check_fingerprint(LabelJob(**{**other.__dict__, "restart": True}))
+    (aside,) = [path for path in tmp_path.iterdir() if path.name.startswith("labels.replaced-")]
+    assert (aside / "part-0.parquet").read_bytes() == b"old rows"
+    assert json.loads((aside / FINGERPRINT_FILE).read_text()) == json.loads(json.dumps(first.fingerprint()))
+    assert sorted(p.name for p in out.iterdir()) == [FINGERPRINT_FILE]
+    assert json.loads((out / FINGERPRINT_FILE).read_text()) == json.loads(json.dumps(other.fingerprint()))
