@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,29 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
 
     if ray.is_initialized():
         return False
+    with own_signal_handlers():
+        return _init_ray(address, num_cpus)
+
+
+@contextlib.contextmanager
+def own_signal_handlers() -> Iterator[None]:
+    """This process's SIGINT and SIGTERM handlers as they were before the block. `ray.init` installs Ray's failure
+    handler for SIGTERM in the driver, which prints a stack trace and ends the process without running ours: a
+    served endpoint stopped by a process manager then left Ray's processes running. (Only the main thread can set
+    handlers; elsewhere nothing is restored.)"""
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            if handler is not None:
+                signal.signal(number, handler)
+
+
+def _init_ray(address: str | None, num_cpus: int | None) -> bool:
+    import ray
+
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)

@@ -495,20 +495,15 @@ def run_serve_job(job: ServeJob) -> int:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    def stop_on_signals() -> None:
-        # Both set here: a process started in the background by a shell inherits SIGINT ignored. Set again once Ray
-        # runs in this process: its core worker installs a failure handler for SIGTERM that prints a stack trace and
-        # ends the process with SIGABRT after ours ran.
-        signal.signal(signal.SIGINT, interrupt)
-        signal.signal(signal.SIGTERM, interrupt)
-
-    stop_on_signals()
+    # Both set here: a process started in the background by a shell inherits SIGINT ignored. (`ensure_ray` keeps
+    # them over Ray's own SIGTERM handler.)
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     server = None
     try:
         server = serve_locally(
             job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus, num_cpus=job.num_cpus
         )
-        stop_on_signals()
         server.wait_healthy()
         print(f"serving {job.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
         while True:

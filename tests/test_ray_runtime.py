@@ -1,0 +1,39 @@
+"""Starting the embedded Ray (`pipelines.ray_runtime.ensure_ray`) keeps the process's own signal handlers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from commands import ROOT, user_env
+
+KEEPS_SIGTERM = """
+import os, signal, sys, time
+from pipelines.ray_runtime import ensure_ray
+
+def stop(signum, frame):
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGTERM, stop)
+assert ensure_ray()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+except KeyboardInterrupt:
+    import ray
+    ray.shutdown()
+    print("stopped by our handler", flush=True)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_a_sigterm_after_ray_started_runs_the_processs_own_handler(tmp_path):
+    """Ray's driver installs a failure handler for SIGTERM that printed a stack trace and killed the process before
+    `blockpilot serve` could stop its Ray (a process manager's stop during a replica's start left it running)."""
+    completed = subprocess.run(
+        [sys.executable, "-c", KEEPS_SIGTERM], cwd=ROOT, env=user_env(tmp_path), capture_output=True, text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+    assert "stopped by our handler" in completed.stdout and "SIGTERM received" not in completed.stderr
