@@ -26,7 +26,7 @@ from typing import Any
 from blockpilot.checks import check_fits_context
 from blockpilot.decoding.engine import Engine, generate_many, keep_compiled_kernels, shape_for
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
-from blockpilot.models.loading import SpeculativeModels
+from blockpilot.models.loading import SpeculativeModels, text_prefix
 from blockpilot.options import option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
@@ -245,6 +245,7 @@ class BatchedDecoder:
             raise ValueError("serving needs a tokenizer")
         self.models, self.model_name = models, model_name
         self.tokenizer = SerializedTokenizer(models.tokenizer)
+        self._prefix = text_prefix(models.tokenizer)  # a raw completion starts as the model's tokenizer starts text
         self.limits = limits or ServeLimits()
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
@@ -319,7 +320,7 @@ class BatchedDecoder:
         self._check_text(prompt, "prompt")
         if not prompt.strip():
             raise RequestError("prompt", "prompt is empty")
-        return self._checked_prompt(self._tokenize_user_text(prompt), "prompt")
+        return self._checked_prompt(self._prefix + self._tokenize_user_text(prompt), "prompt")
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """(role, content) pairs through the chat template; contents are tokenized as user text, never as special

@@ -550,3 +550,24 @@ def test_a_compiled_tree_replica_builds_its_shapes_up_front_and_compiles_nothing
         assert decoder.healthy
     finally:
         decoder.stop()
+
+
+def test_raw_text_starts_as_the_models_tokenizer_starts_it(tiny_models):
+    """A tokenizer that adds a BOS before text (Llama's) gets it on a raw completion and a chat-less prompt; one that
+    adds nothing (Qwen's, the zoo's) gets nothing. A chat template writes its own."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from blockpilot.models.loading import text_prefix
+
+    assert text_prefix(tiny_models.tokenizer) == []
+    tokenizer = copy.deepcopy(tiny_models.tokenizer)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")  # any special token stands for a BOS here
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    assert text_prefix(tokenizer) == [bos]
+    models = dataclasses.replace(tiny_models, tokenizer=tokenizer)
+    plain = tiny_models.tokenizer("Count to 3", add_special_tokens=False)["input_ids"]
+    assert models.encode_prompt("Count to 3", chat=False) == [bos, *plain]
+    assert BatchedDecoder(models).encode_completion("Count to 3") == [bos, *plain]
+    assert BatchedDecoder(tiny_models).encode_completion("Count to 3") == plain

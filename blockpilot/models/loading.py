@@ -166,7 +166,17 @@ class SpeculativeModels:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not isinstance(prompt, str):
             raise ValueError("chat messages need a tokenizer with a chat template")
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return text_prefix(self.tokenizer) + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def text_prefix(tokenizer: Any) -> list[int]:
+    """The ids `tokenizer` puts before any text when it adds its special tokens (Llama's BOS; none for Qwen's): what
+    raw text starts with, as the model saw it in training. (A chat template writes its own.)"""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x", add_special_tokens=True)["input_ids"]
+    if len(full) > len(plain) and full[len(full) - len(plain) :] == plain:
+        return list(full[: len(full) - len(plain)])
+    return []
 
 
 def load_models(
