@@ -422,9 +422,10 @@ class BatchedDecoder:
     # ---------------------------------------------------------------- the engine loop
 
     def start(self) -> BatchedDecoder:
-        """Start the engine loop. First the engine builds its declared shapes (every row bucket at the widths the
-        adaptive policy may choose, `block_size_choices`, the first `compile_spans` spans of cache) and freezes, so that nothing compiles while
-        serving (a shape outside the set runs eagerly), then decodes one short request under the adaptive policy:
+        """Start the engine loop. First the engine builds its declared shapes (`Engine.declared_shapes`: the smallest
+        and largest row bucket at the widest block the adaptive policy may choose, `block_size_choices`, the first
+        `compile_spans` spans of cache) and freezes, so that nothing compiles while serving (a batch runs on the
+        smallest built step that holds it, else eagerly), then decodes one short request under the adaptive policy:
         `warm_up_seconds`, `compiled_shapes`."""
         with self._lock:
             if self._running:

@@ -158,11 +158,11 @@ def move_labels_aside(out: Path) -> Path | None:
     moving = [path for path in out.iterdir() if path.name != LOCK_FILE]
     if not moving:
         return None
-    aside = out.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-    suffix = 0
+    name = f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, suffix = out.with_name(name), 0
     while aside.exists():  # two restarts in one second
         suffix += 1
-        aside = aside.with_name(f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}")
+        aside = out.with_name(f"{name}-{suffix}")
     aside.mkdir()
     for path in moving:
         path.rename(aside / path.name)

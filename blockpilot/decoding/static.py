@@ -472,12 +472,16 @@ class StaticDecoder:
         step = self._steps.get((name, *shape))
         if step is None and self.frozen:
             step = self._steps.get(self._holding(name, shape))
-        if step is None and self.frozen:
-            if (name, *shape) not in self._eager_shapes:
-                self._eager_shapes.add((name, *shape))
-                logger.warning("step %s%s was not built up front: it runs eagerly (nothing compiles while serving)", name, shape)
-            getattr(self, name)(*shape)
-            return
+            if step is None:
+                if (name, *shape) not in self._eager_shapes:
+                    self._eager_shapes.add((name, *shape))
+                    logger.warning(
+                        "step %s%s was not built up front: it runs eagerly (nothing compiles while serving)",
+                        name,
+                        shape,
+                    )
+                getattr(self, name)(*shape)
+                return
         if step is None:
             step = self._steps[(name, *shape)] = self._build(name, *shape)
         step()

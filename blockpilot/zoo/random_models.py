@@ -1,4 +1,4 @@
-"""Randomly initialised models: a target (Qwen3, Llama or Qwen2), its tokenizer and a DFlash drafter.
+"""Randomly initialised models: a target (Qwen3, Llama, Qwen2 or Qwen3-MoE), its tokenizer and a DFlash drafter.
 
 For smoke tests and first-time users: everything runs, nothing is learned (tau stays near 1).
 """
