@@ -39,9 +39,10 @@ demo: venv
 # labels are built once and shared. --dist loadscope keeps each module on one worker, so a module fixture (the
 # Serve apps, the notebooks' demo home, a module's Ray) is set up once, not on both: 347 s for the whole suite
 # against 432-442 s with tests dealt one by one (warm, zoo kept). (loadgroup would do it per mark, but its marks
-# are ignored under pytest 9.2: pytest-xdist issue 1386.) PYTEST_WORKERS=0: one process.
+# are ignored under pytest 9.2: pytest-xdist issue 1386.) Modules are dealt in the order tests/conftest.py gives
+# them, longest first, not re-sorted by their test counts. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadscope)
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)

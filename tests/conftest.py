@@ -73,15 +73,36 @@ def home_at(folder: Path) -> Iterator[None]:
             os.environ["BLOCKPILOT_HOME"] = previous
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that need no trained tiny zoo run first (in their order), the others after.
+# Wall seconds of the slowest modules in CI (2 cores, a fresh clone, `-n 2`; docs/log.md, 2026-11-27). xdist deals
+# whole modules to the workers in collection order (the Makefile turns off its reordering by test count, which put
+# the single 4-minute test last while the other worker sat idle), so the longest ones start first.
+MODULE_SECONDS = {
+    "test_commands_on_ray.py": 245,
+    "test_serve.py": 165,
+    "test_demo.py": 150,
+    "test_label_pipeline.py": 145,
+    "test_commands_offline.py": 120,
+    "test_serving.py": 112,
+    "test_zoo.py": 85,
+    "test_predictor_pipeline.py": 67,
+    "test_commands_on_a_cluster.py": 66,
+}
 
-    The zoo takes about 45 s to build, and a worker that needs it while the other builds it waits on its lock.
-    Ordered so, the first worker to run out of zoo-free tests starts the build while the other still runs its
-    own, which shortens that wait. Measured on 2 cores: 476 and 507 s of pytest for the whole suite, against 494 s
-    before; this machine's own drift is as large. No module's Ray tests are split apart by this (its
-    module-scoped cluster would start twice)."""
-    items.sort(key=lambda item: "tiny_zoo" in item.fixturenames)
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest module first, then the modules that need no trained tiny zoo, then the others, longest first;
+    each module's tests stay together and in order (a module's cluster or app starts once, on one worker).
+
+    The zoo takes about 45 s to build, and a worker that needs it while the other builds it waits on its lock: the
+    first module builds it, while the other worker runs the zoo-free ones."""
+    needs_zoo = {item.path for item in items if "tiny_zoo" in item.fixturenames}
+    longest = max(MODULE_SECONDS, key=MODULE_SECONDS.__getitem__)
+
+    def order(item: pytest.Item) -> tuple[bool, bool, int]:
+        name = item.path.name
+        return name != longest, item.path in needs_zoo, -MODULE_SECONDS.get(name, 0)
+
+    items.sort(key=order)
 
 
 @pytest.fixture(autouse=True, scope="session")
