@@ -7,11 +7,19 @@ from collections.abc import Sequence
 
 # BlockPilot's sweep: b in B-2 .. B+2 around the drafter's training block size B.
 DEFAULT_SPREAD = 2
+# b = 1 is autoregression: no drafter pass, the target's one token a cycle (tau 1, the cheapest cycle). A shape like
+# any other: labeled, walked, priced and chosen beside the chains and trees.
+AUTOREGRESSIVE = 1
 
 
 def candidates_around(train_block_size: int, spread: int = DEFAULT_SPREAD) -> tuple[int, ...]:
     """B - spread .. B + spread around the drafter's training block size B (b >= 1)."""
     return tuple(b for b in range(train_block_size - spread, train_block_size + spread + 1) if b >= 1)
+
+
+def label_candidates(train_block_size: int, spread: int = DEFAULT_SPREAD) -> tuple[int, ...]:
+    """What labels sweep by default: autoregression and BlockPilot's window around B (`candidates_around`)."""
+    return tuple(sorted({AUTOREGRESSIVE, *candidates_around(train_block_size, spread)}))
 
 
 def best_block_size(candidates: Sequence[int], scores: Sequence[float]) -> int:

@@ -43,7 +43,8 @@ class LabelSettings:
     candidates: tuple[int, ...] | None = option(
         None,
         type=block_size_list,
-        help="block sizes, e.g. 6,7,8,9,10 (default: B-2..B+2 around the drafter's training block size)",
+        help="block sizes, e.g. 1,6,7,8,9,10 (default: 1, autoregression, and B-2..B+2 around the drafter's training "
+        "block size B)",
     )
     tree_budgets: tuple[int, ...] = option(
         (7, 15, 31, 63),
@@ -173,12 +174,12 @@ class Labeler:
     engine: Any = field(init=False, default=None)  # the engine of the reference generations
 
     def __post_init__(self) -> None:
-        from blockpilot.blocks import candidates_around
+        from blockpilot.blocks import label_candidates
         from blockpilot.sweep import SweepConfig
 
         if self.models.drafter is None:
             raise ValueError("labeling needs a drafter")
-        self.candidates = self.settings.candidates or candidates_around(self.models.train_block_size)
+        self.candidates = self.settings.candidates or label_candidates(self.models.train_block_size)
         SweepConfig(candidates=self.candidates, mode=self.settings.mode)  # validate early, before any prompt
         if self.settings.mode == "replay":
             self.engine = self._reference_engine()

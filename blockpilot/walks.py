@@ -8,9 +8,10 @@ A policy's walks over a set of rows commit tokens in cycles, each cycle priced b
 
 Policies by name:
 
+    autoregressive  b = 1 every cycle: no drafting (tau 1, priced at the autoregressive step's cost)
     B            the drafter's training block size, every cycle
     best_fixed   the one candidate with the highest throughput over the rows evaluated (`best_fixed_b` names it;
-                 under a uniform cost, the one with the highest tau)
+                 under a uniform cost, the one with the highest tau); autoregression among them where labeled
     oracle       the static oracle: each row's own best single b (hindsight, per row)
     step_oracle  the per-step oracle: the cheapest walk choosing b at every cycle (rows with acceptance tables)
     tree<N>      the draft tree of N nodes, every cycle (rows whose tables hold trees; priced by `CycleCost.tree`)
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.cost import CycleCost
 from blockpilot.table import AcceptanceTable
 
@@ -161,8 +163,11 @@ def put_fixed_policies(
     candidates: tuple[int, ...],
     train_block_size: int | None,
 ) -> None:
-    """Fixed B, the best fixed b (and `best_fixed_b`) and the static oracle of `walks`."""
+    """Autoregression, fixed B, the best fixed b (and `best_fixed_b`) and the static oracle of `walks`."""
     everyone = len(walks.tokens)
+    if AUTOREGRESSIVE in candidates:
+        autoregressive = np.full(everyone, candidates.index(AUTOREGRESSIVE))
+        put_policy(metrics, prefix, "autoregressive", *walks.chosen(autoregressive))
     if train_block_size in candidates:
         put_policy(metrics, prefix, "B", *walks.chosen(np.full(everyone, candidates.index(train_block_size))))
     best = walks.best_fixed()
@@ -193,6 +198,7 @@ def policy_table(title: str, metrics: dict[str, float], columns: Sequence[tuple[
 
 
 POLICY_COLUMNS = (
+    ("AR", "autoregressive"),
     ("fixed B", "B"),
     ("best b", "best_fixed"),
     ("chosen", "pred"),

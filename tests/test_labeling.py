@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from blockpilot.blocks import best_block_size, candidates_around
+from blockpilot.blocks import best_block_size, candidates_around, label_candidates
 from blockpilot.data.labels import LABEL_SCHEMA, deduplicate, read_label_files, read_labels, rows_to_table
 from blockpilot.data.sources import PromptRecord, prompt_texts
 from blockpilot.decoding.engine import generate_many
@@ -181,6 +181,7 @@ def test_best_block_size_ties_go_to_the_smaller_b():
     assert best_block_size([4, 5, 6], [float("nan"), 1.0, 0.5]) == 5
     assert candidates_around(8) == (6, 7, 8, 9, 10)
     assert candidates_around(2) == (1, 2, 3, 4)
+    assert label_candidates(8) == (1, 6, 7, 8, 9, 10) and label_candidates(2) == (1, 2, 3, 4)
 
 
 def test_the_stop_token_and_the_budget_bound_what_counts(tiny_models, heldout):
@@ -209,8 +210,9 @@ def test_label_rows_follow_the_schema(labeler, tiny_zoo):
     table = rows_to_table(rows)
     assert table.schema == LABEL_SCHEMA
     assert row["error"] is None
-    assert row["candidates"] == [2, 3, 4, 5, 6] and row["train_block_size"] == 4
-    assert len(row["tau"]) == 5 and all(1.0 <= t <= b for t, b in zip(row["tau"], row["candidates"], strict=True))
+    # Autoregression (b = 1, tau 1 exactly) and BlockPilot's window B-2..B+2.
+    assert row["candidates"] == [1, 2, 3, 4, 5, 6] and row["train_block_size"] == 4 and row["tau"][0] == 1.0
+    assert len(row["tau"]) == 6 and all(1.0 <= t <= b for t, b in zip(row["tau"], row["candidates"], strict=True))
     assert row["best_block_size"] == best_block_size(row["candidates"], row["tau"])
     assert len(row["topk_ids"]) == 8 and row["topk_probs"] == sorted(row["topk_probs"], reverse=True)
     assert 0 < sum(row["topk_probs"]) <= 1.0001 and row["entropy"] > 0
@@ -219,7 +221,7 @@ def test_label_rows_follow_the_schema(labeler, tiny_zoo):
     assert row["target_id"].endswith("target") and row["sweep_mode"] == "replay"
     # The acceptance table rides in the row and gives back the row's tau vector.
     (table,) = tables_from_row(table.to_pylist()[0])
-    assert table.tau() == pytest.approx(row["tau"]) and table.candidates == (2, 3, 4, 5, 6)
+    assert table.tau() == pytest.approx(row["tau"]) and table.candidates == (1, 2, 3, 4, 5, 6)
     assert len(row["anchor_entropy"]) == table.n - 1 and len(row["anchor_top_probs"][0]) == 4
     # The same task gives the same row: seeded per (prompt, temperature).
     assert labeler.label(record, 1.0) == labeler.label(record, 1.0)
@@ -260,7 +262,7 @@ def test_summary_counts_rows_errors_and_histogram(labeler):
     summary = summarize(rows, new_rows=2, seconds=1.0)
     assert (summary.rows, summary.errors) == (2, 1)
     assert sum(summary.best_block_size_histogram.values()) == 1
-    assert set(summary.mean_tau) == {2, 3, 4, 5, 6}
+    assert set(summary.mean_tau) == {1, 2, 3, 4, 5, 6}
     assert "1 with errors" in summary.format()
 
 

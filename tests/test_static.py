@@ -82,6 +82,38 @@ def test_autoregressive_and_a_target_without_drafter(tiny_models):
     assert [r.token_ids for r in decode(tiny_models, alone, prompts, [None] * 3, 24)] == expected
 
 
+class Alternating(FixedBlockSize):
+    """Autoregression and drafting b in turn, cycle by cycle."""
+
+    def next_block_size(self, cycle):
+        return 1 if cycle.block_size > 1 else self.block_size
+
+
+def test_a_row_switching_between_autoregression_and_drafting_drafts_as_if_it_had_drafted_all_along(tiny_models):
+    """Autoregressive cycles keep the drafter's context (the target's features of the positions they commit), so a
+    row that drafts again accepts exactly what the acceptance table, built from every position's features, says a
+    block there accepts: each drafting cycle's tau is a(cursor, b). Beside a row that always drafts (its cycles then
+    run at width 4) and alone (width 1: no drafter pass), greedy."""
+    from blockpilot.table import acceptance_table
+
+    prompts, expected = references(tiny_models, 40, PROMPTS[:2])
+    policies = [Alternating(4), FixedBlockSize(4)]
+    switching, beside = decode(tiny_models, Engine(tiny_models, max_batch=2), prompts, policies, 40)
+    assert [switching.token_ids, beside.token_ids] == expected
+    assert 1 in switching.block_sizes and 4 in switching.block_sizes
+    config = GenerationConfig(max_new_tokens=40, stop_token_ids=tuple(tiny_models.stop_token_ids()))
+    [recorded] = generate_many(tiny_models, [GenerationRequest(prompts[0], config, FixedBlockSize(4), record=True)])
+    table = acceptance_table(tiny_models, len(prompts[0]), expected[0], recorded.record.context_features, (1, 4), 40)
+    cursor = 1
+    for b, tau in zip(switching.block_sizes, switching.acceptance_lengths, strict=True):
+        drafting = b > 1  # the last block is cut to the budget, as the table's is
+        assert tau == table.commits[int(drafting), cursor - 1], (cursor, b)
+        cursor += tau
+    assert any(tau > 1 for b, tau in zip(switching.block_sizes, switching.acceptance_lengths) if b == 4), (
+        "no draft accepted: the test would not tell kept features from lost ones"
+    )
+
+
 def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_eager_one(tiny_models):
     """The engine asks a policy with the same states (prefill, cycle, anchor logits) as the eager engine does: at
     T = 0 every choice, and so every cycle's block size and acceptance, is the same. No stop tokens: every row runs
@@ -281,6 +313,8 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1) == [
         ("_cycle", rows, 256, 4, False) for rows in (1, 4)
     ]
+    # A policy that may choose autoregression gets its width-1 steps too: its rows then skip the drafter's pass.
+    assert {shape[3] for shape in engine.declared_shapes((1, 2, 3), spans=1)} == {1, 4}
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}

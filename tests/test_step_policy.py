@@ -167,7 +167,7 @@ def test_regret_is_zero_at_the_per_step_oracle_and_evaluation_orders_policies(ti
     assert (regret >= -1e-6).all() and np.allclose(regret.min(axis=1), 0.0)
 
     with pytest.raises(ValueError, match="candidates"):
-        evaluate_step_model(random_step_model(6), rows, cost)
+        evaluate_step_model(random_step_model(6, (2, 3, 4)), rows, cost)
     metrics = evaluate_step_model(model, rows, cost)
     for group in ("", "T0/", "T1/"):
         step_oracle = metrics[f"{group}tau_step_oracle"]

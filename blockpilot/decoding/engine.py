@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
+from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import positive_int
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
@@ -174,13 +175,17 @@ class Engine(RowScheduler):
 
     def declared_shapes(self, widths: Sequence[int] | None = None, spans: int = 2) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
-        `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles; with trees, those
-        row buckets x every tree size. Once frozen, a cycle runs on the smallest built step that holds it (more rows,
+        `widths` (default: the engine's width; and width 1 too where `widths` holds autoregression) x the first
+        `spans` spans of cache, as chain cycles; with trees, those row buckets x every tree size. Once frozen, a cycle runs on the smallest built step that holds it (more rows,
         a wider block or a longer span compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
-        width = next(w for w in self.widths if w >= widest)
+        chains = [next(w for w in self.widths if w >= widest)]
+        if widths and min(widths) == AUTOREGRESSIVE and chains[0] > 1:  # its rows skip the drafter when none drafts
+            chains.insert(0, AUTOREGRESSIVE)
         rows_set = sorted({self.buckets[0], self.buckets[-1]})
-        shapes = [("_cycle", rows, span, width, False) for rows in rows_set for span in self.spans[:spans]]
+        shapes = [
+            ("_cycle", rows, span, width, False) for width in chains for rows in rows_set for span in self.spans[:spans]
+        ]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1)
