@@ -175,17 +175,17 @@ class Engine(RowScheduler):
 
     def declared_shapes(self, widths: Sequence[int] | None = None, spans: int = 2) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
-        `widths` (default: the engine's width; and width 1 too where `widths` holds autoregression) x the first
-        `spans` spans of cache, as chain cycles; with trees, those row buckets x every tree size. Once frozen, a cycle runs on the smallest built step that holds it (more rows,
+        `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
+        row bucket at width 1 where `widths` holds autoregression; with trees, those row buckets x every tree size. Once frozen, a cycle runs on the smallest built step that holds it (more rows,
         a wider block or a longer span compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
-        chains = [next(w for w in self.widths if w >= widest)]
-        if widths and min(widths) == AUTOREGRESSIVE and chains[0] > 1:  # its rows skip the drafter when none drafts
-            chains.insert(0, AUTOREGRESSIVE)
+        width = next(w for w in self.widths if w >= widest)
         rows_set = sorted({self.buckets[0], self.buckets[-1]})
-        shapes = [
-            ("_cycle", rows, span, width, False) for width in chains for rows in rows_set for span in self.spans[:spans]
-        ]
+        shapes = [("_cycle", rows, span, width, False) for rows in rows_set for span in self.spans[:spans]]
+        if widths and min(widths) == AUTOREGRESSIVE and width > 1:
+            # A lone row that stops drafting skips the drafter's pass; a batch of them runs on the wide step, whose
+            # arithmetic on a CPU is about the many rows' at width 1 (packing rows is what would save it).
+            shapes[:0] = [("_cycle", self.buckets[0], span, AUTOREGRESSIVE, False) for span in self.spans[:spans]]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1)
