@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import uuid
@@ -94,3 +95,16 @@ def load_weights_folder(directory: str | Path, what: str) -> tuple[dict, dict]:
             f"blockpilot reads {MODEL_SCHEMA_VERSION}: train it again (`{rerun}`)"
         )
     return config, load_file(directory / WEIGHTS_NAME)
+
+
+def folder_digest(path: str | Path) -> str:
+    """`sha256:` and 16 hex digits of a folder's files (their relative names and bytes, in name order): what a
+    deployment pins a model folder to."""
+    folder = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(folder).as_posix().encode() + b"\0")
+        with open(file, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return f"sha256:{digest.hexdigest()[:16]}"

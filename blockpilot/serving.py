@@ -240,10 +240,12 @@ class BatchedDecoder:
         predictor: Any | None = None,
         compile: str = "off",
         compile_spans: int = 1,
+        served: dict[str, Any] | None = None,
     ) -> None:
         if models.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
         self.models, self.model_name = models, model_name
+        self.served = served or {}  # the models this decoder runs, as its deployment pinned them (`/v1/models`)
         self.tokenizer = SerializedTokenizer(models.tokenizer)
         self._prefix = text_prefix(models.tokenizer)  # a raw completion starts as the model's tokenizer starts text
         self.limits = limits or ServeLimits()
@@ -626,6 +628,7 @@ class BatchedDecoder:
                 "queue_time_s": round((handle.started_at or handle.submitted_at) - handle.submitted_at, 6),
                 "prefill_time_s": round(result.prefill_time_s, 6),
                 "decode_time_s": round(result.decode_time_s, 6),
+                "models": self.served,
             },
         }
         if handle.timed_out and not stopped:

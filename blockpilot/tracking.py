@@ -346,6 +346,27 @@ def download_model_folder(uri: str, artifact: str) -> Path:
     return _artifact_folder(target, uri, artifact)
 
 
+def pinned_model_uri(uri: str) -> str:
+    """`uri` as a deployment pins it: a registered model's alias or `latest` replaced by the version it names in the
+    store now (`models:/NAME/VERSION`); anything else as it is."""
+    import mlflow
+
+    if not uri.startswith("models:/"):
+        return uri
+    mlflow.set_tracking_uri(tracking_uri())
+    try:
+        return _fixed_model_uri(uri)
+    except Exception as error:  # unknown model, alias or store
+        raise FileNotFoundError(f"could not resolve {uri!r} in the MLflow store at {tracking_uri()}: {error}") from error
+
+
+def pinned_spec(spec: str) -> str:
+    """A policy spec with every MLflow model URI in it pinned (`pinned_model_uri`)."""
+    import re
+
+    return re.sub(r"models:/[^,\s]+", lambda match: pinned_model_uri(match.group(0)), spec)
+
+
 def _fixed_model_uri(uri: str) -> str:
     """`uri` with a registered model's alias or `latest` replaced by the version it names in the store now; a
     version, a run or any other artifact URI as it is."""

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -68,9 +68,47 @@ class ModelLoader:
     dtype: Optional[str] = None
     limits: ServeLimits = ServeLimits()
     api_key: Optional[str] = field(default=None, repr=False)  # a secret: kept out of logs and Serve's config dumps
+    # The predictor and step model folders' contents as `pinned` found them: a replica refuses a folder that changed.
+    digests: dict[str, str] = field(default_factory=dict)
 
     def adaptive_spec(self) -> str:
         return self.policy or str(adaptive_spec(self.predictor, self.step_model))
+
+    def pinned(self) -> "ModelLoader":
+        """This loader with its models fixed now, at deploy time: an MLflow alias (`@champion`) or `latest` becomes
+        the version it names, a predictor or step model folder is fingerprinted. Every replica, and one that restarts
+        after the alias moved, then serves the same models; a new champion is served from the next deploy on."""
+        from pathlib import Path
+
+        from blockpilot.files import folder_digest
+        from blockpilot.tracking import pinned_model_uri, pinned_spec
+
+        fixed = {
+            name: pinned_model_uri(value) if value is not None else None
+            for name, value in (("predictor", self.predictor), ("step_model", self.step_model))
+        }
+        digests = {name: folder_digest(value) for name, value in fixed.items() if value and Path(value).is_dir()}
+        policy = pinned_spec(self.policy) if self.policy else None
+        return replace(self, **fixed, policy=policy, digests=digests)
+
+    def served(self) -> dict[str, Optional[str]]:
+        """What a replica of this loader serves, as `/v1/models` and every response's `blockpilot` object name it."""
+        names = ("target", "drafter", "predictor", "step_model")
+        served = {name: getattr(self, name) for name in names} | {"policy": self.adaptive_spec()}
+        return served | {f"{name}_digest": digest for name, digest in self.digests.items()}
+
+    def check_pinned_folders(self) -> None:
+        """Refuse a predictor or step model folder whose content changed since `pinned` (a replica started later
+        would serve other weights than its siblings)."""
+        from blockpilot.files import folder_digest
+
+        for name, digest in self.digests.items():
+            now = folder_digest(getattr(self, name))
+            if now != digest:
+                raise ValueError(
+                    f"the {name} folder {getattr(self, name)} changed since this deployment pinned it ({digest}, now "
+                    f"{now}): deploy again to serve it"
+                )
 
     def __call__(self) -> BatchedDecoder:
         import logging
@@ -80,6 +118,7 @@ class ModelLoader:
         from blockpilot.models.loading import load_models
 
         hf_logging.disable_progress_bar()
+        self.check_pinned_folders()
         models = load_models(self.target, self.drafter, device=self.device, dtype=self.dtype)
         decoder = BatchedDecoder(
             models,
@@ -88,13 +127,15 @@ class ModelLoader:
             limits=self.limits,
             compile=self.compile,
             compile_spans=self.compile_spans,
+            served=self.served(),
         )
         decoder.start()
         logging.getLogger("ray.serve").warning(
-            "engine (%s) started in %.1f s: %d shapes built up front",
+            "engine (%s) started in %.1f s: %d shapes built up front; serving %s",
             decoder._engine.decoder.mode,
             decoder.warm_up_seconds,
             len(decoder.compiled_shapes),
+            json.dumps(decoder.served),
         )
         return decoder
 
@@ -319,10 +360,8 @@ class BlockPilotDecoder:
         denied = check_api_key(request, self.api_key)
         if denied is not None:
             return denied
-        return {
-            "object": "list",
-            "data": [{"id": self.decoder.model_name, "object": "model", "created": 0, "owned_by": "blockpilot"}],
-        }
+        card = {"id": self.decoder.model_name, "object": "model", "created": 0, "owned_by": "blockpilot"}
+        return {"object": "list", "data": [card | {"blockpilot": self.decoder.served}]}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
@@ -349,6 +388,8 @@ def build_app(
     so that a burst beyond its capacity reaches the replica and is refused there at once, with Retry-After.
     Serve's own refusal (beyond `max_queued_requests` waiting in its router) is a bare 503 without that header,
     and the router's count of in-flight requests lags, so it must not be the limit a client meets first."""
+    if isinstance(loader, ModelLoader):  # fixed here, where the app is deployed, not where each replica starts
+        loader = loader.pinned()
     limits = getattr(loader, "limits", ServeLimits())
     ongoing = max_ongoing_requests or 2 * (limits.max_batch + limits.max_queue)
     options: dict[str, Any] = {
@@ -482,7 +523,7 @@ class ServeJob:
     def loader(self) -> ModelLoader:
         """The replica's loader: every field the two share, taken as it is (`limits` stays a `ServeLimits`), the
         key falling back to the environment. One mapping, so a field added to both is passed once."""
-        shared = {name: getattr(self, name) for name in ModelLoader.__dataclass_fields__}
+        shared = {name: getattr(self, name) for name in ModelLoader.__dataclass_fields__ if hasattr(self, name)}
         shared["api_key"] = self.api_key or os.environ.get(API_KEY_ENV)
         return ModelLoader(**shared)
 

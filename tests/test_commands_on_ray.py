@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 
+import httpx
 import psutil
 import pytest
 from commands import BIN, PROMPT, ROOT, check_endpoint, check_quiet, free_port, run, user_env, wait_healthy
@@ -76,6 +77,12 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
         started = psutil.Process(server.pid).children(recursive=True)  # Ray's processes: GCS, raylet, workers
         assert started
         check_endpoint(f"http://127.0.0.1:{port}", "blockpilot")
+        # The aliases were pinned as the app deployed: the versions they named then, which every replica serves.
+        served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["blockpilot"]
+        assert (served["predictor"], served["step_model"]) == (
+            "models:/blockpilot-predictor/1",
+            "models:/blockpilot-step-policy/1",
+        )
         # What a process manager sends (Ctrl-C's SIGINT takes the same path, and reaches Ray's processes too): the
         # server alone gets it, and must leave none of them running.
         server.send_signal(signal.SIGTERM)

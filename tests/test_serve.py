@@ -100,7 +100,9 @@ def healthy(url: str) -> bool:
 def test_models_and_health(endpoint):
     health = httpx.get(endpoint + "/health").json()
     assert health["status"] == "ok" and {"active", "waiting", "max_batch"} <= set(health)
-    assert [m["id"] for m in httpx.get(endpoint + "/v1/models").json()["data"]] == ["tiny"]
+    [card] = httpx.get(endpoint + "/v1/models").json()["data"]
+    assert card["id"] == "tiny" and card["blockpilot"]["predictor"].endswith("predictor")
+    assert card["blockpilot"]["predictor_digest"].startswith("sha256:")  # a folder, pinned to its content
 
 
 def _library_text(tiny_models, predictor_dir, prompt_ids, max_tokens):

@@ -301,6 +301,40 @@ def test_serve_options_reserve_cpus_per_replica(tiny_zoo):
         parser.parse_args([*target, "--num-cpus", "0"])
 
 
+def test_a_deployment_pins_aliases_to_versions_and_folders_to_their_content(tmp_path, monkeypatch):
+    """Fixed where the app is deployed (`build_app`): `@champion` becomes the version it names then, so a replica
+    that starts after the alias moved serves what its siblings serve; a folder is fingerprinted, and a replica
+    refuses one whose content changed since. What was pinned is what `/v1/models` and every response name."""
+    import mlflow
+
+    from blockpilot.predictor.model import BlockSizePredictor, PredictorConfig
+    from blockpilot.tracking import log_predictor_model, pinned_spec, start_run
+    from pipelines.serve import ModelLoader
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    folder = BlockSizePredictor(PredictorConfig("sparse", (1, 2, 3), 10, top_k=4, hidden_size=8)).save(tmp_path / "p")
+    context = {"unit": "tokens per s", "cost": "c", "batch": "1", "evaluation": "e", "target_id": "t", "drafter_id": "d"}
+    for throughput in (1.0, 2.0):
+        with start_run("blockpilot-predictor", "test") as tracker:
+            log_predictor_model(tracker, folder, heldout_throughput=throughput, context=context)
+    alias = "models:/blockpilot-predictor@champion"
+    pinned = ModelLoader("target", "drafter", predictor=alias, step_model=str(folder)).pinned()
+    assert pinned.predictor == "models:/blockpilot-predictor/2"
+    assert pinned.served()["policy"] == f"learned+step:models:/blockpilot-predictor/2,{folder}"
+    assert pinned.served()["step_model_digest"] == pinned.digests["step_model"]
+    assert pinned.digests["step_model"].startswith("sha256:") and "predictor" not in pinned.digests
+    mlflow.MlflowClient().set_registered_model_alias("blockpilot-predictor", "champion", "1")
+    assert pinned.pinned().predictor == "models:/blockpilot-predictor/2"  # pinned stays pinned
+    version_1 = "models:/blockpilot-predictor/1"
+    assert pinned_spec(f"learned+step:{alias},{alias}") == f"learned+step:{version_1},{version_1}"
+    pinned.check_pinned_folders()
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")
+    with pytest.raises(ValueError, match="changed since this deployment pinned it"):
+        pinned.check_pinned_folders()
+    with pytest.raises(FileNotFoundError, match="blockpilot-predictor@nobody"):
+        ModelLoader("target", predictor="models:/blockpilot-predictor@nobody").pinned()
+
+
 def _long(decoder: BatchedDecoder):
     """A request that runs to 400 tokens whatever the weights (`ignore_eos`)."""
     body = {"prompt": "Tell a story about file.", "max_tokens": 400, "block_size": 1, "temperature": 1.0, "seed": 1}
