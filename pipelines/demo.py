@@ -98,6 +98,10 @@ class DemoJob:
 _CHECKABLE_SOURCES = ("count", "arithmetic", "sort", "copy", "reverse")
 STAGES = 7
 LIVE_ROUNDS = 3  # timed passes of the live table, each over every policy
+# The live table's keys (`walks` policy names): the adaptive policies the endpoint may serve, and the fixed shapes
+# they are held against.
+ADAPTIVE_POLICIES = ("request", "step")
+FIXED_SHAPES = ("autoregressive", "B", "best_fixed", "best_tree")
 
 
 class StageClock:
@@ -205,6 +209,14 @@ def policy_table(
             f"{shown(speed and speed.tokens_per_s, 9, 1)} {shown(over, 7, 2)}"
         )
     return "\n".join(lines)
+
+
+def fastest(live: dict[str, PolicySpeed], keys: tuple[str, ...]) -> str:
+    """Which of `keys` (those measured live) decoded the most tokens per second."""
+    measured = [key for key in keys if key in live]
+    if not measured:
+        raise ValueError(f"none of {list(keys)} was measured live (measured: {sorted(live)})")
+    return max(measured, key=lambda key: live[key].tokens_per_s)
 
 
 def run_demo(job: DemoJob) -> int:
@@ -357,6 +369,13 @@ def run_demo(job: DemoJob) -> int:
     names = {key: name for key, (_, name) in specs.items()}
     decoder = f" on the engine ({engine.decoder.mode})"
     print(policy_table(step.metrics, live, names, len(prompts_ids), loop, decoder))
+    # The endpoint's adaptive policy is the one that decoded fastest here, on this device: what wins depends on it.
+    serving, fixed = fastest(live, ADAPTIVE_POLICIES), fastest(live, FIXED_SHAPES)
+    adaptive = specs[serving][0]
+    print(
+        f"the endpoint's adaptive policy: {names[serving]}, the faster adaptive policy live here "
+        f"({live[serving].tokens_per_s / live[fixed].tokens_per_s:.2f}x the fastest fixed shape, {names[fixed]})"
+    )
 
     clock.start("endpoint", f"the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")
     loader = ModelLoader(
@@ -364,6 +383,7 @@ def run_demo(job: DemoJob) -> int:
         str(zoo / "drafter"),
         predictor,
         step_model=str(step.model_dir),
+        policy=adaptive,
         model_name=f"zoo-{size}",
         compile=job.compile,
         # The demo sends one request: four rows, not the default eight, keep the shapes it builds up front few.

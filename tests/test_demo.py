@@ -15,10 +15,13 @@ from blockpilot.decoding.speed import PolicySpeed, measure_speed
 from blockpilot.policies.resolve import resolve_policy
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 from pipelines.demo import (
+    ADAPTIVE_POLICIES,
     DEFAULT_SIZE,
+    FIXED_SHAPES,
     SIZE_ENV,
     DemoPaths,
     StageClock,
+    fastest,
     pick_example,
     policy_table,
     reference_answers,
@@ -83,6 +86,19 @@ def test_policy_table_has_a_row_per_policy_and_dashes_where_nothing_ran():
     assert rows["transformers loop"].split()[-5:] == ["-", "-", "1.00", "50.0", "1.00"]
 
 
+def test_the_endpoint_serves_the_adaptive_policy_that_was_fastest_live():
+    live = {
+        "request": PolicySpeed("learned", tokens=90, seconds=1.0, tau=2.0),
+        "step": PolicySpeed("learned+step", tokens=80, seconds=1.0, tau=2.1),
+        "B": PolicySpeed("fixed", tokens=95, seconds=1.0, tau=2.0),
+    }
+    assert fastest(live, ADAPTIVE_POLICIES) == "request" and fastest(live, FIXED_SHAPES) == "B"
+    live["step"] = PolicySpeed("learned+step", tokens=99, seconds=1.0, tau=2.1)
+    assert fastest(live, ADAPTIVE_POLICIES) == "step"
+    with pytest.raises(ValueError, match="measured"):
+        fastest(live, ("best_tree",))
+
+
 def test_stage_clock_keeps_every_stage_in_order(capsys):
     clock = StageClock()
     clock.start("zoo", "the zoo")
@@ -128,6 +144,7 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path)
     command = f"blockpilot demo --size tiny --compile off --live-prompts 4 --port {free_port()}"
     printed = run(command, user_env(home), timeout=400)
     assert f"[zoo] reusing {cached}" in printed and "=== 7/7 the endpoint" in printed and "stage times: zoo" in printed
+    assert "the endpoint's adaptive policy: learned" in printed
     table = printed[printed.index("policies on the held-out prompts") :]
     rows = [f"fixed B = {RECIPES['tiny'].block_size}", "best fixed b", "learned (per request)", "learned+step"]
     rows += ["autoregressive", "static oracle", "per-step oracle", "transformers loop"]
