@@ -32,6 +32,7 @@ from blockpilot.checks import differing_fields
 from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
+    block_size_list,
     fraction_arg,
     from_args,
     non_negative_int_arg,
@@ -71,6 +72,12 @@ class TrainJob:
     cost: Path | None = option(None, type=Path, help="cost curve (blockpilot calibrate) pricing modeled throughput")
     cost_batch: int = option(
         1, type=positive_int_arg, help="price cycles at this batch size (the nearest measured): the load it is for"
+    )
+    candidates: tuple[int, ...] | None = option(
+        None,
+        type=block_size_list,
+        help="choose among these of the labels' block sizes (default: all of them, autoregression's b = 1 included; "
+        "the paper's: B-2..B+2)",
     )
     trees: bool = option(
         False,
@@ -138,21 +145,26 @@ def _labels_digest(table: Any) -> str:
 def prepare(job: TrainJob) -> Prepared:
     """(train, val, eval) label tables, checked; raises naming what is wrong before anything starts."""
     from blockpilot.cost import load_cost
-    from blockpilot.data.labels import read_labels
+    from blockpilot.data.labels import read_labels, with_candidates
     from blockpilot.predictor.model import PredictorConfig
     from blockpilot.predictor.training import check_same_candidates, split_by_prompt, valid_rows
     from blockpilot.scoring import candidates_of
 
     cost = load_cost(job.cost, job.cost_batch)
-    table = valid_rows(read_labels(job.labels), what=f"labels {str(job.labels)!r}")
+
+    def labels(path: Path, what: str) -> Any:
+        table = valid_rows(read_labels(path), what=f"{what} {str(path)!r}")
+        return with_candidates(table, job.candidates) if job.candidates else table
+
+    table = labels(job.labels, "labels")
     if job.val is not None:
-        train, val = table, valid_rows(read_labels(job.val), what=f"validation labels {str(job.val)!r}")
+        train, val = table, labels(job.val, "validation labels")
         check_same_candidates(train, val, "the validation labels")
     else:
         train, val = split_by_prompt(table, job.val_share, job.seed)
     evaluation = None
     if job.eval is not None:
-        evaluation = valid_rows(read_labels(job.eval), what=f"evaluation labels {str(job.eval)!r}")
+        evaluation = labels(job.eval, "evaluation labels")
         check_same_candidates(train, evaluation, "the evaluation labels")
     first = train.slice(0, 1).to_pylist()[0]
     tree_budgets: tuple[int, ...] = ()

@@ -365,3 +365,27 @@ def test_a_device_failure_is_raised_for_the_actor_to_restart(labeler, monkeypatc
     monkeypatch.setattr(label_module.os, "_exit", lambda code: exits.append(code))
     label_module.restart_after(DeviceFailure("device-side assert triggered"))
     assert exits == [1]
+
+
+def test_labels_narrowed_to_blockpilots_window_hold_what_that_sweep_would(tiny_labels):
+    """`train --candidates` (the paper's B-2..B+2 out of labels that also hold autoregression): every per-candidate
+    column keeps those entries, the acceptance tables too, and B* is chosen among them."""
+    from blockpilot.data.labels import read_labels, with_candidates
+    from blockpilot.predictor.training import valid_rows
+
+    table = valid_rows(read_labels(tiny_labels["train"]))
+    window = candidates_around(4)
+    narrowed = with_candidates(table, window)
+    for row, full in zip(narrowed.to_pylist(), table.to_pylist(), strict=True):
+        keep = [full["candidates"].index(b) for b in window]
+        assert row["candidates"] == list(window) and row["tau"] == [full["tau"][k] for k in keep]
+        assert row["cycles"] == [full["cycles"][k] for k in keep]
+        assert row["best_block_size"] == best_block_size(window, row["tau"])
+        for mine, theirs in zip(tables_from_row(row), tables_from_row(full), strict=True):
+            assert (mine.commits == theirs.commits[keep]).all() and mine.candidates == window
+            assert np.array_equal(mine.confidences, theirs.confidences, equal_nan=True)  # the largest b stays
+    shallow = with_candidates(table, (1, 2, 3))
+    assert shallow["table_confidences"].null_count == shallow.num_rows  # of a block no longer among them
+    assert tables_from_row(shallow.to_pylist()[0])[0].confidences is None
+    with pytest.raises(ValueError, match="subset of the labels'"):
+        with_candidates(table, (4, 7))

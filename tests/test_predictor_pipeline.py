@@ -13,7 +13,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.train_predictor import TrainJob, run_train_job
+from pipelines.train_predictor import TrainJob, prepare, run_train_job
 
 pytestmark = pytest.mark.slow
 
@@ -256,3 +256,15 @@ def test_train_runs_poll_their_reports_often_unless_the_user_says_otherwise(monk
     monkeypatch.setenv(REPORT_POLL_ENV, "1.5")
     train_run_config(name="poll")
     assert os.environ[REPORT_POLL_ENV] == "1.5"
+
+
+def test_a_predictor_chooses_among_the_candidates_it_is_given(tiny_labels, tmp_path):
+    """`train --candidates 2,3,4,5,6` (the paper's B-2..B+2): the predictor's classes, its training and held-out
+    labels are those; none outside the labels' is accepted."""
+    prepared = prepare(job(tiny_labels, tmp_path, candidates=(2, 3, 4, 5, 6)))
+    assert prepared.predictor_config["candidates"] == [2, 3, 4, 5, 6]
+    for labels in (prepared.train, prepared.val, prepared.evaluation):
+        assert {tuple(c) for c in labels["candidates"].to_pylist()} == {(2, 3, 4, 5, 6)}
+    assert prepare(job(tiny_labels, tmp_path)).predictor_config["candidates"][0] == 1  # autoregression, by default
+    with pytest.raises(ValueError, match="subset of the labels'"):
+        prepare(job(tiny_labels, tmp_path, candidates=(2, 40)))

@@ -225,3 +225,48 @@ def read_labels(path: str | Path, columns: Iterable[str] | None = None) -> pa.Ta
         columns = list(dict.fromkeys([*KEY_COLUMNS, *columns]))
     table, _ = read_label_files(path, columns=columns)
     return deduplicate(table)
+
+
+# The columns holding one entry per candidate b, in the order of `candidates`.
+PER_CANDIDATE_COLUMNS = ("candidates", "tau", "new_tokens", "cycles", "table_commits")
+
+
+def with_candidates(table: pa.Table, candidates: Iterable[int]) -> pa.Table:
+    """Label rows narrowed to `candidates`, a subset of the rows' own (BlockPilot's B-2..B+2 out of labels that
+    also hold autoregression, say): each per-candidate column keeps those entries, `best_block_size` is B* among
+    them, and `table_confidences` (of the largest candidate's block) become null where that candidate goes."""
+    import numpy as np
+
+    from blockpilot.blocks import best_block_size
+
+    wanted = sorted({int(b) for b in candidates})
+    if table.num_rows == 0:
+        return table
+    present = {tuple(c) for c in table["candidates"].to_pylist()}
+    if len(present) != 1:
+        raise ValueError(f"rows sweep different candidates: {sorted(present)}")
+    labeled = present.pop()
+    missing = [b for b in wanted if b not in labeled]
+    if not wanted or missing:
+        raise ValueError(f"candidates {wanted}: expected a subset of the labels' {list(labeled)}")
+    rows, width, keep = table.num_rows, len(labeled), [labeled.index(b) for b in wanted]
+    picks = pa.array((np.arange(rows)[:, None] * width + np.asarray(keep)[None, :]).ravel())
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * len(keep))
+    for name in PER_CANDIDATE_COLUMNS:
+        if name not in table.column_names:
+            continue
+        column = table[name].combine_chunks()
+        if column.null_count == rows:  # rows without acceptance tables (a live sweep's)
+            continue
+        if column.null_count:
+            raise ValueError(f"label column {name!r} is missing in {column.null_count} of {rows} rows")
+        narrowed = pa.ListArray.from_arrays(offsets, column.flatten().take(picks), type=column.type)
+        table = table.set_column(table.column_names.index(name), table.schema.field(name), narrowed)
+    best = [best_block_size(wanted, tau) for tau in table["tau"].to_pylist()]
+    index = table.column_names.index("best_block_size")
+    table = table.set_column(index, table.schema.field(index), pa.array(best, type=table.schema.field(index).type))
+    if max(wanted) != max(labeled) and "table_confidences" in table.column_names:
+        index = table.column_names.index("table_confidences")
+        field = table.schema.field(index)
+        table = table.set_column(index, field, pa.nulls(rows, type=field.type))
+    return table
