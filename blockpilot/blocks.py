@@ -17,6 +17,10 @@ def candidates_around(train_block_size: int, spread: int = DEFAULT_SPREAD) -> tu
     return tuple(b for b in range(train_block_size - spread, train_block_size + spread + 1) if b >= 1)
 
 
+# How `label_candidates` chooses, as a label folder's fingerprint records it: labels of an earlier default differ.
+LABEL_CANDIDATES_RULE = "default: 1 and B-2..B+2"
+
+
 def label_candidates(train_block_size: int, spread: int = DEFAULT_SPREAD) -> tuple[int, ...]:
     """What labels sweep by default: autoregression and BlockPilot's window around B (`candidates_around`)."""
     return tuple(sorted({AUTOREGRESSIVE, *candidates_around(train_block_size, spread)}))

@@ -83,7 +83,10 @@ class LabelSettings:
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs' rows comparable: everything but the temperatures (more may be added later) and how the
         cycle runs (compiled or not, the same tokens)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("temperatures", "compile")}
+        from blockpilot.blocks import LABEL_CANDIDATES_RULE
+
+        settings = {k: v for k, v in asdict(self).items() if k not in ("temperatures", "compile")}
+        return settings | {"candidates": self.candidates or LABEL_CANDIDATES_RULE}
 
 
 def task_seed(base_seed: int, prompt_id: str, temperature: float) -> int:

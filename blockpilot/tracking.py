@@ -181,6 +181,38 @@ def start_run(
         yield MLflowTracker(mlflow, run)
 
 
+# MLflow's tag that nests a run under another in the UI.
+PARENT_RUN_TAG = "mlflow.parentRunId"
+
+
+def parent_run(experiment: str, run_name: str, tags: Mapping[str, str] | None = None) -> str | None:
+    """A finished run in `experiment` to nest runs under (their `PARENT_RUN_TAG`), so the UI groups them: its id,
+    or None when tracking is unavailable. What compares them is logged to it afterwards (`log_to_run`)."""
+    if not mlflow_available():
+        return None
+    import mlflow
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient()
+    run = client.create_run(_experiment_id(mlflow, experiment, uri), run_name=run_name, tags=dict(tags or {}))
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def log_to_run(run_id: str, metrics: Mapping[str, float] = {}, figures: Mapping[str, Any] = {}) -> None:  # noqa: B006
+    """Metrics and figures (matplotlib, saved as `name`) into a run that has ended: a parent's comparison, a
+    child's live figures measured after its training."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    client = mlflow.MlflowClient()
+    for key, value in _finite(metrics).items():
+        client.log_metric(run_id, key, value)
+    for name, figure in figures.items():
+        client.log_figure(run_id, figure, name)
+
+
 def _quiet_artifact_transfers() -> None:
     """A predictor is a few small files: a progress bar per file is noise in `generate`, `train` and the demo.
     Nor does a new SQLite store need two INFO lines about creating its tables."""

@@ -13,6 +13,7 @@ artifact lands under the home folder (the notebooks read them from there).
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from blockpilot.blocks import LABEL_CANDIDATES_RULE
 from blockpilot.data.labels import LABEL_SCHEMA_VERSION
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding.compiled import COMPILE_MODES
@@ -63,12 +65,19 @@ class DemoPaths:
 
     @property
     def labels(self) -> Path:
-        """Versioned: a run of a newer label schema labels afresh beside an older run's rows, which it cannot read."""
-        return self.run / f"labels-v{LABEL_SCHEMA_VERSION}"
+        """Versioned: a run of a newer label schema, or of another default candidate set, labels afresh beside an
+        older run's rows, which it cannot read or mix with."""
+        rule = hashlib.sha256(LABEL_CANDIDATES_RULE.encode()).hexdigest()[:6]
+        return self.run / f"labels-v{LABEL_SCHEMA_VERSION}-{rule}"
 
     @property
     def predictor(self) -> Path:
         return self.run / "predictor"
+
+    @property
+    def paper_predictor(self) -> Path:
+        """BlockPilot's configuration as published, trained on the same labels (`PAPER_PREDICTOR`)."""
+        return self.run / "paper-predictor"
 
     @property
     def step_model(self) -> Path:
@@ -100,7 +109,7 @@ STAGES = 7
 LIVE_ROUNDS = 3  # timed passes of the live table, each over every policy
 # The live table's keys (`walks` policy names): the adaptive policies the endpoint may serve, and the fixed shapes
 # they are held against.
-ADAPTIVE_POLICIES = ("request", "step")
+ADAPTIVE_POLICIES = ("request", "paper", "step")
 FIXED_SHAPES = ("autoregressive", "B", "best_fixed", "best_tree")
 
 
@@ -211,6 +220,35 @@ def policy_table(
     return "\n".join(lines)
 
 
+# The predictors the demo trains on the same labels, compared in MLflow under one parent run: the project's default,
+# and the paper's configuration as published (dense over the whole prefill distribution, cross-entropy on B* = the
+# best tau, b in B-2..B+2: no autoregression, no trees).
+PROJECT_PREDICTOR = "project: sparse top-k, normalized gain on modeled throughput, b in {1, B-2..B+2}"
+PAPER_PREDICTOR = "paper: dense, cross-entropy on B*, b in B-2..B+2"
+
+
+def predictor_comparison(runs: dict[str, dict[str, float]], baselines: dict[str, float], champion: str | None) -> str:
+    """The predictors' held-out figures (their `eval` metrics) side by side, then the fixed shapes and oracles."""
+    from blockpilot.predictor.evaluation import COMPARED_BASELINES
+
+    lines = [
+        "predictors on the held-out labels (modeled: walked on the acceptance tables, priced by the cost curve)",
+        f"  {'predictor':<72} {'tau':>6} {'modeled':>9} {'accuracy':>9}",
+    ]
+    for name, metrics in runs.items():
+        mark = " (champion)" if name == champion else ""
+        lines.append(
+            f"  {name + mark:<72} {metrics.get('tau_pred', math.nan):>6.3f} "
+            f"{metrics.get('throughput_pred', math.nan):>9.1f} {metrics.get('accuracy', math.nan):>9.3f}"
+        )
+    for key, label in COMPARED_BASELINES:
+        if f"tau_{key}" in baselines:
+            lines.append(
+                f"  {label:<72} {baselines[f'tau_{key}']:>6.3f} {baselines.get(f'throughput_{key}', math.nan):>9.1f}"
+            )
+    return "\n".join(lines)
+
+
 def fastest(live: dict[str, PolicySpeed], keys: tuple[str, ...]) -> str:
     """Which of `keys` (those measured live) decoded the most tokens per second."""
     measured = [key for key in keys if key in live]
@@ -232,8 +270,9 @@ def run_demo(job: DemoJob) -> int:
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
+    from blockpilot.predictor.evaluation import comparison_figure
     from blockpilot.serving import ServeLimits
-    from blockpilot.tracking import tracking_uri
+    from blockpilot.tracking import PARENT_RUN_TAG, log_to_run, parent_run, tracking_uri
     from blockpilot.zoo.build import build_zoo
     from pipelines.label import LabelJob, run_label_job
     from pipelines.serve import ModelLoader, serve_locally
@@ -284,19 +323,45 @@ def run_demo(job: DemoJob) -> int:
             )
         )
 
-    clock.start("training", "the per-request predictor and the per-step model on Ray Train, tracked in MLflow")
+    clock.start("training", "the per-request predictors and the per-step model on Ray Train, tracked in MLflow")
+    # Two predictors on the same labels, nested under one parent run: MLflow's compare view puts them side by side.
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    parent = parent_run("blockpilot-predictor", f"predictors-{size}-{stamp}", {"stage": "compare", "demo": size})
+    nested = {PARENT_RUN_TAG: parent} if parent else {}
+    common = dict(labels=paths.labels / "train", eval=paths.labels / "heldout", cost=paths.cost, epochs=30)
+    # val_share: validation only watches the run (the last epoch is kept): keep the rows for training.
     outcome = run_train_job(
-        TrainJob(
-            labels=paths.labels / "train",
-            eval=paths.labels / "heldout",
-            cost=paths.cost,  # with a cost, B* maximizes modeled throughput (the default objective is normalized-gain)
-            val_share=0.05,  # validation only watches the run (the last epoch is kept): keep the rows for training
-            epochs=30,
+        TrainJob(  # with a cost, B* maximizes modeled throughput (the default objective is normalized-gain)
+            **common,
+            val_share=0.05,
             out=paths.predictor,
+            name=f"project-{size}-{stamp}",
+            extra_tags={**nested, "configuration": PROJECT_PREDICTOR},
         )
     )
-    predictor = (
-        f"models:/blockpilot-predictor/{outcome.model_version}" if outcome.model_version else str(outcome.predictor_dir)
+    paper = run_train_job(
+        TrainJob(
+            **common,
+            kind="dense",
+            objective="ce",
+            score="tau",
+            candidates=candidates_around(recipe.block_size),
+            val_share=0.05,
+            out=paths.paper_predictor,
+            name=f"paper-{size}-{stamp}",
+            extra_tags={**nested, "configuration": PAPER_PREDICTOR},
+        )
+    )
+    runs = {PROJECT_PREDICTOR: outcome.eval_metrics or {}, PAPER_PREDICTOR: paper.eval_metrics or {}}
+    champion = PAPER_PREDICTOR if paper.champion else PROJECT_PREDICTOR if outcome.champion else None
+    print(predictor_comparison(runs, outcome.eval_metrics or {}, champion))
+    if parent:
+        log_to_run(parent, figures={"predictors.png": comparison_figure(runs, outcome.eval_metrics or {})})
+        print(f"MLflow: the parent run predictors-{size}-{stamp} ({parent}) nests both runs; its predictors.png "
+              "compares them (docs/operations.md: the compare view)")
+    predictor, paper_predictor = (
+        f"models:/blockpilot-predictor/{run.model_version}" if run.model_version else str(run.predictor_dir)
+        for run in (outcome, paper)
     )
     step = run_step_train_job(
         StepTrainJob(
@@ -337,6 +402,7 @@ def run_demo(job: DemoJob) -> int:
         "B": (f"fixed:{recipe.block_size}", f"fixed B = {recipe.block_size}"),
         "best_fixed": (f"fixed:{best_fixed}", f"best fixed b = {best_fixed}"),
         "request": (f"learned:{predictor}", "learned (per request)"),
+        "paper": (f"learned:{paper_predictor}", "learned (the paper's predictor)"),
         "step": (adaptive, "learned+step (per step)"),
         "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
     }
@@ -369,6 +435,9 @@ def run_demo(job: DemoJob) -> int:
     names = {key: name for key, (_, name) in specs.items()}
     decoder = f" on the engine ({engine.decoder.mode})"
     print(policy_table(step.metrics, live, names, len(prompts_ids), loop, decoder))
+    for run, key in ((outcome, "request"), (paper, "paper")):  # each predictor's run gets its live figures
+        if run.run_id:
+            log_to_run(run.run_id, {"live/tokens_per_s": live[key].tokens_per_s, "live/tau": live[key].tau})
     # The endpoint's adaptive policy is the one that decoded fastest here, on this device: what wins depends on it.
     serving, fixed = fastest(live, ADAPTIVE_POLICIES), fastest(live, FIXED_SHAPES)
     adaptive = specs[serving][0]

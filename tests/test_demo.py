@@ -18,6 +18,8 @@ from pipelines.demo import (
     ADAPTIVE_POLICIES,
     DEFAULT_SIZE,
     FIXED_SHAPES,
+    PAPER_PREDICTOR,
+    PROJECT_PREDICTOR,
     SIZE_ENV,
     DemoPaths,
     StageClock,
@@ -145,6 +147,20 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path)
     printed = run(command, user_env(home), timeout=400)
     assert f"[zoo] reusing {cached}" in printed and "=== 7/7 the endpoint" in printed and "stage times: zoo" in printed
     assert "the endpoint's adaptive policy: learned" in printed
+    # The paper's predictor and the project's, on the same labels: side by side, and nested under one MLflow run
+    # with their held-out and live figures under the same names.
+    assert PROJECT_PREDICTOR in printed and PAPER_PREDICTOR in printed and "learned (the paper's predictor)" in printed
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
+    tracked = mlflow.search_runs(experiment_names=["blockpilot-predictor"], output_format="list")
+    children = [child for child in tracked if "mlflow.parentRunId" in child.data.tags]
+    assert sorted(child.data.tags["configuration"] for child in children) == [PAPER_PREDICTOR, PROJECT_PREDICTOR]
+    [parent] = {child.data.tags["mlflow.parentRunId"] for child in children}
+    for child in children:
+        assert {"eval/tau_pred", "eval/throughput_pred", "eval/accuracy", "live/tokens_per_s"} <= set(child.data.metrics)
+    artifacts = [item.path for item in mlflow.MlflowClient().list_artifacts(parent)]
+    assert "predictors.png" in artifacts
     table = printed[printed.index("policies on the held-out prompts") :]
     rows = [f"fixed B = {RECIPES['tiny'].block_size}", "best fixed b", "learned (per request)", "learned+step"]
     rows += ["autoregressive", "static oracle", "per-step oracle", "transformers loop"]

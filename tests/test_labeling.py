@@ -182,6 +182,9 @@ def test_best_block_size_ties_go_to_the_smaller_b():
     assert candidates_around(8) == (6, 7, 8, 9, 10)
     assert candidates_around(2) == (1, 2, 3, 4)
     assert label_candidates(8) == (1, 6, 7, 8, 9, 10) and label_candidates(2) == (1, 2, 3, 4)
+    # A label folder records the default's rule, so rows of an earlier default are never mixed with these.
+    assert LabelSettings().fingerprint()["candidates"] == "default: 1 and B-2..B+2"
+    assert LabelSettings(candidates=(2, 3)).fingerprint()["candidates"] == (2, 3)
 
 
 def test_the_stop_token_and_the_budget_bound_what_counts(tiny_models, heldout):

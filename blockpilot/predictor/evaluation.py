@@ -63,3 +63,36 @@ def predictor_figures(predictor: BlockSizePredictor, arrays: LabelArrays) -> dic
         ax.tick_params(axis="x", labelrotation=30)
     bars_figure.tight_layout()
     return {"confusion_matrix.png": matrix_figure, "tau_by_policy.png": bars_figure}
+
+
+# What a comparison of predictors draws beside them: the fixed shapes and the oracles, by `walks` name.
+COMPARED_BASELINES = (
+    ("autoregressive", "autoregressive"),
+    ("best_fixed", "best fixed b"),
+    ("best_tree", "best fixed tree"),
+    ("oracle", "static oracle"),
+    ("step_oracle", "per-step oracle"),
+    ("shape_oracle", "shape oracle"),
+)
+
+
+def comparison_figure(predictors: dict[str, dict[str, float]], baselines: dict[str, float]) -> Any:
+    """Held-out tau and modeled throughput of each predictor (its `eval` metrics, `tau_pred`/`throughput_pred`)
+    beside the fixed shapes and oracles of `baselines` (metrics over every shape the labels hold)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(name, metrics, "pred") for name, metrics in predictors.items()]
+    bars += [(label, baselines, key) for key, label in COMPARED_BASELINES if f"tau_{key}" in baselines]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for ax, prefix, unit in ((axes[0], "tau_", "mean tau"), (axes[1], "throughput_", "modeled throughput")):
+        values = [metrics.get(prefix + key, math.nan) for _, metrics, key in bars]
+        colors = ["#2a7"] * len(predictors) + ["#999"] * (len(bars) - len(predictors))
+        ax.bar([name for name, _, _ in bars], [0 if math.isnan(v) else v for v in values], color=colors)
+        ax.set_ylabel(unit)
+        ax.tick_params(axis="x", labelrotation=35, labelsize=7)
+    figure.suptitle("predictors on the held-out labels")
+    figure.tight_layout()
+    return figure
