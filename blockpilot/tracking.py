@@ -389,7 +389,8 @@ def pinned_model_uri(uri: str) -> str:
     try:
         return _fixed_model_uri(uri)
     except Exception as error:  # unknown model, alias or store
-        raise FileNotFoundError(f"could not resolve {uri!r} in the MLflow store at {tracking_uri()}: {error}") from error
+        store = tracking_uri()
+        raise FileNotFoundError(f"could not resolve {uri!r} in the MLflow store at {store}: {error}") from error
 
 
 def pinned_spec(spec: str) -> str:

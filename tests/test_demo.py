@@ -158,7 +158,8 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path)
     assert sorted(child.data.tags["configuration"] for child in children) == [PAPER_PREDICTOR, PROJECT_PREDICTOR]
     [parent] = {child.data.tags["mlflow.parentRunId"] for child in children}
     for child in children:
-        assert {"eval/tau_pred", "eval/throughput_pred", "eval/accuracy", "live/tokens_per_s"} <= set(child.data.metrics)
+        named = {"eval/tau_pred", "eval/throughput_pred", "eval/accuracy", "live/tokens_per_s"}
+        assert named <= set(child.data.metrics)
     artifacts = [item.path for item in mlflow.MlflowClient().list_artifacts(parent)]
     assert "predictors.png" in artifacts
     table = printed[printed.index("policies on the held-out prompts") :]

@@ -313,7 +313,8 @@ def test_a_deployment_pins_aliases_to_versions_and_folders_to_their_content(tmp_
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     folder = BlockSizePredictor(PredictorConfig("sparse", (1, 2, 3), 10, top_k=4, hidden_size=8)).save(tmp_path / "p")
-    context = {"unit": "tokens per s", "cost": "c", "batch": "1", "evaluation": "e", "target_id": "t", "drafter_id": "d"}
+    context = {"unit": "tokens per s", "cost": "c", "batch": "1", "evaluation": "e", "target_id": "t"}
+    context["drafter_id"] = "d"
     for throughput in (1.0, 2.0):
         with start_run("blockpilot-predictor", "test") as tracker:
             log_predictor_model(tracker, folder, heldout_throughput=throughput, context=context)

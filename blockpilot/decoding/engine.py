@@ -176,8 +176,9 @@ class Engine(RowScheduler):
     def declared_shapes(self, widths: Sequence[int] | None = None, spans: int = 2) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
         `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
-        row bucket at width 1 where `widths` holds autoregression; with trees, those row buckets x every tree size. Once frozen, a cycle runs on the smallest built step that holds it (more rows,
-        a wider block or a longer span compute the same tokens), so a few steps serve every batch."""
+        row bucket at width 1 where `widths` holds autoregression; with trees, those row buckets x every tree size.
+        Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
+        compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
         width = next(w for w in self.widths if w >= widest)
         rows_set = sorted({self.buckets[0], self.buckets[-1]})
