@@ -332,21 +332,35 @@ def log_predictor_model(
         client.set_model_version_tag(registered_name, version, CHAMPION_CONTEXT_TAG, mine)
     if mine is None or not math.isfinite(heldout_throughput):
         return version, False
-    try:
-        champion = client.get_model_version_by_alias(registered_name, CHAMPION_ALIAS)
-    except mlflow.exceptions.MlflowException:  # no champion yet
-        champion = None
-    if champion is not None and champion.tags.get(CHAMPION_CONTEXT_TAG) != mine:
-        return version, False  # figures of another context do not compare
-    best = float(champion.tags.get(CHAMPION_METRIC_TAG, "-inf")) if champion is not None else -math.inf
-    # Compare and set: a concurrent run that crowned another version meanwhile is not overwritten by a worse one.
-    if heldout_throughput <= best:
-        return version, False
-    now = client.get_model_version_by_alias(registered_name, CHAMPION_ALIAS) if champion is not None else None
-    if now is not None and now.version != champion.version:
-        return version, False
-    client.set_registered_model_alias(registered_name, CHAMPION_ALIAS, version)
-    return version, True
+    return version, _crown_the_best(client, registered_name, mine) == version
+
+
+def _crown_the_best(client: Any, registered_name: str, context: str, attempts: int = 5) -> str | None:
+    """Point the champion alias at the registered version of the best held-out figure in `context` (ties: the
+    earlier version), re-reading until it stays there; None when the champion is of another context (figures that
+    do not compare). MLflow has no compare-and-set, so every run that registers a version moves the alias to the
+    best of all registered ones: runs racing each other converge on the same one, and a better run whose write lost
+    the race is crowned by whichever reads after it registered."""
+    import mlflow
+
+    best = None
+    for _ in range(attempts):
+        try:
+            champion = client.get_model_version_by_alias(registered_name, CHAMPION_ALIAS)
+        except mlflow.exceptions.MlflowException:  # no champion yet
+            champion = None
+        if champion is not None and champion.tags.get(CHAMPION_CONTEXT_TAG) != context:
+            return None
+        comparable = []
+        for v in client.search_model_versions(f"name = '{registered_name}'"):
+            figure = float(v.tags.get(CHAMPION_METRIC_TAG, "nan"))
+            if v.tags.get(CHAMPION_CONTEXT_TAG) == context and math.isfinite(figure):
+                comparable.append((figure, -int(v.version), str(v.version)))
+        best = max(comparable)[2]
+        if champion is not None and str(champion.version) == best:
+            return best
+        client.set_registered_model_alias(registered_name, CHAMPION_ALIAS, best)
+    return best
 
 
 def download_model_folder(uri: str, artifact: str) -> Path:
