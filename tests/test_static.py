@@ -96,22 +96,22 @@ def test_a_row_switching_between_autoregression_and_drafting_drafts_as_if_it_had
     run at width 4) and alone (width 1: no drafter pass), greedy."""
     from blockpilot.table import acceptance_table
 
-    prompts, expected = references(tiny_models, 40, PROMPTS[:2])
-    policies = [Alternating(4), FixedBlockSize(4)]
-    switching, beside = decode(tiny_models, Engine(tiny_models, max_batch=2), prompts, policies, 40)
-    assert [switching.token_ids, beside.token_ids] == expected
-    assert 1 in switching.block_sizes and 4 in switching.block_sizes
+    prompts, expected = references(tiny_models, 40, PROMPTS[:4])
+    policies = [Alternating(4)] * 3 + [FixedBlockSize(4)]
+    *switching, beside = decode(tiny_models, Engine(tiny_models, max_batch=4), prompts, policies, 40)
+    assert [r.token_ids for r in [*switching, beside]] == expected
+    assert any(1 in r.block_sizes and 4 in r.block_sizes for r in switching)
     config = GenerationConfig(max_new_tokens=40, stop_token_ids=tuple(tiny_models.stop_token_ids()))
-    [recorded] = generate_many(tiny_models, [GenerationRequest(prompts[0], config, FixedBlockSize(4), record=True)])
-    table = acceptance_table(tiny_models, len(prompts[0]), expected[0], recorded.record.context_features, (1, 4), 40)
-    cursor = 1
-    for b, tau in zip(switching.block_sizes, switching.acceptance_lengths, strict=True):
-        drafting = b > 1  # the last block is cut to the budget, as the table's is
-        assert tau == table.commits[int(drafting), cursor - 1], (cursor, b)
-        cursor += tau
-    assert any(tau > 1 for b, tau in zip(switching.block_sizes, switching.acceptance_lengths) if b == 4), (
-        "no draft accepted: the test would not tell kept features from lost ones"
-    )
+    recorded = generate_many(tiny_models, [GenerationRequest(p, config, FixedBlockSize(4), record=True) for p in prompts])
+    for row, prompt, tokens, record in zip(switching, prompts, expected, recorded):
+        table = acceptance_table(tiny_models, len(prompt), tokens, record.record.context_features, (1, 4), 40)
+        cursor = 1
+        for b, tau in zip(row.block_sizes, row.acceptance_lengths, strict=True):
+            drafting = b > 1  # the last block is cut to the budget, as the table's is
+            assert tau == table.commits[int(drafting), cursor - 1], (cursor, b)
+            cursor += tau
+    drafted = [tau for row in switching for b, tau in zip(row.block_sizes, row.acceptance_lengths) if b > 1]
+    assert any(tau > 1 for tau in drafted), "no draft accepted: the test would not tell kept features from lost ones"
 
 
 def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_eager_one(tiny_models):
