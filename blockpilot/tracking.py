@@ -200,16 +200,18 @@ def parent_run(experiment: str, run_name: str, tags: Mapping[str, str] | None = 
     return run.info.run_id
 
 
-def log_to_run(run_id: str, metrics: Mapping[str, float] = {}, figures: Mapping[str, Any] = {}) -> None:  # noqa: B006
+def log_to_run(
+    run_id: str, metrics: Mapping[str, float] | None = None, figures: Mapping[str, Any] | None = None
+) -> None:
     """Metrics and figures (matplotlib, saved as `name`) into a run that has ended: a parent's comparison, a
     child's live figures measured after its training."""
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri())
     client = mlflow.MlflowClient()
-    for key, value in _finite(metrics).items():
+    for key, value in _finite(metrics or {}).items():
         client.log_metric(run_id, key, value)
-    for name, figure in figures.items():
+    for name, figure in (figures or {}).items():
         client.log_figure(run_id, figure, name)
 
 
@@ -399,11 +401,11 @@ def pinned_model_uri(uri: str) -> str:
 
     if not uri.startswith("models:/"):
         return uri
-    mlflow.set_tracking_uri(tracking_uri())
+    store = tracking_uri()
+    mlflow.set_tracking_uri(store)
     try:
         return _fixed_model_uri(uri)
     except Exception as error:  # unknown model, alias or store
-        store = tracking_uri()
         raise FileNotFoundError(f"could not resolve {uri!r} in the MLflow store at {store}: {error}") from error
 
 

@@ -523,7 +523,8 @@ class ServeJob:
     def loader(self) -> ModelLoader:
         """The replica's loader: every field the two share, taken as it is (`limits` stays a `ServeLimits`), the
         key falling back to the environment. One mapping, so a field added to both is passed once."""
-        shared = {name: getattr(self, name) for name in ModelLoader.__dataclass_fields__ if hasattr(self, name)}
+        both = ModelLoader.__dataclass_fields__.keys() & self.__dataclass_fields__.keys()
+        shared = {name: getattr(self, name) for name in both}
         shared["api_key"] = self.api_key or os.environ.get(API_KEY_ENV)
         return ModelLoader(**shared)
 

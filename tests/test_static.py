@@ -102,7 +102,8 @@ def test_a_row_switching_between_autoregression_and_drafting_drafts_as_if_it_had
     assert [r.token_ids for r in [*switching, beside]] == expected
     assert any(1 in r.block_sizes and 4 in r.block_sizes for r in switching)
     config = GenerationConfig(max_new_tokens=40, stop_token_ids=tuple(tiny_models.stop_token_ids()))
-    recorded = generate_many(tiny_models, [GenerationRequest(p, config, FixedBlockSize(4), record=True) for p in prompts])
+    requests = [GenerationRequest(p, config, FixedBlockSize(4), record=True) for p in prompts]
+    recorded = generate_many(tiny_models, requests)
     for row, prompt, tokens, record in zip(switching, prompts, expected, recorded):
         table = acceptance_table(tiny_models, len(prompt), tokens, record.record.context_features, (1, 4), 40)
         cursor = 1
