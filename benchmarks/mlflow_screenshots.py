@@ -5,8 +5,10 @@ the comparison of its runs, and of one run's artifacts.
 
 Starts `mlflow server` on 127.0.0.1 over the project's store (`MLFLOW_TRACKING_URI`, else SQLite under
 $BLOCKPILOT_HOME), opens each page in Debian's `chromium` (`apt-get install chromium`) and writes PNGs under
---out, then stops the server. Also writes the experiment page's rendered DOM (`experiment.html`): the runs
-table's run names are in it when the experiment opens on its training runs, not on MLflow's GenAI overview.
+--out, then stops the server. The comparison is of the runs nested under the newest parent run (the demo's two
+predictors), else of the newest runs. Also writes the rendered DOMs of the experiment page (`experiment.html`: the
+runs table's run names are in it when the experiment opens on its training runs, not on MLflow's GenAI overview)
+and of the comparison (`compare.html`: the compared runs' names and metrics).
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ def start_server(uri: str, port: int) -> subprocess.Popen:
 
 def render(url: str, *, screenshot: Path | None = None, dom: Path | None = None, wait_ms: int = 8_000) -> None:
     """One page in a fresh headless Chromium profile, after `wait_ms` of (virtual) time for the app's scripts: its
-    screenshot or its rendered DOM."""
+    screenshot, or its rendered DOM (in a window tall enough that the UI's tables render every row: they draw only
+    the rows in view)."""
     with tempfile.TemporaryDirectory() as profile:
         command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}"]
-        command += ["--window-size=1600,1000"]
+        command += ["--window-size=1600,1000" if dom is None else "--window-size=1600,20000"]
         if screenshot is not None:
             command += [f"--screenshot={screenshot}"]
         if dom is not None:
@@ -72,9 +75,14 @@ def render(url: str, *, screenshot: Path | None = None, dom: Path | None = None,
             dom.write_text(result.stdout)
 
 
-def take_screenshots(out: Path, experiment: str, port: int, uri: str) -> list[Path]:
+def take_screenshots(out: Path, experiment: str, port: int) -> list[Path]:
+    """The pages' screenshots under `out`, beside the rendered DOMs of the runs table and of the comparison (of the
+    runs nested under the newest parent run, the demo's predictors; else of the newest runs)."""
     import mlflow
 
+    from blockpilot.tracking import latest_comparison, tracking_uri
+
+    uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     found = mlflow.get_experiment_by_name(experiment)
     if found is None:
@@ -82,21 +90,24 @@ def take_screenshots(out: Path, experiment: str, port: int, uri: str) -> list[Pa
     runs = mlflow.search_runs([found.experiment_id], order_by=["start_time DESC"], max_results=4)
     if runs.empty:
         raise ValueError(f"experiment {experiment!r} has no runs")
-    ids = list(runs["run_id"])
+    comparison = latest_comparison(experiment)
+    compared = [run.run_id for run in comparison.runs.values()] if comparison else list(runs["run_id"])
+    shown = comparison.parent_id if comparison else runs["run_id"].iloc[0]  # the parent holds predictors.png
     base = f"http://127.0.0.1:{port}/#"
     # The UI's "GenAI | Model training" switch (a browser setting, GenAI at first) decides which page an
     # experiment opens on; the link says which it means.
     mode = f"workflowType={MODEL_TRAINING}"
     pages = {
         "experiment.png": f"{base}/experiments/{found.experiment_id}?{mode}",
-        "compare.png": f"{base}/compare-runs?runs={json.dumps(ids)}&experiments={json.dumps([found.experiment_id])}&{mode}",
-        "artifacts.png": f"{base}/experiments/{found.experiment_id}/runs/{ids[0]}/artifacts?{mode}",
+        "compare.png": f"{base}/compare-runs?runs={json.dumps(compared)}&experiments={json.dumps([found.experiment_id])}&{mode}",
+        "artifacts.png": f"{base}/experiments/{found.experiment_id}/runs/{shown}/artifacts?{mode}",
     }
     out.mkdir(parents=True, exist_ok=True)
     server = start_server(uri, port)
     try:
         # The DOM in a load of its own: one Chromium run asked for both a screenshot and the DOM hung (180 s).
         render(pages["experiment.png"], dom=out / "experiment.html")
+        render(pages["compare.png"], dom=out / "compare.html")
         for name, url in pages.items():
             render(url, screenshot=out / name)
     finally:
@@ -106,14 +117,12 @@ def take_screenshots(out: Path, experiment: str, port: int, uri: str) -> list[Pa
 
 
 def main() -> None:
-    from blockpilot.tracking import tracking_uri
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--experiment", default="blockpilot-predictor")
     parser.add_argument("--port", type=int, default=5055)
     args = parser.parse_args()
-    for path in take_screenshots(args.out, args.experiment, args.port, tracking_uri()):
+    for path in take_screenshots(args.out, args.experiment, args.port):
         print(path)
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -198,6 +199,53 @@ def parent_run(experiment: str, run_name: str, tags: Mapping[str, str] | None = 
     run = client.create_run(_experiment_id(mlflow, experiment, uri), run_name=run_name, tags=dict(tags or {}))
     client.set_terminated(run.info.run_id)
     return run.info.run_id
+
+
+@dataclass(frozen=True)
+class ComparedRun:
+    """One run nested under a comparison's parent: its id and its metrics under their logged names."""
+
+    run_id: str
+    metrics: dict[str, float]
+
+    def under(self, prefix: str) -> dict[str, float]:
+        """The metrics logged under `prefix` (`eval/`, `live/`), without it: `walks` names."""
+        return {key[len(prefix) :]: value for key, value in self.metrics.items() if key.startswith(prefix)}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The runs nested under an experiment's newest parent run, by their `configuration` tag."""
+
+    experiment_id: str
+    parent_id: str
+    runs: dict[str, ComparedRun]
+
+
+def latest_comparison(experiment: str, tag: str = "configuration") -> Comparison | None:
+    """The newest parent run of `experiment` that has runs nested under it (the demo's two predictors on the same
+    labels), each child named by its `tag`; None when tracking is unavailable or nothing was compared."""
+    if not mlflow_available():
+        return None
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    found = mlflow.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = mlflow.search_runs([found.experiment_id], order_by=["start_time DESC"], output_format="list")
+    children: dict[str, list[Any]] = {}
+    for run in runs:
+        if PARENT_RUN_TAG in run.data.tags:
+            children.setdefault(run.data.tags[PARENT_RUN_TAG], []).append(run)
+    for run in runs:  # newest first
+        if run.info.run_id in children:
+            nested = {
+                child.data.tags.get(tag, child.info.run_name): ComparedRun(child.info.run_id, dict(child.data.metrics))
+                for child in reversed(children[run.info.run_id])  # in the order they were trained
+            }
+            return Comparison(found.experiment_id, run.info.run_id, nested)
+    return None
 
 
 def log_to_run(

@@ -201,7 +201,7 @@ def policy_table(
         f"policies on the held-out prompts at T = 0: tau and modeled throughput (tokens per unit of calibrated "
         f"cost) walked on their acceptance tables; tau and tokens/s decoded live{decoder}, {prompts} prompts one at a "
         "time (the median of rounds over every decoder), and the speed over transformers' plain greedy loop",
-        f"  {'policy':<28} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9} {'x loop':>7}",
+        f"  {'policy':<31} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9} {'x loop':>7}",
     ]
     rows = [(key, name, live.get(key)) for key, name in specs.items()]
     if baseline is not None:
@@ -214,7 +214,7 @@ def policy_table(
         tau, modeled = label_metrics.get(f"T0/tau_{key}"), label_metrics.get(f"T0/throughput_{key}")
         over = speed.tokens_per_s / baseline.tokens_per_s if speed and baseline else None
         lines.append(
-            f"  {name:<28} {shown(tau, 6, 2)} {shown(modeled, 9, 1)} {shown(speed and speed.tau, 9, 2)} "
+            f"  {name:<31} {shown(tau, 6, 2)} {shown(modeled, 9, 1)} {shown(speed and speed.tau, 9, 2)} "
             f"{shown(speed and speed.tokens_per_s, 9, 1)} {shown(over, 7, 2)}"
         )
     return "\n".join(lines)
@@ -357,7 +357,7 @@ def run_demo(job: DemoJob) -> int:
     champion = PAPER_PREDICTOR if paper.champion else PROJECT_PREDICTOR if outcome.champion else None
     print(predictor_comparison(runs, outcome.eval_metrics or {}, champion))
     if parent:
-        log_to_run(parent, figures={"predictors.png": comparison_figure(runs, outcome.eval_metrics or {})})
+        log_to_run(parent, figures={"predictors.png": comparison_figure(runs)})
         print(f"MLflow: the parent run predictors-{size}-{stamp} ({parent}) nests both runs; its predictors.png "
               "compares them (docs/operations.md: the compare view)")
     predictor, paper_predictor = (

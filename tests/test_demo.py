@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import math
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 from commands import free_port, run, user_env
@@ -134,17 +137,24 @@ def test_the_plain_loop_baseline_decodes_the_targets_greedy_output(random_models
     assert speed.policy == PLAIN_LOOP and speed.tokens == sum(map(len, expected)) and speed.tokens_per_s > 0
 
 
-@pytest.mark.slow
-def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path):
+@pytest.fixture(scope="module")
+def demo_run(tiny_zoo, tmp_path_factory) -> tuple[Path, str]:
     """`blockpilot demo` (what `make demo` runs) on the tiny zoo, in a fresh home that already holds that zoo, as a
-    second run finds it; the static engine's cycle uncompiled (compiling every shape it prices takes minutes)."""
-    home = tmp_path / "home"
+    second run finds it; the static engine's cycle uncompiled (compiling every shape it prices takes minutes). The
+    home and what the demo printed."""
+    home = tmp_path_factory.mktemp("demo") / "home"
     cached = zoo_cache_dir(RECIPES["tiny"], 0, home)
     cached.parent.mkdir(parents=True)
     cached.symlink_to(tiny_zoo, target_is_directory=True)
 
     command = f"blockpilot demo --size tiny --compile off --live-prompts 4 --port {free_port()}"
-    printed = run(command, user_env(home), timeout=400)
+    return home, run(command, user_env(home), timeout=400)
+
+
+@pytest.mark.slow
+def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(demo_run):
+    home, printed = demo_run
+    cached = zoo_cache_dir(RECIPES["tiny"], 0, home)
     assert f"[zoo] reusing {cached}" in printed and "=== 7/7 the endpoint" in printed and "stage times: zoo" in printed
     assert "the endpoint's adaptive policy: learned" in printed
     # The paper's predictor and the project's, on the same labels: side by side, and nested under one MLflow run
@@ -175,3 +185,43 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(tiny_zoo, tmp_path)
     assert paths.cost.is_file() and (paths.predictor / "config.json").is_file()
     assert (paths.step_model / "config.json").is_file()
     assert read_labels(paths.labels / "train").num_rows > 0 and read_labels(paths.labels / "heldout").num_rows > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_mlflow_compare_view_shows_both_predictors_after_the_demo(demo_run, tmp_path):
+    """What docs/operations.md tells a user to open after the demo, in headless Chromium
+    (`benchmarks/mlflow_screenshots.py`): the experiment opens on its runs table, and the compare view of the two
+    predictors the demo nested under one parent run shows both runs and each one's held-out and live figures."""
+    home, _ = demo_run
+    env = user_env(home)
+    out = tmp_path / "shots"
+    script = Path(__file__).parents[1] / "benchmarks" / "mlflow_screenshots.py"
+    run(f"python {script} --out {out} --port {free_port()}", env, timeout=400)
+    for name in ("experiment.png", "compare.png", "artifacts.png"):
+        assert (out / name).stat().st_size > 20_000, f"{name} looks blank"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKPILOT_HOME", str(home))
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        from blockpilot.tracking import latest_comparison
+
+        comparison = latest_comparison("blockpilot-predictor")
+    assert comparison is not None and set(comparison.runs) == {PROJECT_PREDICTOR, PAPER_PREDICTOR}
+    # Rendered on the runs table (not MLflow's GenAI overview): the parent run's name is on the page.
+    assert "predictors-tiny-" in (out / "experiment.html").read_text()
+    page = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", (out / "compare.html").read_text()))
+    assert "Comparing 2 Runs" in page
+    # The metrics table: the names of the rows it renders (MLflow draws the rows in view), then each row's values,
+    # one per run, in the order of the runs' columns.
+    tokens = page.split("Metrics Show diff only", 1)[1].split(" Artifacts ", 1)[0].split()
+    names = [token for token in tokens if "/" in token]
+    values = [math.nan if token == "NaN" else float(token.replace("\u2212", "-")) for token in tokens[len(names) :]]
+    columns = sorted(comparison.runs.values(), key=lambda compared: page.index(compared.run_id))
+    assert {"eval/T0/tau_pred", "eval/T0/accuracy"} <= set(names) and len(values) == len(columns) * len(names)
+    for row, metric in enumerate(names):
+        for column, compared in enumerate(columns):
+            shown, value = values[row * len(columns) + column], compared.metrics.get(metric, math.nan)
+            # MLflow rounds what it shows (2.7396 as 2.74).
+            assert shown == pytest.approx(value, rel=5e-3, abs=1e-3, nan_ok=True), (metric, compared.run_id)
+    for name in comparison.runs:
+        assert name in page  # each run's configuration tag

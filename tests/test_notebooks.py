@@ -25,7 +25,7 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
     from blockpilot.predictor import BlockSizePredictor, PredictorConfig
     from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.table import tables_from_row
-    from blockpilot.tracking import start_run
+    from blockpilot.tracking import PARENT_RUN_TAG, parent_run, start_run
     from pipelines.demo import DemoPaths
 
     home = tmp_path_factory.mktemp("demo-home")
@@ -49,6 +49,11 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)
         with start_run("blockpilot-step-policy", "tiny-step") as tracker:
             tracker.log_metrics({"eval/T0/tau_step": 1.5, "eval/T0/throughput_step": 1.2, "eval/T1/tau_B": 1.1})
+        # Two predictors compared as the demo nests them (notebook 02 draws them from MLflow).
+        parent = parent_run("blockpilot-predictor", "predictors-tiny")
+        for name, tau, baselines in (("project", 2.2, {"eval/tau_autoregressive": 1.0}), ("paper", 2.0, {})):
+            with start_run("blockpilot-predictor", name, tags={PARENT_RUN_TAG: parent, "configuration": name}) as run:
+                run.log_metrics({"eval/tau_pred": tau, "eval/throughput_pred": tau / 2, "eval/tau_oracle": 2.5, **baselines})
     return home, uri
 
 

@@ -362,6 +362,38 @@ def test_the_champion_is_crowned_only_against_figures_that_compare(tmp_path, mon
     assert str(champion.version) == "8"
 
 
+def test_the_latest_comparison_is_the_newest_parent_that_nests_runs(tmp_path, monkeypatch):
+    import time
+
+    from blockpilot.predictor.evaluation import comparison_figure
+    from blockpilot.tracking import PARENT_RUN_TAG, latest_comparison, parent_run, start_run
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert latest_comparison("blockpilot-predictor") is None  # no experiment yet
+
+    def compare(names: tuple[str, ...]) -> str:
+        parent = parent_run("blockpilot-predictor", "predictors")
+        for tau, name in enumerate(names, start=2):
+            with start_run("blockpilot-predictor", tags={PARENT_RUN_TAG: parent, "configuration": name}) as run:
+                run.log_metrics({"eval/tau_pred": tau, "live/tokens_per_s": 10.0 * tau})
+            time.sleep(0.01)  # runs are ordered by their start time, in milliseconds
+        return parent
+
+    older = compare(("old",))
+    newer = compare(("project", "paper"))
+    parent_run("blockpilot-predictor", "predictors, nothing nested yet")
+    with start_run("blockpilot-predictor", "a run on its own"):
+        pass
+    comparison = latest_comparison("blockpilot-predictor")
+    assert comparison.parent_id == newer != older
+    assert list(comparison.runs) == ["project", "paper"]  # in the order they were trained
+    assert comparison.runs["paper"].under("eval/") == {"tau_pred": 3.0}
+    assert comparison.runs["paper"].under("live/") == {"tokens_per_s": 30.0}
+    assert comparison_figure({name: run.under("eval/") for name, run in comparison.runs.items()}) is not None
+    with pytest.raises(ValueError, match="no predictors"):
+        comparison_figure({})
+
+
 def test_registered_model_round_trip(tmp_path, monkeypatch):
     import mlflow
 

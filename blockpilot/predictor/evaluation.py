@@ -76,23 +76,33 @@ COMPARED_BASELINES = (
 )
 
 
-def comparison_figure(predictors: dict[str, dict[str, float]], baselines: dict[str, float]) -> Any:
+def comparison_figure(predictors: dict[str, dict[str, float]], baselines: dict[str, float] | None = None) -> Any:
     """Held-out tau and modeled throughput of each predictor (its `eval` metrics, `tau_pred`/`throughput_pred`)
-    beside the fixed shapes and oracles of `baselines` (metrics over every shape the labels hold)."""
+    beside the fixed shapes and oracles of `baselines`: by default the metrics of the predictor that evaluated the
+    most of them (the one whose candidates include autoregression)."""
+    if not predictors:
+        raise ValueError("no predictors to compare: expected at least one predictor's eval metrics")
+    if baselines is None:
+        baselines = max(predictors.values(), key=lambda m: sum(f"tau_{key}" in m for key, _ in COMPARED_BASELINES))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [(name, metrics, "pred") for name, metrics in predictors.items()]
+    # A configuration tag reads "name: what it is"; the bars carry the name, the predictor first, top down.
+    bars = [(name.split(":")[0], metrics, "pred") for name, metrics in predictors.items()]
     bars += [(label, baselines, key) for key, label in COMPARED_BASELINES if f"tau_{key}" in baselines]
-    figure, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    figure, axes = plt.subplots(1, 2, figsize=(10, 1.2 + 0.32 * len(bars)), sharey=True)
+    colors = ["#2a7"] * len(predictors) + ["#999"] * (len(bars) - len(predictors))
     for ax, prefix, unit in ((axes[0], "tau_", "mean tau"), (axes[1], "throughput_", "modeled throughput")):
         values = [metrics.get(prefix + key, math.nan) for _, metrics, key in bars]
-        colors = ["#2a7"] * len(predictors) + ["#999"] * (len(bars) - len(predictors))
-        ax.bar([name for name, _, _ in bars], [0 if math.isnan(v) else v for v in values], color=colors)
-        ax.set_ylabel(unit)
-        ax.tick_params(axis="x", labelrotation=35, labelsize=7)
+        drawn = ax.barh(range(len(bars)), [0 if math.isnan(v) else v for v in values], color=colors)
+        shown = ["-" if math.isnan(v) else f"{v:,.0f}" if v >= 100 else f"{v:.2f}" for v in values]
+        ax.bar_label(drawn, labels=shown, fontsize=7, padding=2)
+        ax.set_yticks(range(len(bars)), [name for name, _, _ in bars])
+        ax.set_xlabel(unit)
+        ax.margins(x=0.15)
+    axes[0].invert_yaxis()  # the axes share it
     figure.suptitle("predictors on the held-out labels")
     figure.tight_layout()
     return figure
