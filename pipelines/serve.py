@@ -48,6 +48,8 @@ from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, RowFail
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
+# Serve's own default; inside the 30 s a Kubernetes pod gets between SIGTERM and SIGKILL, with room to stop Ray.
+DEFAULT_GRACE_PERIOD_S = 20.0
 # ----------------------------------------------------------------------------- the app
 
 
@@ -381,8 +383,11 @@ def build_app(
     autoscaling_config: Optional[dict] = None,
     max_ongoing_requests: Optional[int] = None,
     max_queued_requests: Optional[int] = None,
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
 ) -> Any:
-    """The Serve application: the decoder deployment bound to `loader`; autoscaling settings pass through.
+    """The Serve application: the decoder deployment bound to `loader`; autoscaling settings pass through. A
+    replica that is stopped (the app deleted, redeployed or scaled down) finishes its requests in flight for up to
+    `grace_period_s` first.
 
     A replica decodes `max_batch` requests and queues `max_queue`; by default Serve routes it twice that many,
     so that a burst beyond its capacity reaches the replica and is refused there at once, with Retry-After.
@@ -397,6 +402,9 @@ def build_app(
         "max_ongoing_requests": ongoing,
         "max_queued_requests": max_queued_requests or ongoing,
         "health_check_period_s": 10,
+        "graceful_shutdown_timeout_s": grace_period_s,
+        # How often a stopping replica looks whether its requests are done: Serve's 2 s would hold every stop.
+        "graceful_shutdown_wait_loop_s": min(0.5, grace_period_s),
     }
     if autoscaling_config:
         options["autoscaling_config"] = autoscaling_config
@@ -405,14 +413,22 @@ def build_app(
     return BlockPilotDecoder.options(**options).bind(loader)
 
 
+# `build_app`'s keywords: what a serve config's `args` may give beside `ModelLoader`'s fields.
+DEPLOYMENT_OPTIONS = (
+    "num_replicas",
+    "num_gpus",
+    "num_cpus",
+    "autoscaling_config",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "grace_period_s",
+)
+
+
 def app_builder(args: dict[str, Any]) -> Any:
     """`serve run` / `serve deploy` entry (cluster/serve.yaml): ModelLoader's fields + deployment options."""
     args = dict(args)
-    deployment = {
-        k: args.pop(k)
-        for k in ("num_replicas", "num_gpus", "num_cpus", "autoscaling_config", "max_ongoing_requests", "max_queued_requests")
-        if k in args
-    }
+    deployment = {k: args.pop(k) for k in DEPLOYMENT_OPTIONS if k in args}
     limits = ServeLimits(**args.pop("limits", {}))
     return build_app(ModelLoader(**args, limits=limits), **deployment)
 
@@ -442,7 +458,20 @@ class LocalServer:
                 raise TimeoutError(f"the endpoint at {self.url} did not become healthy in {timeout_s:.0f}s")
             time.sleep(0.5)
 
+    def in_flight(self) -> int:
+        """Requests the endpoint is decoding or holding in its queue now (its replica's load; 0 when it does not
+        answer)."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                load = json.loads(response.read())
+        except (OSError, ValueError):
+            return 0
+        return int(load.get("active", 0)) + int(load.get("waiting", 0))
+
     def shutdown(self) -> None:
+        """Delete the app; Serve lets each replica finish its requests in flight first (`build_app`'s grace)."""
         serve.delete(self.app_name)
 
     def close(self) -> None:
@@ -515,6 +544,11 @@ class ServeJob:
     replicas: int = option(1, type=positive_int_arg, help="replicas (each runs one batched engine)")
     num_gpus: float = option(0.0, type=non_negative_float_arg, help="GPUs per replica")
     num_cpus: float = option(1.0, type=positive_float_arg, help="CPUs per replica: Ray runs its torch on as many threads")
+    grace_period_s: float = option(
+        DEFAULT_GRACE_PERIOD_S,
+        type=non_negative_float_arg,
+        help="on Ctrl-C or SIGTERM, seconds the requests in flight get to finish before the replicas stop",
+    )
     api_key: Optional[str] = option(None, help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV})")
     device: Optional[str] = option(None, help="cpu, cuda, ... (default: cuda when present)")
     dtype: Optional[str] = option(None, help="float32, bfloat16, ...")
@@ -544,14 +578,21 @@ def run_serve_job(job: ServeJob) -> int:
     server = None
     try:
         server = serve_locally(
-            job.loader(), port=job.port, host=job.host, num_replicas=job.replicas, num_gpus=job.num_gpus, num_cpus=job.num_cpus
+            job.loader(),
+            port=job.port,
+            host=job.host,
+            num_replicas=job.replicas,
+            num_gpus=job.num_gpus,
+            num_cpus=job.num_cpus,
+            grace_period_s=job.grace_period_s,
         )
         server.wait_healthy()
         print(f"serving {job.model_name} at {server.url}/v1 (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print("stopping the endpoint", flush=True)
+        waiting = f" ({server.in_flight()} in flight, up to {job.grace_period_s:g} s to finish)" if server else ""
+        print(f"stopping the endpoint{waiting}", flush=True)
     finally:
         # A second Ctrl-C while stopping would leave Serve's actors and the embedded Ray running.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -84,15 +84,23 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
             "models:/blockpilot-step-policy/1",
         )
         # What a process manager sends (Ctrl-C's SIGINT takes the same path, and reaches Ray's processes too): the
-        # server alone gets it, and must leave none of them running.
-        server.send_signal(signal.SIGTERM)
+        # server alone gets it, lets the request in flight finish, and must leave none of them running.
+        long_body = {"prompt": PROMPT, "max_tokens": 512, "block_size": 1, "ignore_eos": True, "stream": True}
+        long_body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=long_body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # decoding has begun
+            server.send_signal(signal.SIGTERM)
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         server.wait(timeout=90)
     finally:
         if server.poll() is None:
             server.kill()
     output = log.read_text()
     assert server.returncode == 0, output[-4000:]
-    assert "stopping the endpoint" in output
+    # Stopped with that request in flight, which finished: every token it asked for, then its end.
+    assert "stopping the endpoint (1 in flight, up to 20 s to finish)" in output
+    assert rest[-1]["choices"][0]["finish_reason"] == "length" and rest[-1]["usage"]["completion_tokens"] == 512
     check_quiet(output, "blockpilot serve")
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"left running after SIGTERM: {[p.info for p in alive]}"

@@ -74,7 +74,11 @@ def test_the_serve_config_lets_a_replica_queue_what_it_cannot_batch():
     Retry-After) is never used: the default (`build_app`) is twice the batch plus the queue."""
     from blockpilot.serving import ServeLimits
 
+    from pipelines.serve import DEPLOYMENT_OPTIONS, ModelLoader
+
     (application,) = load("cluster/serve.yaml")["applications"]
     args = application["args"]
+    unknown = set(args) - set(DEPLOYMENT_OPTIONS) - set(ModelLoader.__dataclass_fields__)
+    assert not unknown, f"app_builder would refuse {unknown}"
     limits = ServeLimits(**args.get("limits", {}))
     assert args.get("max_ongoing_requests", 2 * (limits.max_batch + limits.max_queue)) > limits.max_batch + limits.max_queue
