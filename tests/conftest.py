@@ -79,7 +79,7 @@ def home_at(folder: Path) -> Iterator[None]:
 MODULE_SECONDS = {
     "test_commands_on_ray.py": 245,
     "test_serve.py": 165,
-    "test_demo.py": 150,
+    "test_demo.py": 180,
     "test_label_pipeline.py": 145,
     "test_commands_offline.py": 120,
     "test_serving.py": 112,
