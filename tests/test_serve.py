@@ -277,8 +277,9 @@ def _load(url: str) -> dict:
 
 def test_a_client_that_disconnects_frees_its_row(endpoint):
     """A long generation whose client leaves mid-stream, or before a non-streaming answer, is cancelled: the
-    replica's active rows drop back to zero in a quarter of the time the whole generation takes (measured first,
-    on this machine as it is now), which only a cancel can do."""
+    replica's active rows drop back to zero in half the time the whole generation takes (measured first, on this
+    machine as it is now), which only a cancel can do: the rest of the generation would take at least 0.9 of it. (A
+    quarter was too tight beside the other worker's load in CI: the proxy notices a client gone a poll later.)"""
     long_body = {"prompt": "Tell a story about file.", "max_tokens": 500, "temperature": 1.0, "block_size": 1, "ignore_eos": True}
     started = time.monotonic()
     assert post(endpoint, "/v1/completions", long_body, timeout=120).json()["usage"]["completion_tokens"] == 500
@@ -287,14 +288,14 @@ def test_a_client_that_disconnects_frees_its_row(endpoint):
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # one chunk received, then the client goes away
-    deadline = time.monotonic() + whole / 4
+    deadline = time.monotonic() + whole / 2
     while _load(endpoint)["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _load(endpoint)["active"] == 0
     # The client gives up after a tenth of the whole generation's time.
     with pytest.raises(httpx.ReadTimeout):
         post(endpoint, "/v1/completions", long_body, timeout=httpx.Timeout(10.0, read=whole / 10))
-    deadline = time.monotonic() + whole / 4
+    deadline = time.monotonic() + whole / 2
     while _load(endpoint)["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _load(endpoint)["active"] == 0
