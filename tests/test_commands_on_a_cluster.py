@@ -1,13 +1,18 @@
 """`ray job submit` of the pipelines and `serve deploy` of cluster/serve.yaml, as the README shows them, against a Ray
-head the test starts (`ray start --head`, with the dashboard that serves jobs) on free ports."""
+head the test starts (`ray start --head`, with the dashboard that serves jobs) on free ports: two replicas, and one
+started after the champion moved serves the version the deployment pinned."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 import yaml
 from commands import ROOT, UNACTIONABLE, check_endpoint, free_port, run, wait_healthy
@@ -77,10 +82,12 @@ def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, t
         env,
     )
     assert read_labels(labels).num_rows == 8
+    # Tracked in the head's home (the runtime env's BLOCKPILOT_HOME): registered and crowned, as serve.yaml's
+    # `models:/blockpilot-predictor@champion` expects.
     submit(
         address,
         runtime_env,
-        f"python -m pipelines.train_predictor --labels {labels} --epochs 1 --out {predictor} --no-track",
+        f"python -m pipelines.train_predictor --labels {labels} --eval {labels} --epochs 1 --out {predictor}",
         env,
     )
     assert (predictor / "config.json").is_file()
@@ -92,11 +99,58 @@ def test_ray_job_submit_and_serve_deploy_on_a_running_head(ray_head, tiny_zoo, t
     config["http_options"]["port"] = port
     application = config["applications"][0]
     # The eager cycle: what this test is about is the deployment (compiled serving is test_commands_on_ray.py's).
-    application["args"].update(
-        target=str(tiny_zoo / "target"), drafter=str(tiny_zoo / "drafter"), predictor=str(predictor), compile="off"
-    )
+    # Two replicas from the start, each serving the predictor as serve.yaml names it (the champion alias).
+    assert application["args"]["predictor"] == "models:/blockpilot-predictor@champion"
+    application["args"].update(target=str(tiny_zoo / "target"), drafter=str(tiny_zoo / "drafter"), compile="off")
+    application["args"]["autoscaling_config"]["min_replicas"] = 2
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     run(f"serve deploy --address {address} {tmp_path / 'serve.yaml'}", env, noise=UNACTIONABLE)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(f"{url}/health")
     check_endpoint(url, application["args"]["model_name"])
+    first = replica_processes(home, 2)
+    assert served_predictors(url) == {"models:/blockpilot-predictor/1"}  # pinned as the app deployed
+
+    # A new champion, then a replica that starts after it (one killed, which Serve replaces): it serves the version
+    # the deployment pinned, as its sibling does, until the next deploy.
+    import mlflow
+
+    from blockpilot.tracking import log_predictor_model, start_run
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKPILOT_HOME", str(home))
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        with start_run("blockpilot-predictor", "a later champion") as tracker:
+            version, _ = log_predictor_model(tracker, predictor, heldout_throughput=1.0)
+        mlflow.MlflowClient().set_registered_model_alias("blockpilot-predictor", "champion", version)
+    assert version == "2"
+    first[0].kill()
+    replacement = replica_processes(home, 2, other_than={process.pid for process in first})
+    wait_healthy(f"{url}/health")
+    assert replacement and served_predictors(url) == {"models:/blockpilot-predictor/1"}
+
+
+def replica_processes(
+    home: Path, count: int, other_than: set[int] = frozenset(), timeout_s: float = 120
+) -> list[psutil.Process]:
+    """The decoder's replica processes of the head whose home is `home` (Ray titles them `ray::ServeReplica:...`; the
+    other worker's servers have homes of their own), once `count` of them run and one is not in `other_than` (when
+    given): a replacement has started."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            if not any("ServeReplica:blockpilot:BlockPilotDecoder" in part for part in process.info["cmdline"] or ()):
+                continue
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get("BLOCKPILOT_HOME") == str(home):
+                    found.append(process)
+        if len(found) == count and (not other_than or {p.pid for p in found} - set(other_than)):
+            return found
+        assert time.monotonic() < deadline, f"expected {count} replicas, found {len(found)}"
+        time.sleep(0.5)
+
+
+def served_predictors(url: str, requests: int = 12) -> set[str]:
+    """The predictor each of `requests` answers of `/v1/models` names: Serve spreads them over the replicas."""
+    return {httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["blockpilot"]["predictor"] for _ in range(requests)}
