@@ -32,6 +32,8 @@ def test_generate_json_matches_the_library(random_zoo, random_models, capsys):
         "--max-new-tokens",
         "24",
         "--json",
+        "--compile",  # what is checked here is the JSON; the default, compiled, is test_commands_offline.py's
+        "off",
     ]
     assert main(argv) == 0
     payload = json.loads(capsys.readouterr().out)

@@ -5,6 +5,7 @@ request, then SIGTERM). `test_commands_on_a_cluster.py` has `ray job submit` and
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 
@@ -14,6 +15,7 @@ import pytest
 from commands import BIN, PROMPT, ROOT, check_endpoint, check_quiet, free_port, run, user_env, wait_healthy
 from support import greedy_reference
 
+from blockpilot.cli import main
 from blockpilot.data.labels import read_labels
 
 pytestmark = pytest.mark.slow
@@ -23,7 +25,7 @@ STEP_MODEL = "models:/blockpilot-step-policy@champion"
 LABEL_LIMITS = "--temperatures 0,1 --max-new-tokens 16 --top-k 8 --samples 2"
 
 
-def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_ray_head):
+def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_ray_head, capsys):
     """Beside a local cluster that `ray start --head` started (`local_ray_head`), as on a machine where one runs: the
     commands start their own embedded Ray all the same, and nothing in them reaches for that cluster."""
     env = user_env(tmp_path / "home")
@@ -57,13 +59,20 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
 
     greedy = greedy_reference(tiny_models.target, tiny_models.encode_prompt(PROMPT), 24, tiny_models.stop_token_ids())
     generate = f"blockpilot generate {models} --prompt '{PROMPT}' --max-new-tokens 24 --json"
-    for flags, policy in [  # the first as the README shows it (compiled), the others on the eager cycle
+    for flags, policy in [  # the first as the README shows it (compiled), the other on the eager cycle
         (f"--predictor {PREDICTOR}", "learned"),
-        (f"--policy learned+step:{PREDICTOR},{STEP_MODEL} --compile off", "learned+step"),
         ("--policy learned:models:/blockpilot-shape-predictor@champion --compile off", "learned"),
     ]:
         payload = json.loads(run(f"{generate} {flags}", env))
         assert payload["token_ids"] == greedy and payload["policy"] == policy
+    # Both registered models in one spec, in process (not a README form; a subprocess costs about 8 s of imports).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKPILOT_HOME", env["BLOCKPILOT_HOME"])
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        spec = f"--policy learned+step:{PREDICTOR},{STEP_MODEL} --compile off"
+        assert main(shlex.split(f"{generate.removeprefix('blockpilot ')} {spec}")) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["token_ids"] == greedy and payload["policy"] == "learned+step"
 
     port = free_port()
     # As the README shows it: the compiled engine, its shapes built before the replica is healthy.
