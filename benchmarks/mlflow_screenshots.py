@@ -61,11 +61,11 @@ def start_server(uri: str, port: int) -> subprocess.Popen:
 
 def render(url: str, *, screenshot: Path | None = None, dom: Path | None = None, wait_ms: int = 8_000) -> None:
     """One page in a fresh headless Chromium profile, after `wait_ms` of (virtual) time for the app's scripts: its
-    screenshot, or its rendered DOM (in a window tall enough that the UI's tables render every row: they draw only
-    the rows in view)."""
+    screenshot, or its rendered DOM (the compare view's metrics table scrolls in a box of its own, so the DOM holds its
+    first rows, whatever the window's height)."""
     with tempfile.TemporaryDirectory() as profile:
         command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}"]
-        command += ["--window-size=1600,1000" if dom is None else "--window-size=1600,20000"]
+        command += ["--window-size=1600,1000"]
         if screenshot is not None:
             command += [f"--screenshot={screenshot}"]
         if dom is not None:
