@@ -18,6 +18,7 @@ on every route but /health.
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string, on the
 # methods that Serve's ingress wraps, or it reads `request` as a required query parameter (422).
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -471,8 +472,15 @@ class LocalServer:
         return int(load.get("active", 0)) + int(load.get("waiting", 0))
 
     def shutdown(self) -> None:
-        """Delete the app; Serve lets each replica finish its requests in flight first (`build_app`'s grace)."""
-        serve.delete(self.app_name)
+        """Delete the app; Serve lets each replica finish its requests in flight first (`build_app`'s grace). Nothing
+        to do where Ray or Serve never started (a stop while starting)."""
+        import ray
+        from ray.serve.exceptions import RayServeException
+
+        if not ray.is_initialized():
+            return
+        with contextlib.suppress(RayServeException):  # no Serve instance: nothing was deployed
+            serve.delete(self.app_name)
 
     def close(self) -> None:
         """Delete the app; when `serve_locally` started the embedded Ray, stop that Ray too, and Serve with it.
@@ -568,6 +576,8 @@ def run_serve_job(job: ServeJob) -> int:
     cluster (`RAY_ADDRESS`) only this app goes."""
     import signal
 
+    from pipelines.ray_runtime import ensure_ray
+
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -575,12 +585,16 @@ def run_serve_job(job: ServeJob) -> int:
     # them over Ray's own SIGTERM handler.)
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    server = None
+    # Known before anything starts: the replica answers requests before `serve.run` returns, so a signal may come
+    # while `serve_locally` still waits on it, and must stop (and drain) what was started all the same.
+    server = LocalServer(f"http://{job.host}:{job.port}", "blockpilot")
     try:
-        server = serve_locally(
+        server.started_ray = ensure_ray()
+        serve_locally(
             job.loader(),
             port=job.port,
             host=job.host,
+            app_name=server.app_name,
             num_replicas=job.replicas,
             num_gpus=job.num_gpus,
             num_cpus=job.num_cpus,
@@ -591,14 +605,13 @@ def run_serve_job(job: ServeJob) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        waiting = f" ({server.in_flight()} in flight, up to {job.grace_period_s:g} s to finish)" if server else ""
-        print(f"stopping the endpoint{waiting}", flush=True)
+        waiting = f"{server.in_flight()} in flight, up to {job.grace_period_s:g} s to finish"
+        print(f"stopping the endpoint ({waiting})", flush=True)
     finally:
         # A second Ctrl-C while stopping would leave Serve's actors and the embedded Ray running.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if server is not None:
-            server.close()
+        server.close()
     return 0
 
 
