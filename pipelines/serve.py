@@ -49,6 +49,7 @@ from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, RowFail
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
+APP_NAME = "blockpilot"  # the Serve application `blockpilot serve` deploys
 # Serve's own default; inside the 30 s a Kubernetes pod gets between SIGTERM and SIGKILL, with room to stop Ray.
 DEFAULT_GRACE_PERIOD_S = 20.0
 # ----------------------------------------------------------------------------- the app
@@ -442,6 +443,11 @@ class LocalServer:
     app_name: str
     started_ray: bool = False  # whether serve_locally started the embedded Ray this server runs on
 
+    @classmethod
+    def at(cls, host: str, port: int, app_name: str = APP_NAME, route_prefix: str = "/") -> "LocalServer":
+        """The endpoint an app `app_name` at `route_prefix` on Serve's `host:port` answers at."""
+        return cls(f"http://{host}:{port}{route_prefix.rstrip('/')}", app_name)
+
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         """Block until GET /health answers 200 (the proxy and a replica are up), or raise TimeoutError."""
         import urllib.error
@@ -498,7 +504,7 @@ def serve_locally(
     *,
     port: int = 8000,
     host: str = "127.0.0.1",
-    app_name: str = "blockpilot",
+    app_name: str = APP_NAME,
     route_prefix: str = "/",
     request_timeout_s: float = 180.0,
     log_level: str = "INFO",
@@ -522,7 +528,7 @@ def serve_locally(
     serve.run(
         build_app(loader, **deployment), name=app_name, route_prefix=route_prefix, blocking=False, logging_config=logs
     )
-    return LocalServer(f"http://{host}:{port}{route_prefix.rstrip('/')}", app_name, started_ray)
+    return replace(LocalServer.at(host, port, app_name, route_prefix), started_ray=started_ray)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -587,7 +593,7 @@ def run_serve_job(job: ServeJob) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     # Known before anything starts: the replica answers requests before `serve.run` returns, so a signal may come
     # while `serve_locally` still waits on it, and must stop (and drain) what was started all the same.
-    server = LocalServer(f"http://{job.host}:{job.port}", "blockpilot")
+    server = LocalServer.at(job.host, job.port)
     try:
         server.started_ray = ensure_ray()
         serve_locally(
