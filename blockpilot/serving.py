@@ -434,7 +434,10 @@ class BatchedDecoder:
                 return self
         if self.warm_up_seconds is None:
             started = time.perf_counter()
-            shapes = self._engine.declared_shapes(self.adaptive.block_size_choices, spans=self.compile_spans)
+            adaptive = self.adaptive
+            shapes = self._engine.declared_shapes(
+                adaptive.block_size_choices, spans=self.compile_spans, keeps_block_size=adaptive.keeps_block_size
+            )
             self._engine.compile_shapes(shapes)
             self.compiled_shapes = self._engine.decoder.built_shapes
             warm_up = GenerationConfig(max_new_tokens=2 * self._engine.width + 1)  # a few cycles, no stop

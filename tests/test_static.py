@@ -115,6 +115,35 @@ def test_a_row_switching_between_autoregression_and_drafting_drafts_as_if_it_had
     assert any(tau > 1 for tau in drafted), "no draft accepted: the test would not tell kept features from lost ones"
 
 
+class LateDrafter(Alternating):
+    """Autoregressive first, then drafting and autoregression in turn."""
+
+    def initial_block_size(self, prefill):
+        return 1
+
+
+def test_a_row_autoregressive_for_good_spends_nothing_on_the_drafter(tiny_models):
+    """A row whose policy keeps its first b, here autoregression, never drafts: neither its prefill nor its cycles
+    write the drafter's context. A row that starts autoregressive under a policy that may draft later keeps it from
+    its prompt on. Both greedy."""
+    prompts, expected = references(tiny_models, 12, PROMPTS[:2])
+    engine = Engine(tiny_models, max_batch=1)
+    drafter, encoded = engine.decoder.drafter, []
+    write = drafter.encode
+
+    def encode(features, positions, slots, rows):
+        encoded.append(features.shape[1])
+        write(features, positions, slots, rows)
+
+    drafter.encode = encode
+    assert not LateDrafter(4).keeps_block_size and Autoregressive().keeps_block_size
+    (alone,) = decode(tiny_models, engine, prompts[:1], [Autoregressive()], 12)
+    assert alone.token_ids == expected[0] and alone.block_sizes and encoded == []
+    (late,) = decode(tiny_models, engine, prompts[1:], [LateDrafter(4)], 12)
+    assert late.token_ids == expected[1] and late.block_sizes[0] == 1
+    assert encoded[0] == len(prompts[1]) and len(encoded) > 1
+
+
 def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_eager_one(tiny_models):
     """The engine asks a policy with the same states (prefill, cycle, anchor logits) as the eager engine does: at
     T = 0 every choice, and so every cycle's block size and acceptance, is the same. No stop tokens: every row runs
@@ -314,9 +343,11 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1) == [
         ("_cycle", rows, 256, 4, False) for rows in (1, 4)
     ]
-    # A policy that may choose autoregression gets its width-1 steps too: its rows then skip the drafter's pass.
-    shapes = [("_cycle", rows, 256, width, False) for rows, width in ((1, 1), (1, 4), (4, 4))]
-    assert engine.declared_shapes((1, 2, 3), spans=1) == shapes
+    # A policy that may choose autoregression gets its width-1 step too: its rows then skip the drafter's pass, and
+    # where the policy keeps a row's first b, the drafter's context (such a row never drafts again).
+    wide = [("_cycle", rows, 256, 4, False) for rows in (1, 4)]
+    assert engine.declared_shapes((1, 2, 3), spans=1) == [("_plain_cycle", 1, 256), *wide]
+    assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False) == [("_cycle", 1, 256, 1, False), *wide]
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}

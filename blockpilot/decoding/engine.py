@@ -173,10 +173,13 @@ class Engine(RowScheduler):
             spans.append(span_bucket(spans[-1] + 1, self.capacity))
         return spans
 
-    def declared_shapes(self, widths: Sequence[int] | None = None, spans: int = 2) -> list[tuple]:
+    def declared_shapes(
+        self, widths: Sequence[int] | None = None, spans: int = 2, keeps_block_size: bool = True
+    ) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
         `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
-        row bucket at width 1 where `widths` holds autoregression; with trees, those row buckets x every tree size.
+        row bucket at width 1 where `widths` holds autoregression (without the drafter's context where the policy
+        `keeps_block_size`: its autoregressive rows never draft); with trees, those row buckets x every tree size.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
@@ -186,7 +189,11 @@ class Engine(RowScheduler):
         if widths and min(widths) == AUTOREGRESSIVE and width > 1:
             # A lone row that stops drafting skips the drafter's pass; a batch of them runs on the wide step, whose
             # arithmetic on a CPU is about the many rows' at width 1 (packing rows is what would save it).
-            shapes[:0] = [("_cycle", self.buckets[0], span, AUTOREGRESSIVE, False) for span in self.spans[:spans]]
+            first = self.buckets[0]
+            if keeps_block_size:  # its autoregressive rows never draft: no drafter context kept
+                shapes[:0] = [("_plain_cycle", first, span) for span in self.spans[:spans]]
+            else:
+                shapes[:0] = [("_cycle", first, span, AUTOREGRESSIVE, False) for span in self.spans[:spans]]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1)
@@ -292,13 +299,13 @@ class Engine(RowScheduler):
         """Prefill rows into the next free cache rows in one target pass; each one joins with its first token."""
         started = time.perf_counter()
         first = len(self.rows)
-        logits, features = self.decoder.prefill(first, [row.prompt for row in joining])
+        logits, features = self.decoder.prefill(first, [row.prompt for row in joining], context=False)
         synchronize(self.device)
         for index, row in enumerate(joining):
             row.prefill_time += time.perf_counter() - started
             if row.record is not None:
                 row.record["features"].append(features[index, : row.prompt.numel()].cpu())
-        self._join(joining, logits, batch_rows, updates)
+        self._join(joining, logits, batch_rows, updates, features)
 
     def _prefill_chunk(self, updates: list[RowUpdate]) -> None:
         """The next chunk of the long prompt, in cache row `max_batch`; after its last chunk the row moves to the
@@ -322,8 +329,17 @@ class Engine(RowScheduler):
         self.decoder.move(self.max_batch, len(self.rows), stop)
         self._join([row], logits, len(self.rows) + 1, updates)
 
-    def _join(self, joining: list[Row], logits: torch.Tensor, batch_rows: int, updates: list[RowUpdate]) -> None:
-        """Rows whose prompts are in cache rows len(rows) .. join: first token, first b, placed in the decoder."""
+    def _join(
+        self,
+        joining: list[Row],
+        logits: torch.Tensor,
+        batch_rows: int,
+        updates: list[RowUpdate],
+        features: torch.Tensor | None = None,
+    ) -> None:
+        """Rows whose prompts are in cache rows len(rows) .. join: first token, first b, placed in the decoder. With
+        their prompts' target `features` (prefilled without the drafter's context), the context is written now
+        unless every joining row starts autoregressive for good."""
         first_row = len(self.rows)
         finite = torch.isfinite(logits.amax(dim=-1)).tolist()
         seeds = [self._seeds[row.id] for row in joining]
@@ -343,6 +359,14 @@ class Engine(RowScheduler):
                 firsts[index],
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
+        for row in joining:
+            row.drafter_context = not (row.policy.keeps_block_size and row.block_size == AUTOREGRESSIVE)
+        if features is not None and any(row.drafter_context for row in joining):
+            started = time.perf_counter()
+            self.decoder.keep_context(first_row, features)
+            synchronize(self.device)
+            for row in joining:
+                row.prefill_time += time.perf_counter() - started
         finished = []
         for index, row in enumerate(joining):
             slot = first_row + index
@@ -382,7 +406,8 @@ class Engine(RowScheduler):
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
         if all(row.tree_budget is None for row in rows):  # chains alone: the chain cycle, also on a tree engine
             rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
-            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection)
+            context = any(row.drafter_context for row in rows)
+            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):
                     row.tree_nodes.append(size - 1)

@@ -78,6 +78,8 @@ class Row:
     tree_nodes: list[int] = field(default_factory=list)  # per cycle, where trees ran
     tree_budget: int | None = None  # the nodes of its trees, chosen after prefill (None: chains of its b)
     drafter_passes: int = 0
+    # Whether the drafter's context is kept for it: False once its policy chose b = 1 for good (`keeps_block_size`).
+    drafter_context: bool = True
     prefill_time: float = 0.0
     decode_time: float = 0.0
     prefill_state: PrefillState | None = None

@@ -227,6 +227,7 @@ class StaticDecoder:
         self._compiled: dict[str, Callable[..., None]] = {}
         # Whole prompts' prefill compiled too, by `compile_prefill` (a long-lived engine's start), on a CPU.
         self._prefill_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._context_compiled: Callable[..., None] | None = None  # the drafter's context of whole prompts
         # Once frozen (a serving engine, after it built its declared shapes), nothing compiles: a step of a shape not
         # built runs eagerly (logged once), and a prefill that would recompile runs eagerly.
         self.frozen = False
@@ -234,7 +235,7 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
-    def _cycle(self, n: int, span: int, width: int, rejection: bool = False) -> None:
+    def _cycle(self, n: int, span: int, width: int, rejection: bool = False, context: bool = True) -> None:
         length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
         rows, window, offsets = slice(0, n), self.slot_range[:span], self.offsets[:width]
         temperatures, seeds = self.temperatures[:n], self.seeds[:n]
@@ -264,10 +265,14 @@ class StaticDecoder:
                 out = torch.where(rejecting[:, None], committed, out)
         else:
             accepted = torch.zeros_like(length)
-        if self.drafter is not None:  # the drafter's context grows at every width, 1 included
+        if self.drafter is not None and context:  # the drafter's context grows at every width, 1 included
             self.drafter.encode(features, positions, positions, rows)
         self._record(n, logits, features, offsets.expand(n, -1))
         self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None])
+
+    def _plain_cycle(self, n: int, span: int) -> None:
+        """An autoregressive cycle for rows that never draft again: no drafter context kept."""
+        self._cycle(n, span, 1, False, False)
 
     def _draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
         """The drafter over rows 0 .. n - 1's blocks [last token, MASK x (width - 1)] at their next positions, each
@@ -447,12 +452,19 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def cycle(
-        self, n: int, span: int | None = None, width: int | None = None, rejection: bool = False
+        self,
+        n: int,
+        span: int | None = None,
+        width: int | None = None,
+        rejection: bool = False,
+        context: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft/verify cycle for rows 0 .. n - 1 at `width` (default the decoder's; every row's b at most it)
         reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
         tokens (n, width), counts (n,), finite (n,). With `rejection`, rows placed to verify by `rejection` do (a
-        variant of the step of its own: the drafter's sampling and the test cost the others nothing)."""
+        variant of the step of its own: the drafter's sampling and the test cost the others nothing). Without
+        `context`, no row drafts again: a cycle of width 1 then skips the drafter's context (on a frozen decoder,
+        where that step was built)."""
         width = width or self.width
         if not 1 <= width <= self.width:
             raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
@@ -460,8 +472,17 @@ class StaticDecoder:
             raise ValueError("the rejection rule samples: it needs a decoder built with sampling=True")
         if span is None:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
-        self._run("_cycle", n, span, width, rejection)
+        plain = ("_plain_cycle", n, span)
+        if width == 1 and not context and self.drafter is not None and self._can_run(plain):
+            self._run(*plain)
+        else:
+            self._run("_cycle", n, span, width, rejection)
         return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
+
+    def _can_run(self, step: tuple) -> bool:
+        """Whether step (name, *shape) runs compiled or as built: not a frozen decoder's step that was not built."""
+        name, *shape = step
+        return not self.frozen or self.mode == "off" or step in self._steps or self._holding(name, shape) is not None
 
     def _run(self, name: str, *shape: int) -> None:
         """Step `name` at `shape` (rows, span, and the width of a cycle or the tree's slots of a verify), built
@@ -550,11 +571,12 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def prefill(
-        self, first: int, prompts: Sequence[torch.Tensor], start: int = 0
+        self, first: int, prompts: Sequence[torch.Tensor], start: int = 0, context: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompts (token tensors, right-padded to the longest) into cache rows first .. first + k - 1, their tokens
-        at positions start .. (a long prompt's chunk after `start` tokens already there), the drafter's context
-        too: one target pass (compiled for whole prompts once `compile_prefill` ran). Returns each prompt's
+        at positions start .. (a long prompt's chunk after `start` tokens already there), with the drafter's
+        context unless `context` is False (`keep_context` writes it later, for rows that draft): one target pass
+        (compiled for whole prompts without context once `compile_prefill` ran). Returns each prompt's
         next-token logits after its last token, (k, V) fp32, and its positions' target features (k, P, F) (None
         without a drafter)."""
         k, lengths = len(prompts), [len(p) for p in prompts]
@@ -568,17 +590,33 @@ class StaticDecoder:
         mask = None  # whole prompts attend to themselves, without reading the cache back
         if start > 0:  # a chunk reads its prompt's earlier chunks there
             mask = (self.slot_range[: start + max(lengths)][None, None, :] <= positions[:, :, None])[:, None]
-        if mask is not None or self._prefill_compiled is None:
-            return self._prefill_pass(ids, positions, mask, first, last)
+        if mask is not None or context or self._prefill_compiled is None:
+            return self._prefill_pass(ids, positions, mask, first, last, context)
+        return self._compiled_or_eager(self._prefill_compiled, self._prefill_pass, ids, positions, None, first, last)
+
+    @torch.inference_mode()
+    def keep_context(self, first: int, features: torch.Tensor) -> None:
+        """The drafter's context of whole prompts prefilled without it: target features (k, P, F) (`prefill`'s) at
+        positions 0 .. P - 1 of cache rows first .. first + k - 1."""
+        if self.drafter is None:
+            return
+        compiled = self._context_compiled
+        if compiled is None:
+            self._context_pass(features, first)
+        else:
+            self._compiled_or_eager(compiled, self._context_pass, features, first)
+
+    def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args: object) -> object:
+        """`compiled(*args)`; on a frozen decoder, `eager(*args)` where the compiled form would recompile."""
         if not self.frozen:
-            return self._prefill_compiled(ids, positions, None, first, last)
+            return compiled(*args)
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._prefill_compiled(ids, positions, None, first, last)
-        except RuntimeError as error:  # this prompt shape would recompile: eager, the same pass
+                return compiled(*args)
+        except RuntimeError as error:  # these shapes would recompile: eager, the same pass
             if "recompile" not in str(error).lower():
                 raise
-            return self._prefill_pass(ids, positions, None, first, last)
+            return eager(*args)
 
     def compile_prefill(self) -> None:
         """Compile the whole-prompt prefill for every prompt count and length (dynamic shapes), on a CPU in a mode
@@ -589,23 +627,37 @@ class StaticDecoder:
         if "compile" not in self.mode or self.device.type != "cpu" or self._prefill_compiled is not None:
             return
         started = time.perf_counter()
-        self._prefill_compiled = torch.compile(
-            self._prefill_pass, fullgraph=True, dynamic=True, options=inductor_options(self.device)
-        )
+        options = inductor_options(self.device)
+        self._prefill_compiled = torch.compile(self._prefill_pass, fullgraph=True, dynamic=True, options=options)
+        if self.drafter is not None:
+            self._context_compiled = torch.compile(self._context_pass, fullgraph=True, dynamic=True, options=options)
         for prompts in ([torch.arange(1, 3)], [torch.arange(1, 3)] * 2, [torch.arange(1, 4)] * 2):
-            self.prefill(0, prompts)  # one prompt, several, lengths past 2: dynamo's specializations
+            # one prompt, several, lengths past 2: dynamo's specializations
+            _, features = self.prefill(0, prompts, context=False)
+            self.keep_context(0, features)
         for row in range(min(3, self.rows)):
             self.free(row, clear=True)
         self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
 
     def _prefill_pass(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, first: int, last: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        first: int,
+        last: torch.Tensor,
+        context: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = slice(first, first + ids.shape[0])
         logits, features = self.target(ids, positions, positions, mask, rows, logits_at=last)
-        if self.drafter is not None:
+        if self.drafter is not None and context:
             self.drafter.encode(features, positions, positions, rows)
         return logits[:, 0], features
+
+    def _context_pass(self, features: torch.Tensor, first: int) -> None:
+        k, length = features.shape[:2]
+        positions = torch.arange(length, device=self.device)[None].expand(k, -1)
+        self.drafter.encode(features, positions, positions, slice(first, first + k))
 
     def pick(self, logits: torch.Tensor, positions: Sequence[int], temperatures, seeds) -> list[int]:
         """Tokens from next-token logits (k, V) for rows at temperatures and seeds, to sit at `positions`: the

@@ -102,6 +102,16 @@ class BlockSizePolicy:
         """The block sizes this policy may choose (None: any), what an engine builds its cycles for up front."""
         return None
 
+    @property
+    def keeps_block_size(self) -> bool:
+        """Whether a row keeps its first b to the end (no per-cycle hook): a row that starts autoregressive then
+        never drafts, and the engine spends nothing on its drafter context."""
+        kind = type(self)
+        return (
+            kind.next_block_size is BlockSizePolicy.next_block_size
+            and kind.next_block_sizes is BlockSizePolicy.next_block_sizes
+        )
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")
 
