@@ -14,6 +14,7 @@ from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
 from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.decoding.static import MIN_SPAN
 from blockpilot.models.loading import synchronize
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 
@@ -102,7 +103,9 @@ def calibrate(
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
-        capacity = prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes))
+        # At least the smallest span a live engine reads (`MIN_SPAN`): a short request's cycles read that many slots,
+        # and a calibration that read fewer priced a wide cycle a few percent low against an autoregressive one.
+        capacity = max(prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes)), MIN_SPAN)
         engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
         tree_engine = None
         if tree_nodes:
