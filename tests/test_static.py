@@ -89,29 +89,51 @@ class Alternating(FixedBlockSize):
         return 1 if cycle.block_size > 1 else self.block_size
 
 
+class DraftsLate(FixedBlockSize):
+    """Autoregressive for 20 cycles (more than a row keeps unencoded, `PENDING_CONTEXT`), then drafting b."""
+
+    def initial_block_size(self, prefill):
+        return 1
+
+    def next_block_size(self, cycle):
+        return 1 if cycle.cycle < 19 else self.block_size
+
+
 def test_a_row_switching_between_autoregression_and_drafting_drafts_as_if_it_had_drafted_all_along(tiny_models):
-    """Autoregressive cycles keep the drafter's context (the target's features of the positions they commit), so a
-    row that drafts again accepts exactly what the acceptance table, built from every position's features, says a
-    block there accepts: each drafting cycle's tau is a(cursor, b). Beside a row that always drafts (its cycles then
-    run at width 4) and alone (width 1: no drafter pass), greedy."""
+    """Autoregressive cycles keep the target's features of the positions they commit and write them into the
+    drafter's context before the row drafts again (or when more wait than the decoder keeps), so a row that drafts
+    again accepts exactly what the acceptance table, built from every position's features, says a block there
+    accepts: each drafting cycle's tau is a(cursor, b). Beside a row that always drafts (its cycles then run at width
+    4) and alone (width 1: no drafter pass), greedy."""
+    from blockpilot.decoding.static import PENDING_CONTEXT
     from blockpilot.table import acceptance_table
 
-    prompts, expected = references(tiny_models, 40, PROMPTS[:4])
-    policies = [Alternating(4)] * 3 + [FixedBlockSize(4)]
+    assert PENDING_CONTEXT < 20
+    prompts, expected = references(tiny_models, 40, PROMPTS)
+    longest = sorted(range(len(prompts)), key=lambda i: -len(expected[i]))[:4]  # rows that run past 20 cycles
+    prompts, expected = [prompts[i] for i in longest], [expected[i] for i in longest]
+    assert len(expected[0]) > 24
+    policies = [DraftsLate(4), Alternating(4), Alternating(4), FixedBlockSize(4)]
     *switching, beside = decode(tiny_models, Engine(tiny_models, max_batch=4), prompts, policies, 40)
-    assert [r.token_ids for r in [*switching, beside]] == expected
+    lone = Engine(tiny_models, max_batch=1)
+    flushes, flush = [], lone.decoder.flush_context
+    lone.decoder.flush_context = lambda n: (flushes.append(n), flush(n))
+    alone = decode(tiny_models, lone, prompts[:3], policies[:3], 40)
+    assert len(flushes) >= sum(b > 1 for b in alone[1].block_sizes)  # what autoregressive cycles kept, written
+    assert [r.token_ids for r in [*switching, beside]] == expected and [r.token_ids for r in alone] == expected[:3]
     assert any(1 in r.block_sizes and 4 in r.block_sizes for r in switching)
+    assert switching[0].block_sizes[:20] == [1] * 20 and 4 in switching[0].block_sizes
     config = GenerationConfig(max_new_tokens=40, stop_token_ids=tuple(tiny_models.stop_token_ids()))
     requests = [GenerationRequest(p, config, FixedBlockSize(4), record=True) for p in prompts]
     recorded = generate_many(tiny_models, requests)
-    for row, prompt, tokens, record in zip(switching, prompts, expected, recorded):
+    for row, prompt, tokens, record in zip([*switching, *alone], prompts[:3] * 2, expected[:3] * 2, recorded[:3] * 2):
         table = acceptance_table(tiny_models, len(prompt), tokens, record.record.context_features, (1, 4), 40)
         cursor = 1
         for b, tau in zip(row.block_sizes, row.acceptance_lengths, strict=True):
             drafting = b > 1  # the last block is cut to the budget, as the table's is
             assert tau == table.commits[int(drafting), cursor - 1], (cursor, b)
             cursor += tau
-    drafted = [tau for row in switching for b, tau in zip(row.block_sizes, row.acceptance_lengths) if b > 1]
+    drafted = [tau for row in alone for b, tau in zip(row.block_sizes, row.acceptance_lengths) if b > 1]
     assert any(tau > 1 for tau in drafted), "no draft accepted: the test would not tell kept features from lost ones"
 
 
@@ -347,7 +369,8 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     # where the policy keeps a row's first b, the drafter's context (such a row never drafts again).
     wide = [("_cycle", rows, 256, 4, False) for rows in (1, 4)]
     assert engine.declared_shapes((1, 2, 3), spans=1) == [("_plain_cycle", 1, 256), *wide]
-    assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False) == [("_cycle", 1, 256, 1, False), *wide]
+    switching = [("_deferred_cycle", 1, 256), *wide, ("_flush_context", 1), ("_flush_context", 4)]
+    assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False) == switching
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}

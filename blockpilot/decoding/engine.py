@@ -48,7 +48,7 @@ from blockpilot.decoding.rows import (
     record_distributions,
     truncate_at_stop,
 )
-from blockpilot.decoding.static import StaticDecoder, span_bucket
+from blockpilot.decoding.static import PENDING_CONTEXT, StaticDecoder, span_bucket
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
@@ -61,6 +61,9 @@ COMPILE_HELP = (
 )
 # Cache slots a row holds by default: its prompt, its budget and one block must fit.
 DEFAULT_CAPACITY = 2048
+CONFIDENCE_UNITS = 1 << 24  # an anchor's top-1 probability rides the cycle's one host copy as an integer of these
+PRICE_WARM_UP = 2  # a shape's first cycles (building it, cold caches) are no price
+PRICE_WEIGHT = 0.1  # the newest cycle's weight in a measured price
 
 
 def keep_compiled_kernels() -> None:
@@ -160,6 +163,10 @@ class Engine(RowScheduler):
             )
         self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
+        # What its cycles cost here and now, for the policies that price their choices (`PrefillState.prices`):
+        # row bucket -> b -> seconds, and the cycles seen per (row bucket, width).
+        self._measured_prices: dict[int, dict[int, float]] = {}
+        self._price_cycles: Counter[tuple[int, int]] = Counter()
 
     @property
     def capacity(self) -> int:
@@ -179,7 +186,8 @@ class Engine(RowScheduler):
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
         `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
         row bucket at width 1 where `widths` holds autoregression (without the drafter's context where the policy
-        `keeps_block_size`: its autoregressive rows never draft); with trees, those row buckets x every tree size.
+        `keeps_block_size`, as its autoregressive rows never draft; else keeping it for later, and the steps that
+        write what was kept); with trees, those row buckets x every tree size.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
@@ -193,7 +201,8 @@ class Engine(RowScheduler):
             if keeps_block_size:  # its autoregressive rows never draft: no drafter context kept
                 shapes[:0] = [("_plain_cycle", first, span) for span in self.spans[:spans]]
             else:
-                shapes[:0] = [("_cycle", first, span, AUTOREGRESSIVE, False) for span in self.spans[:spans]]
+                shapes[:0] = [("_deferred_cycle", first, span) for span in self.spans[:spans]]
+                shapes += [("_flush_context", rows) for rows in rows_set]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1)
@@ -357,6 +366,7 @@ class Engine(RowScheduler):
                 self.models.train_block_size,
                 batch_rows,
                 firsts[index],
+                prices=self._prices(batch_rows),
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         for row in joining:
@@ -404,25 +414,43 @@ class Engine(RowScheduler):
         width = next(w for w in self.widths if w >= max(chosen))
         bucket = next(b for b in self.buckets if b >= n)
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
-        if all(row.tree_budget is None for row in rows):  # chains alone: the chain cycle, also on a tree engine
+        chains = all(row.tree_budget is None for row in rows)
+        # An autoregressive cycle keeps the drafter's context for later (`defer`) where a row may draft again, and
+        # skips it where none will; a drafting cycle first writes what autoregressive ones kept.
+        context = "encode"
+        if chains and width == 1:
+            drafts_later = self.decoder.drafter is not None and any(row.drafter_context for row in rows)
+            context = "defer" if drafts_later else "skip"
+        pending = max((row.pending_context for row in rows if row.drafter_context), default=0)
+        if (context == "encode" and pending) or (context == "defer" and pending >= PENDING_CONTEXT):
+            self.decoder.flush_context(bucket)
+            for row in rows:
+                row.pending_context = 0
+        if chains:  # the chain cycle, also on a tree engine
             rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
-            context = any(row.drafter_context for row in rows)
             tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):
                     row.tree_nodes.append(size - 1)
+            if context == "defer":
+                for row in rows:
+                    row.pending_context += 1
         else:
             tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span)
-        # One device-to-host copy for the batch: each row's tokens, count and whether its logits were finite.
-        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long()], dim=1).tolist()
+        # One device-to-host copy for the batch: each row's tokens, count, whether its logits were finite and its
+        # anchor's top-1 probability (in units of 2^-24, float32's precision).
+        confidence = (self.decoder.anchor_confidence[:n, None] * CONFIDENCE_UNITS).round().long()
+        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long(), confidence], dim=1).tolist()
         elapsed = time.perf_counter() - started
+        if chains and context != "skip":  # what a row that may draft again pays for each width
+            self._observe_price(bucket, width, elapsed)
         finished, going_on = [], []
         for index, (row, size, out) in enumerate(zip(rows, sizes, host, strict=True)):
-            if not out[-1]:
+            *_, count, usable, quantized = out
+            if not usable:
                 row.fail(NonFiniteLogits("the target's distribution over this request's block is not finite"))
                 finished.append(index)
                 continue
-            count = out[-2]
             new_tokens = truncate_at_stop(out[:count], row.config.stop_token_ids)
             if row.record is not None:
                 self._record(row, index, len(new_tokens))
@@ -438,10 +466,29 @@ class Engine(RowScheduler):
             elif len(row.tokens) >= row.config.max_new_tokens:
                 row.stop_reason = "length"
             if row.stop_reason is None:
-                going_on.append((row, len(new_tokens), self.decoder.anchor_logits[index]))
+                anchor = self.decoder.anchor_logits[index]
+                going_on.append((row, len(new_tokens), anchor, quantized / CONFIDENCE_UNITS))
             else:
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)
+
+    def _observe_price(self, bucket: int, width: int, seconds: float) -> None:
+        """A chain cycle of `bucket` rows at `width` took `seconds`, the drafter's context kept (what a row that may
+        draft again pays): the price of every b of that width bucket at that batch, a moving average in which one
+        cycle counts at most twice the price (a pause of the process is no price)."""
+        key = (bucket, width)
+        self._price_cycles[key] += 1
+        if self._price_cycles[key] <= PRICE_WARM_UP:
+            return
+        prices = self._measured_prices.setdefault(bucket, {})
+        narrower = max((w for w in self.widths if w < width), default=0)
+        old = prices.get(width)
+        price = seconds if old is None else old + PRICE_WEIGHT * (min(seconds, 2 * old) - old)
+        for b in range(narrower + 1, width + 1):
+            prices[b] = price
+
+    def _prices(self, batch_rows: int) -> dict[int, float] | None:
+        return self._measured_prices.get(next(b for b in self.buckets if b >= batch_rows))
 
     def _record(self, row: Row, index: int, kept: int) -> None:
         """The row's committed positions' features and the distributions that drew its new tokens, from the cycle's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,7 @@ class Row:
     drafter_passes: int = 0
     # Whether the drafter's context is kept for it: False once its policy chose b = 1 for good (`keeps_block_size`).
     drafter_context: bool = True
+    pending_context: int = 0  # its positions whose drafter context waits in the decoder (`defer` cycles)
     prefill_time: float = 0.0
     decode_time: float = 0.0
     prefill_state: PrefillState | None = None
@@ -185,7 +186,14 @@ def _checked(block_size: Any, policy: BlockSizePolicy) -> int:
     return block_size
 
 
-def cycle_state(row: Row, committed: int, anchor_logits: torch.Tensor, batch_rows: int) -> CycleState:
+def cycle_state(
+    row: Row,
+    committed: int,
+    anchor_logits: torch.Tensor,
+    confidence: float | None,
+    batch_rows: int,
+    prices: Mapping[int, float] | None = None,
+) -> CycleState:
     """What the per-cycle hook sees of a row's last cycle, which committed `committed` tokens."""
     return CycleState(
         cycle=len(row.block_sizes) - 1,
@@ -199,6 +207,8 @@ def cycle_state(row: Row, committed: int, anchor_logits: torch.Tensor, batch_row
         prefill=row.prefill_state,
         batch_rows=batch_rows,
         recent_tokens=tuple(row.tokens[-2:]),
+        anchor_confidence=confidence,
+        prices=prices,
     )
 
 
@@ -350,13 +360,18 @@ class RowScheduler:
             self._retire(index, updates)
 
     def _end_cycle(
-        self, going_on: list[tuple[Row, int, torch.Tensor]], finished: list[int], updates: list[RowUpdate]
+        self,
+        going_on: list[tuple[Row, int, torch.Tensor, float]],
+        finished: list[int],
+        updates: list[RowUpdate],
     ) -> None:
-        """After a cycle: the next b of every row going on (row, tokens it committed, its anchor's logits), priced at
-        the batch the next cycle runs (those rows and the waiting ones that will join them); then the finished rows
-        and any row that failed meanwhile (its policy's hook) leave."""
+        """After a cycle: the next b of every row going on (row, tokens it committed, its anchor's logits and their
+        top-1 probability), priced at the batch the next cycle runs (those rows and the waiting ones that will join
+        them); then the finished rows and any row that failed meanwhile (its policy's hook) leave."""
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        decide_block_sizes([(row, cycle_state(row, *done, next_batch)) for row, *done in going_on], initial=False)
+        prices = self._prices(next_batch)
+        states = [(row, cycle_state(row, *done, next_batch, prices)) for row, *done in going_on]
+        decide_block_sizes(states, initial=False)
         failed = {index for index, row in enumerate(self.rows) if row.failure is not None}
         for index in sorted(set(finished) | failed, reverse=True):
             self._retire(index, updates)
@@ -374,6 +389,10 @@ class RowScheduler:
             updates.append(RowUpdate(row.id, [], result, row.failure))
         else:
             mine.result, mine.error = result, row.failure
+
+    def _prices(self, batch_rows: int) -> Mapping[int, float] | None:
+        """b -> measured seconds of a cycle at `batch_rows` rows (None: none measured)."""
+        return None
 
     def _free_row(self, index: int, last: int) -> None:
         """Cache row `index` is left: move cache row `last` (an active row's) into it, or free it if it is last."""

@@ -31,7 +31,10 @@ with the verify's block a tree: see `tree.py` and `grow_trees`.
 
 Stale entries (a rejected draft's slot, a short prompt's padding) always lie at or past `length`, are invisible to
 every query that could read them, and are rewritten before `length` passes them. `width == 1` is autoregressive
-decoding: no drafter, one verify slot.
+decoding: no drafter, one verify slot. Its context step has three forms (`CONTEXT_MODES`): `encode` as above;
+`skip` for rows that never draft again; `defer` for rows that may: the target's features of the committed position
+are kept (up to `PENDING_CONTEXT` a row) and `_flush_context` encodes them in one pass before the row drafts again,
+so the draft sees the context it would have seen had the row drafted all along.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ from blockpilot.policies.base import distribution_summary
 from blockpilot.tree import TOP_K
 
 logger = logging.getLogger(__name__)
+
+CONTEXT_MODES = ("encode", "defer", "skip")
+PENDING_CONTEXT = 16  # positions an autoregressive row keeps unencoded before they are written in one pass
 
 
 def grow_trees(
@@ -153,7 +159,8 @@ class StaticDecoder:
     rows, `place` starts a row decoding, `move` compacts, `free` stops one. `cycle(n, span)` returns device
     views, overwritten by the next cycle: tokens (n, W), counts (n,) (row i committed tokens[i, :counts[i]]),
     finite (n,) (whether the row's target distributions over its block were finite). `anchor_logits` (rows, V)
-    holds each row's logits at its new last token: the next block's anchor, for per-step policies.
+    holds each row's logits at its new last token: the next block's anchor, for per-step policies, and
+    `anchor_confidence` (rows,) their top-1 probability at T = 1.
     """
 
     def __init__(
@@ -200,6 +207,13 @@ class StaticDecoder:
         self.counts = torch.zeros(rows, **long)
         self.finite = torch.ones(rows, dtype=torch.bool, device=self.device)
         self.anchor_logits = torch.zeros(rows, self.target.head.shape[0], dtype=torch.float32, device=self.device)
+        self.anchor_confidence = torch.zeros(rows, dtype=torch.float32, device=self.device)  # its top-1 probability
+        if drafting:  # autoregressive cycles' features, kept for the drafter's context (`defer`)
+            feature_size = models.target.config.get_text_config().hidden_size * len(layer_ids)
+            dtype = self.target.embed.dtype
+            self.pending_features = torch.zeros(rows, PENDING_CONTEXT, feature_size, dtype=dtype, device=self.device)
+            self.pending_positions = torch.zeros(rows, PENDING_CONTEXT, **long)
+            self.pending_count = torch.zeros(rows, **long)
         self.offsets = torch.arange(width, device=self.device)
         self.slot_range = torch.arange(capacity, device=self.device)
         self.mask_token_id = models.mask_token_id if drafting else 0
@@ -235,7 +249,7 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
-    def _cycle(self, n: int, span: int, width: int, rejection: bool = False, context: bool = True) -> None:
+    def _cycle(self, n: int, span: int, width: int, rejection: bool = False, context: str = "encode") -> None:
         length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
         rows, window, offsets = slice(0, n), self.slot_range[:span], self.offsets[:width]
         temperatures, seeds = self.temperatures[:n], self.seeds[:n]
@@ -265,14 +279,38 @@ class StaticDecoder:
                 out = torch.where(rejecting[:, None], committed, out)
         else:
             accepted = torch.zeros_like(length)
-        if self.drafter is not None and context:  # the drafter's context grows at every width, 1 included
+        if self.drafter is not None and context == "encode":  # the drafter's context grows at every width
             self.drafter.encode(features, positions, positions, rows)
+        elif self.drafter is not None and context == "defer":  # width 1: one position a row, kept for later
+            self._defer_context(n, features[:, 0], positions[:, 0])
         self._record(n, logits, features, offsets.expand(n, -1))
         self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None])
 
     def _plain_cycle(self, n: int, span: int) -> None:
         """An autoregressive cycle for rows that never draft again: no drafter context kept."""
-        self._cycle(n, span, 1, False, False)
+        self._cycle(n, span, 1, False, "skip")
+
+    def _deferred_cycle(self, n: int, span: int) -> None:
+        """An autoregressive cycle for rows that may draft again: their features kept, encoded later."""
+        self._cycle(n, span, 1, False, "defer")
+
+    def _defer_context(self, n: int, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep rows 0 .. n - 1's features (n, F) at `positions` (n,) for `_flush_context` (the caller flushes a
+        full row first; free rows count nothing)."""
+        count, rows = self.pending_count[:n], torch.arange(n, device=self.device)
+        slot = count.clamp(max=PENDING_CONTEXT - 1)  # never past the buffer (the caller flushes before)
+        self.pending_features[rows, slot] = features.to(self.pending_features.dtype)
+        self.pending_positions[rows, slot] = positions
+        count.add_(self.active[:n].long())
+
+    def _flush_context(self, n: int) -> None:
+        """The drafter's context of every position rows 0 .. n - 1 kept (`_defer_context`), in one pass; the
+        entries past a row's count are written to its last cache slot, which no row's context reaches."""
+        count, positions = self.pending_count[:n], self.pending_positions[:n]
+        kept = torch.arange(PENDING_CONTEXT, device=self.device) < count[:, None]
+        slots = torch.where(kept, positions, torch.full_like(positions, self.capacity - 1))
+        self.drafter.encode(self.pending_features[:n], positions, slots, slice(0, n))
+        count.zero_()
 
     def _draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
         """The drafter over rows 0 .. n - 1's blocks [last token, MASK x (width - 1)] at their next positions, each
@@ -318,8 +356,10 @@ class StaticDecoder:
         self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1))
         self.tokens[:n, : out.shape[1]].copy_(out)
         self.counts[:n].copy_(accepted + 1)
-        anchor = last_index[:, None, None].expand(-1, 1, logits.shape[-1])
-        self.anchor_logits[:n].copy_(logits.gather(1, anchor)[:, 0])
+        anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0].float()
+        self.anchor_logits[:n].copy_(anchor)
+        # softmax's largest entry, 1 / sum(exp(logits - max)): what a per-step rule reads, with no pass of its own
+        self.anchor_confidence[:n].copy_((anchor - anchor.amax(dim=-1, keepdim=True)).exp().sum(dim=-1).reciprocal())
         self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
         self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
 
@@ -405,7 +445,8 @@ class StaticDecoder:
         once, on the rows' current state (restored after: the warm-up's writes lie at or past each row's length,
         where the real step writes again)."""
         started = time.perf_counter()
-        state = [t.clone() for t in (self.length, self.last_token)]
+        kept = (self.length, self.last_token) + ((self.pending_count,) if self.drafter is not None else ())
+        state = [t.clone() for t in kept]
         function = getattr(self, name)
         if "compile" in self.mode:
             if name not in self._compiled:
@@ -444,8 +485,8 @@ class StaticDecoder:
             step = graph.replay
         else:
             step()  # compiles
-        self.length.copy_(state[0])
-        self.last_token.copy_(state[1])
+        for tensor, saved in zip(kept, state, strict=True):
+            tensor.copy_(saved)
         synchronize(self.device)
         self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
         return step
@@ -457,14 +498,14 @@ class StaticDecoder:
         span: int | None = None,
         width: int | None = None,
         rejection: bool = False,
-        context: bool = True,
+        context: str = "encode",
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft/verify cycle for rows 0 .. n - 1 at `width` (default the decoder's; every row's b at most it)
         reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
         tokens (n, width), counts (n,), finite (n,). With `rejection`, rows placed to verify by `rejection` do (a
-        variant of the step of its own: the drafter's sampling and the test cost the others nothing). Without
-        `context`, no row drafts again: a cycle of width 1 then skips the drafter's context (on a frozen decoder,
-        where that step was built)."""
+        variant of the step of its own: the drafter's sampling and the test cost the others nothing). `context`
+        (`CONTEXT_MODES`) is how a cycle of width 1 keeps the drafter's context (on a frozen decoder, where that
+        step was built; else it encodes); a wider cycle encodes."""
         width = width or self.width
         if not 1 <= width <= self.width:
             raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
@@ -472,12 +513,20 @@ class StaticDecoder:
             raise ValueError("the rejection rule samples: it needs a decoder built with sampling=True")
         if span is None:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
-        plain = ("_plain_cycle", n, span)
-        if width == 1 and not context and self.drafter is not None and self._can_run(plain):
-            self._run(*plain)
+        if context not in CONTEXT_MODES:
+            raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
+        step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span)
+        if width == 1 and context != "encode" and self.drafter is not None and self._can_run(step):
+            self._run(*step)
         else:
             self._run("_cycle", n, span, width, rejection)
         return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
+
+    @torch.inference_mode()
+    def flush_context(self, n: int) -> None:
+        """Encode the drafter's context of every position rows 0 .. n - 1 kept by `defer` cycles (before a row
+        drafts again, or before one keeps more than `PENDING_CONTEXT`)."""
+        self._run("_flush_context", n)
 
     def _can_run(self, step: tuple) -> bool:
         """Whether step (name, *shape) runs compiled or as built: not a frozen decoder's step that was not built."""
@@ -511,17 +560,18 @@ class StaticDecoder:
         """The smallest built step of `name` that holds `shape`: as many rows or more (the others are free rows,
         which commit nothing), as long a span or longer (masked), and for a chain cycle as wide or wider (a row's b
         stops its acceptance) under the same rule; a tree step's slots must match. None when no built step holds it."""
-        rows, span, *rest = shape
+        rows, *rest = shape
+        span = rest.pop(0) if rest else 0
         fits = []
         for key in self._steps:
-            if key[0] != name or key[1] < rows or key[2] < span:
+            if key[0] != name or key[1] < rows or (span and key[2] < span):
                 continue
             if name == "_cycle" and (key[3] < rest[0] or key[4] != rest[1]):
                 continue
             if name != "_cycle" and list(key[3:]) != rest:
                 continue
             fits.append(key)
-        return min(fits, key=lambda key: key[1] * key[2] * (key[3] if name == "_cycle" else 1), default=None)
+        return min(fits, key=lambda key: key[1] * (key[2] if span else 1) * (key[3] if name == "_cycle" else 1), default=None)
 
     def build(self, name: str, *shape: int) -> None:
         """Compile (or load from the on-disk cache) and capture step `name` at `shape` now, if the mode compiles and
@@ -685,6 +735,8 @@ class StaticDecoder:
         self.length[row], self.last_token[row] = length, last_token
         self.temperatures[row], self.seeds[row], self.rejection[row] = temperature, seed, rejection
         self.block_sizes[row], self.active[row] = 1, True
+        if self.drafter is not None:
+            self.pending_count[row] = 0
 
     def set_block_sizes(self, sizes: Sequence[int]) -> None:
         """The b of rows 0 .. len(sizes) - 1 for the next cycle, each in [1, width]."""
@@ -707,6 +759,8 @@ class StaticDecoder:
             self.active,
             self.rejection,
         )
+        if self.drafter is not None:
+            states += (self.pending_features, self.pending_positions, self.pending_count)
         for state in states:
             state[destination] = state[source]
         self.free(source)
@@ -715,6 +769,8 @@ class StaticDecoder:
         """Row `row` decodes nothing: it stays at length 0 (its cycles write its own first slots only). With `clear`,
         its cache slots are zeroed too (a failed row's may hold NaN, which a masked read still spreads)."""
         self.active[row], self.length[row], self.block_sizes[row], self.rejection[row] = False, 0, 1, False
+        if self.drafter is not None:
+            self.pending_count[row] = 0
         if clear:
             for body in (self.target.body, *([self.drafter.body] if self.drafter is not None else [])):
                 for buffer in body.buffers():

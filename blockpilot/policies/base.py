@@ -13,7 +13,7 @@ distribution. The families are the modules beside this one; `resolve.py` builds 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -47,6 +47,9 @@ class PrefillState:
     train_block_size: int | None  # the drafter's training block size B, None without a drafter
     batch_rows: int = 1  # rows in the batch the request joins (itself included)
     first_token: int | None = None  # g_0, drawn from `next_token_logits`: the first block's first token
+    # b -> seconds of a cycle drafting b at the batch the request joins, as the engine measured them (None or a
+    # missing b: not measured yet); the same mapping every row of that batch sees, updated in place.
+    prices: Mapping[int, float] | None = field(default=None, compare=False, repr=False)
     # What policies derive from the prefill once per request and read again at later cycles (a per-request
     # predictor's output), by name; it lives as long as the request.
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -84,6 +87,9 @@ class CycleState:
     batch_rows: int = 1  # rows expected in the next cycle's batch: the ones going on, and waiting ones that fit
     recent_tokens: tuple[int, ...] = ()  # the last (up to) two generated tokens, the next block's first one last
     prefill: PrefillState | None = field(default=None, repr=False)  # the request's, as its first choice saw it
+    # The top-1 probability of `anchor_logits` at T = 1, computed inside the cycle (`StaticDecoder`).
+    anchor_confidence: float | None = None
+    prices: Mapping[int, float] | None = field(default=None, compare=False, repr=False)  # as `PrefillState.prices`
 
 
 class BlockSizePolicy:
