@@ -204,6 +204,7 @@ POLICY_COLUMNS = (
     ("chosen", "pred"),
     ("request", "request"),
     ("step", "step"),
+    ("rule", "rule"),
     ("static", "oracle"),
     ("per-step", "step_oracle"),
     ("tree", "best_tree"),

@@ -109,7 +109,7 @@ STAGES = 7
 LIVE_ROUNDS = 5  # timed passes of the live table, each over every policy (a mini pass is a quarter second)
 # The live table's keys (`walks` policy names): the adaptive policies the endpoint may serve, and the fixed shapes
 # they are held against.
-ADAPTIVE_POLICIES = ("request", "paper", "step")
+ADAPTIVE_POLICIES = ("request", "paper", "step", "rule")
 FIXED_SHAPES = ("autoregressive", "B", "best_fixed", "best_tree")
 
 
@@ -408,6 +408,7 @@ def run_demo(job: DemoJob) -> int:
         "request": (f"learned:{predictor}", "learned (per request)"),
         "paper": (f"learned:{paper_predictor}", "learned (the paper's predictor)"),
         "step": (adaptive, "learned+step (per step)"),
+        "rule": (f"confidence:{step.model_dir}", "confidence rule (per step)"),
         "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
     }
     specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}

@@ -9,7 +9,8 @@ driver (`blockpilot.predictor.step_data`); rows without tables stop the job here
 reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each epoch (and to the MLflow
 run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
-fixed B, the best fixed b, the static oracle, the model and the per-step oracle; the folder and the metrics go
+fixed B, the best fixed b, the static oracle, the model, the confidence rule fitted on the same tables
+(`blockpilot.predictor.confidence`, saved in the model's folder) and the per-step oracle; the folder and the metrics go
 to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
 (its `champion` alias moves when a version beats the champion's held-out modeled throughput). Generate and serve
 take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
@@ -115,6 +116,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
 
     from blockpilot.cost import load_cost
     from blockpilot.data.labels import read_labels
+    from blockpilot.predictor.confidence import fit_confidence_rule
     from blockpilot.predictor.step_data import evaluate_step_model, format_step_metrics, regret_dataset, step_rows
     from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.predictor.store import load_predictor
@@ -184,9 +186,11 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         with result.checkpoint.as_directory() as directory:
             model = StepModel.load(Path(directory) / "step")
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
+        rule = fit_confidence_rule(train_rows, cost)
+        rule.save(out)  # beside the model: its folder (or MLflow URI) is the rule's too, `confidence:FOLDER`
         # A load-aware model is reported at each of its loads (`load<n>/...`), and at the largest without a prefix.
-        by_load = {load: evaluate_step_model(model, eval_rows, cost, load=load) for load in loads}
-        metrics = by_load[max(loads)] if loads else evaluate_step_model(model, eval_rows, cost)
+        by_load = {load: evaluate_step_model(model, eval_rows, cost, load=load, rule=rule) for load in loads}
+        metrics = by_load[max(loads)] if loads else evaluate_step_model(model, eval_rows, cost, rule=rule)
         metrics = metrics | {f"load{load}/{k}": v for load, at_load in by_load.items() for k, v in at_load.items()}
         tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()})
         for name, source, table in (("train", job.labels, train_table), ("evaluation", job.eval, eval_table)):
@@ -210,7 +214,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     registered = f"; registered as models:/{STEP_MODEL_NAME}/{version}" if version else ""
     crowned = " (the new champion)" if champion else ""
     spec = f"learned+step:{job.prior},{out}" if prior is not None else f"learned-step:{out}"
-    print(f"[step] saved to {out}{registered}{crowned}; use it with --policy {spec}")
+    print(f"[step] saved to {out}{registered}{crowned}; use it with --policy {spec} (or its confidence rule: "
+          f"--policy confidence:{out})")
     return StepOutcome(out, metrics, tracker.run_id)
 
 

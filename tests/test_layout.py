@@ -98,7 +98,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # acceptance tables and what is learned and measured on them
     ("blockpilot.table", "blockpilot.walks", "blockpilot.scoring", "blockpilot.predictor"),
     # the policy families and their resolver
-    tuple(f"blockpilot.policies.{family}" for family in ("fixed", "learned", "step", "trim", "resolve")),
+    tuple(f"blockpilot.policies.{family}" for family in ("fixed", "learned", "step", "confidence", "trim", "resolve")),
     # the engine and what drives it
     ("blockpilot.decoding", "blockpilot.sweep"),
     # jobs over the engine

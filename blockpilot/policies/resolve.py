@@ -12,12 +12,17 @@ Specs, as the command line, the endpoint's configuration, the demo and the bench
     learned+step:PREDICTOR,STEP
                       both: the per-request predictor drafts the first cycle, the step model picks b before
                       every later one (reading the predictor's choice when it was trained with it)
+    confidence:PATH   the confidence rule (`blockpilot.predictor.confidence`): autoregression or a chain before every
+                      cycle, from the anchor's top-1 probability and the last cycle, priced by the engine's measured
+                      cycles (PATH: its JSON, or a folder holding one: `blockpilot train-step` writes one beside its
+                      step model)
     tree:N            a draft tree of N nodes, B deep, verified in one pass (`blockpilot.tree`)
     tree:N:D          the same, D deep (D - 1 levels below the root: a tree's block size; a drafter may draft
                       past its B, and trees gain more from depth than chains do)
     autoregressive    one token per target pass (also what any spec becomes without a drafter)
 
-The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "tree", "autoregressive") is what
+The policy's `name` ("fixed", "entropy", "learned", "learned-step", "learned+step", "confidence", "tree",
+"autoregressive") is what
 every surface reports. `adaptive_spec` is the server's default: the most the models at hand allow.
 """
 
@@ -37,6 +42,7 @@ POLICY_KINDS: tuple[str, ...] = (
     "learned",
     "learned-step",
     "learned+step",
+    "confidence",
     "tree",
     "autoregressive",
 )
@@ -49,6 +55,7 @@ _ARGUMENTS: dict[str, tuple[tuple[str, ...], str]] = {
         ("predictor", "step_model"),
         "a model: learned+step:PREDICTOR,STEP_MODEL (each a folder or models:/NAME@ALIAS)",
     ),
+    "confidence": (("rule",), "a rule: confidence:PATH (its JSON, or a folder holding confidence.json)"),
 }
 
 
@@ -59,6 +66,7 @@ class PolicySpec:
     predictor: str | None = None  # learned, learned+step: the per-request predictor (folder or MLflow URI)
     step_model: str | None = None  # learned-step, learned+step: the per-step model (folder or MLflow URI)
     tree_nodes: int | None = None  # tree: the drafted nodes a tree holds
+    rule: str | None = None  # confidence: the rule's file or folder (or a step model's MLflow URI)
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
@@ -145,6 +153,17 @@ def resolve_policy(
     if spec.kind == "entropy":
         window = candidates_around(train)
         return EntropyHeuristic(min(window), max(window))
+    if spec.kind == "confidence":
+        from blockpilot.policies.confidence import ConfidencePolicy
+        from blockpilot.predictor.confidence import ConfidenceRule
+        from blockpilot.predictor.store import MODEL_URI_PREFIXES, resolve_predictor_dir
+
+        where = resolve_predictor_dir(spec.rule) if spec.rule.startswith(MODEL_URI_PREFIXES) else spec.rule
+        rule = ConfidenceRule.load(where)
+        context = getattr(models.target.config, "max_position_embeddings", None)
+        if context is not None and max(rule.candidates) >= context:
+            raise ValueError(f"the rule's candidates {list(rule.candidates)} exceed the target's context of {context}")
+        return ConfidencePolicy(rule)
     from blockpilot.policies.learned import LearnedPolicy
     from blockpilot.policies.step import PriorStepPolicy, StepPolicy
     from blockpilot.predictor.step_model import load_step_model

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from blockpilot.cost import CycleCost, nearest_batch_size
+from blockpilot.predictor.confidence import ConfidenceRule, walk_rule
 from blockpilot.predictor.step_features import CycleView, anchor_tokens
 from blockpilot.predictor.step_model import StepModel
 from blockpilot.table import AcceptanceTable, tables_from_row
@@ -215,16 +216,29 @@ def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> t
     return tokens, cycles, spent
 
 
+def _rule_walks(row: StepRow, rule: ConfidenceRule, cost: CycleCost) -> tuple[float, float, float]:
+    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables."""
+    tokens = cycles = spent = 0.0
+    for table, anchors in zip(row.tables, row.anchors, strict=True):
+        sizes = walk_rule(rule, table, anchors)
+        tokens += table.n - 1
+        cycles += len(sizes)
+        spent += table.walk_cost(sizes, cost=cost)
+    return tokens, cycles, spent
+
+
 def evaluate_step_model(
     model: StepModel | None,
     rows: list[StepRow],
     cost: CycleCost,
     train_block_size: int | None = None,
     load: int | None = None,
+    rule: ConfidenceRule | None = None,
 ) -> dict[str, float]:
     """The metrics of `blockpilot.walks` on the rows' tables, over all rows and per temperature: fixed B, the best
     fixed b, the static oracle, the per-request predictor (`request`, when the rows carry its b0), the step model
-    (`step`, when given; after b0 when it reads one) and the per-step oracle. Fixed B is the model's training block
+    (`step`, when given; after b0 when it reads one), the confidence `rule` (when given; priced by its own curve
+    where it chooses, by `cost` where it is scored) and the per-step oracle. Fixed B is the model's training block
     size, else `train_block_size`. Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch
     size of `cost` without one; a load-aware model reads that load."""
     candidates = rows[0].tables[0].candidates
@@ -242,6 +256,9 @@ def evaluate_step_model(
     if model is not None:
         stepped = np.asarray([_step_walks(row, model, cost, load) for row in rows])
         policies["step"] = lambda index: tuple(stepped[index].sum(axis=0))
+    if rule is not None:
+        ruled = np.asarray([_rule_walks(row, rule, cost) for row in rows])
+        policies["rule"] = lambda index: tuple(ruled[index].sum(axis=0))
     oracles = np.asarray([step_oracle(row.tables, cost) for row in rows])
     train = model.config.train_block_size if model is not None else train_block_size
     groups = temperature_groups([row.temperature for row in rows])

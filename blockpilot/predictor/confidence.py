@@ -1,0 +1,185 @@
+"""The confidence rule: a per-step choice of b from what a cycle already computed, calibrated on the labels'
+acceptance tables and priced at decision time.
+
+Before the cycle at cursor i the rule knows the target's top-1 probability at the anchor (the distribution that drew
+the block's first token, g_{i-1}: the cycle computes it, `StaticDecoder.anchor_confidence`) and how the last cycle
+ended (`cycle_outcome`). For every temperature group, bucket of that probability (`EDGES`) and outcome it holds
+the mean tokens each candidate b commits there. The means come from the cycles of every candidate's fixed-b walk
+over the training tables, not from every cursor: a walk lands right after a rejected draft, where the drafter has
+just been wrong and the next block accepts less than at the average cursor (priced by cursor averages, the rule
+decoded 0.93x autoregression at T = 1 on the mini zoo's held-out tables; conditioned on the outcome, 1.03x).
+
+The policy (`blockpilot.policies.confidence`) drafts the b of the best expected tokens per second,
+commits(b) / price(b), with prices from the device: the engine's measured cycles where it has them, else the
+calibrated curve the rule keeps.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from blockpilot.cost import CycleCost, nearest_batch_size
+from blockpilot.files import write_text_atomic
+
+# Buckets of the anchor's top-1 probability: drafts accept most where the target is sure, and the differences are
+# in the last few hundredths.
+EDGES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+# How the last cycle ended: the first cycle or an autoregressive one; a draft rejected; every draft accepted.
+FIRST_OR_AUTOREGRESSIVE, REJECTED, ALL_ACCEPTED = 0, 1, 2
+OUTCOMES = 3
+MIN_CYCLES = 20  # a cell measured on fewer cycles takes its bucket's mean over every outcome
+RULE_FILE = "confidence.json"
+
+
+def cycle_outcome(block_size: int | None, committed: int | None) -> int:
+    """The last cycle's outcome: `FIRST_OR_AUTOREGRESSIVE` (none yet, or b = 1), `ALL_ACCEPTED` (it committed its
+    whole block), else `REJECTED`."""
+    if not block_size or block_size == 1:
+        return FIRST_OR_AUTOREGRESSIVE
+    return ALL_ACCEPTED if committed is not None and committed >= block_size else REJECTED
+
+
+@dataclass(frozen=True)
+class ConfidenceRule:
+    candidates: tuple[int, ...]
+    temperatures: tuple[float, ...]  # the label groups; a request is read as the nearest
+    commits: np.ndarray  # (temperatures, buckets, OUTCOMES, candidates) mean tokens a cycle of each b commits
+    cycles: np.ndarray  # (temperatures, buckets, OUTCOMES) cycles each mean was measured on
+    cost: dict[int, float]  # b -> seconds of a cycle at batch 1: the calibrated curve, the prices' fallback
+    edges: tuple[float, ...] = EDGES
+
+    def __post_init__(self) -> None:
+        shape = (len(self.temperatures), len(self.edges) + 1, OUTCOMES, len(self.candidates))
+        if self.commits.shape != shape or self.cycles.shape != shape[:-1]:
+            raise ValueError(f"a rule over {shape} needs commits of that shape, got {self.commits.shape}")
+        missing = [b for b in self.candidates if b not in self.cost]
+        if missing:
+            raise ValueError(f"the rule's cost curve lacks the candidates {missing}")
+
+    def expected(self, temperature: float, confidence: float, outcome: int) -> list[float]:
+        """The mean tokens a cycle of each candidate commits after `outcome` at an anchor of top-1 probability
+        `confidence`."""
+        return self._means[self._group(temperature)][bisect_right(self.edges, confidence)][outcome]
+
+    def choose(
+        self, temperature: float, confidence: float, outcome: int, prices: Mapping[int, float] | None = None
+    ) -> int:
+        """The candidate of the most expected tokens per second (the smaller on a tie), each priced by `prices`
+        where it has it (the device's measured cycles), else by the calibrated curve. Plain Python over a few
+        candidates: it runs before every cycle."""
+        prices, cost = prices or {}, self.cost
+        best, best_rate = self.candidates[0], -1.0
+        for b, tokens in zip(self.candidates, self.expected(temperature, confidence, outcome), strict=True):
+            rate = tokens / (prices.get(b) or cost[b])
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    @cached_property
+    def _means(self) -> list:
+        return self.commits.tolist()
+
+    def _group(self, temperature: float) -> int:
+        group = self._groups.get(temperature)
+        if group is None:
+            group = self._groups[temperature] = min(
+                range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - temperature)
+            )
+        return group
+
+    @cached_property
+    def _groups(self) -> dict[float, int]:
+        return {}
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "confidence",
+            "candidates": list(self.candidates),
+            "temperatures": list(self.temperatures),
+            "edges": list(self.edges),
+            "commits": self.commits.round(4).tolist(),
+            "cycles": self.cycles.astype(int).tolist(),
+            "cost": {str(b): seconds for b, seconds in self.cost.items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the rule as JSON: a file, or `RULE_FILE` in a folder (a step model's, beside its weights)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / RULE_FILE
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ConfidenceRule:
+        """A rule from its JSON file, or from the `RULE_FILE` of a folder."""
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / RULE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no confidence rule at {str(path)!r} (blockpilot train-step writes {RULE_FILE})")
+        raw = json.loads(path.read_text())
+        if raw.get("kind") != "confidence":
+            raise ValueError(f"{str(path)!r} holds no confidence rule (kind {raw.get('kind')!r})")
+        return cls(
+            candidates=tuple(int(b) for b in raw["candidates"]),
+            temperatures=tuple(float(t) for t in raw["temperatures"]),
+            commits=np.asarray(raw["commits"], dtype=np.float64),
+            cycles=np.asarray(raw["cycles"], dtype=np.int64),
+            cost={int(b): float(seconds) for b, seconds in raw["cost"].items()},
+            edges=tuple(float(e) for e in raw["edges"]),
+        )
+
+
+def fit_confidence_rule(
+    rows: Sequence, cost: CycleCost, edges: Sequence[float] = EDGES, min_cycles: int = MIN_CYCLES
+) -> ConfidenceRule:
+    """The rule's means from label rows with tables and anchors (`step_data.StepRow`): every cycle of every
+    candidate's fixed-b walk over each table adds what each candidate commits at its cursor to the cell of its
+    temperature, anchor bucket and the outcome of the walk's last cycle. A cell of fewer than `min_cycles` cycles
+    takes its bucket's mean over every outcome."""
+    if not rows:
+        raise ValueError("a confidence rule needs label rows with acceptance tables; got none")
+    candidates = rows[0].tables[0].candidates
+    temperatures = tuple(sorted({row.temperature for row in rows}))
+    edges = tuple(edges)
+    sums = np.zeros((len(temperatures), len(edges) + 1, OUTCOMES, len(candidates)))
+    counts = np.zeros(sums.shape[:-1])
+    for row in rows:
+        group = temperatures.index(row.temperature)
+        for table, anchors in zip(row.tables, row.anchors, strict=True):
+            buckets = np.searchsorted(np.asarray(edges), anchors.top_probs[:, 0], side="right")
+            commits = table.commits.T.astype(np.float64)  # (n - 1, K)
+            for index, b in enumerate(candidates):
+                cursor, outcome = 1, FIRST_OR_AUTOREGRESSIVE
+                while cursor < table.n:
+                    cell = (group, buckets[cursor - 1], outcome)
+                    sums[cell] += commits[cursor - 1]
+                    counts[cell] += 1
+                    step = int(table.commits[index, cursor - 1])
+                    outcome = cycle_outcome(b, step)
+                    cursor += step
+    means = sums / np.maximum(counts, 1)[..., None]
+    pooled = sums.sum(axis=2) / np.maximum(counts.sum(axis=2), 1)[..., None]  # (T, buckets, K)
+    sparse = counts < min_cycles
+    means[sparse] = np.broadcast_to(pooled[:, :, None], means.shape)[sparse]
+    curve = cost.at_batch(nearest_batch_size(cost.seconds, 1))
+    return ConfidenceRule(candidates, temperatures, means, counts, {b: curve(b) for b in candidates}, edges)
+
+
+def walk_rule(rule: ConfidenceRule, table, anchors) -> list[int]:
+    """The block sizes of the rule's walk over `table` (priced by its calibrated curve), cycle by cycle, as the
+    engine runs it: the first cycle from the prefill's anchor, each later one from its anchor and the last cycle."""
+    temperature = anchors.temperature
+
+    def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
+        confidence = float(anchors.top_probs[cursor - 1, 0])
+        return rule.choose(temperature, confidence, cycle_outcome(last_size, last_accepted))
+
+    return table.walk_policy(choose)[0]

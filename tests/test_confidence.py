@@ -1,0 +1,180 @@
+"""The confidence rule: its means are those of the walks' cycles, its choice is priced (measured prices first), it
+decodes losslessly switching between autoregression and drafting, live as on the acceptance table, and the cycle
+hands it the anchor's top-1 probability and the engine's measured prices. Properties for any weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from support import greedy_reference
+from test_step_policy import sweep_anchors
+
+from blockpilot.cost import CycleCost
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
+from blockpilot.decoding.engine import PRICE_WARM_UP, Engine
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.confidence import ConfidencePolicy
+from blockpilot.policies.resolve import resolve_policy
+from blockpilot.predictor.confidence import (
+    ALL_ACCEPTED,
+    EDGES,
+    FIRST_OR_AUTOREGRESSIVE,
+    OUTCOMES,
+    REJECTED,
+    ConfidenceRule,
+    cycle_outcome,
+    fit_confidence_rule,
+    walk_rule,
+)
+from blockpilot.predictor.step_data import Anchors, StepRow, evaluate_step_model
+from blockpilot.sweep import SweepConfig, sweep_prompt
+from blockpilot.table import AcceptanceTable
+
+CANDIDATES = (1, 4)
+
+
+def rule_of(commits: dict[int, float], cost: dict[int, float], outcomes: dict[int, dict[int, float]] | None = None):
+    """A rule over `CANDIDATES` at T = 0 whose every cell holds `commits` (b -> tokens), or `outcomes[o]` after
+    outcome o."""
+    means = np.zeros((1, len(EDGES) + 1, OUTCOMES, len(CANDIDATES)))
+    for outcome in range(OUTCOMES):
+        row = (outcomes or {}).get(outcome, commits)
+        means[0, :, outcome] = [row[b] for b in CANDIDATES]
+    return ConfidenceRule(CANDIDATES, (0.0,), means, np.full(means.shape[:-1], 100), cost)
+
+
+def test_outcomes_of_a_cycle():
+    assert cycle_outcome(None, None) == cycle_outcome(1, 1) == FIRST_OR_AUTOREGRESSIVE
+    assert cycle_outcome(4, 4) == ALL_ACCEPTED and cycle_outcome(4, 2) == REJECTED
+
+
+def test_the_means_are_those_of_the_fixed_walks_cycles():
+    """One table of 9 tokens: b = 1 commits 1 everywhere, b = 4 commits 4 at cursor 1, 2 at cursor 5, 3 at cursor 7.
+    The b = 4 walk visits cursors 1 (first), 5 (after all accepted) and 7 (after a rejection); the autoregressive
+    walk every cursor, after an autoregressive cycle. Each cell's mean is over the cycles that landed in it."""
+    four = np.array([4, 1, 1, 1, 2, 1, 3, 1], dtype=np.int16)
+    table = AcceptanceTable(CANDIDATES, np.stack([np.ones(8, dtype=np.int16), four]), max_new_tokens=64)
+    top = np.full((8, 2), 0.999, dtype=np.float32)
+    row = StepRow("p", 0.0, [table], [Anchors(np.zeros(8, dtype=np.float32), top, 0.0)])
+    rule = fit_confidence_rule([row], CycleCost({1: {1: 1.0, 4: 2.0}}), min_cycles=1)
+    last = len(EDGES)  # every anchor is in the top bucket
+    # First or after autoregression: the 8 cursors of the b = 1 walk and cursor 1 of the b = 4 walk.
+    assert rule.commits[0, last, FIRST_OR_AUTOREGRESSIVE].tolist() == [1.0, (14 + 4) / 9]  # b = 4 over 8 cursors + 1
+    assert rule.commits[0, last, ALL_ACCEPTED].tolist() == [1.0, 2.0]  # cursor 5
+    assert rule.commits[0, last, REJECTED].tolist() == [1.0, 3.0]  # cursor 7
+    assert rule.cycles[0, last].tolist() == [9, 1, 1] and rule.cycles[0, :last].sum() == 0
+    assert rule.cost == {1: 1.0, 4: 2.0}
+    pooled = fit_confidence_rule([row], CycleCost({1: {1: 1.0, 4: 2.0}}))  # every cell sparse: its bucket's mean
+    assert np.allclose(pooled.commits[0, last], [1.0, (18 + 2 + 3) / 11])
+
+
+def test_a_choice_is_the_best_tokens_per_second_measured_prices_first(tmp_path):
+    rule = rule_of({1: 1.0, 4: 3.0}, {1: 1.0, 4: 2.0})
+    assert rule.choose(0.0, 0.5, REJECTED) == 4  # 1.5 tokens a unit against 1
+    assert rule.choose(0.0, 0.5, REJECTED, {4: 4.0}) == 1  # measured: drafting costs 4
+    assert rule.choose(0.0, 0.5, REJECTED, {1: 0.2}) == 1
+    assert rule.choose(0.0, 0.5, REJECTED, {1: 1.0, 4: 3.0}) == 1  # a tie: the smaller b
+    assert rule.choose(1.0, 0.5, REJECTED) == 4  # the nearest temperature's table
+    loaded = ConfidenceRule.load(rule.save(tmp_path / "rule.json"))
+    assert np.array_equal(loaded.commits, rule.commits) and loaded.cost == rule.cost
+    assert loaded.candidates == CANDIDATES and loaded.edges == EDGES
+    (tmp_path / "folder").mkdir()
+    rule.save(tmp_path / "folder")
+    assert ConfidenceRule.load(tmp_path / "folder").temperatures == (0.0,)
+    with pytest.raises(FileNotFoundError, match="train-step"):
+        ConfidenceRule.load(tmp_path / "missing")
+    with pytest.raises(ValueError, match="shape"):
+        ConfidenceRule(CANDIDATES, (0.0,), np.zeros((1, 2, 3, 2)), np.zeros((1, 2, 3)), {1: 1.0, 4: 1.0})
+
+
+def test_switching_by_outcome_is_lossless_and_drafts_as_the_table_says(tiny_models, tmp_path):
+    """A rule that drafts first and after a whole block accepted, and decodes autoregressively after a rejection:
+    rows switch both ways; greedy alone and beside other rows, and resolved from its file."""
+    rule = rule_of(
+        {1: 1.0, 4: 1.0},
+        {1: 1.0, 4: 2.0},
+        outcomes={FIRST_OR_AUTOREGRESSIVE: {1: 1.0, 4: 4.0}, ALL_ACCEPTED: {1: 1.0, 4: 4.0}},
+    )
+    policy = resolve_policy(f"confidence:{rule.save(tmp_path / 'rule.json')}", tiny_models)
+    assert isinstance(policy, ConfidencePolicy) and not policy.keeps_block_size and policy.name == "confidence"
+    texts = ["Count from 1 to 30.", "List four colors.", "Spell cat.", "Write the numbers from 2 to 20."]
+    prompts = [tiny_models.encode_prompt(text) for text in texts]
+    config = GenerationConfig(max_new_tokens=32)
+    requests = [GenerationRequest(p, config, policy) for p in prompts]
+    batched = generate_many(tiny_models, requests)
+    alone = [generate_many(tiny_models, [request])[0] for request in requests]
+    for prompt, together, single in zip(prompts, batched, alone, strict=True):
+        assert together.token_ids == single.token_ids == greedy_reference(tiny_models.target, prompt, 32)
+    sizes = [b for result in alone for b in result.block_sizes]
+    assert 1 in sizes and 4 in sizes
+
+
+def test_live_choices_are_the_rules_walk_of_the_table(tiny_models):
+    """Priced by its curve alone, the rule decodes live exactly as it walks the sequence's acceptance table: the
+    cycle's anchor probability is the labels' anchor summary."""
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
+    (table,) = sweep.tables
+    anchors = sweep_anchors(sweep)
+    # Drafting pays where the target is sure: the rule switches on the anchor, whatever the weights.
+    commits = np.ones((1, len(EDGES) + 1, OUTCOMES, 2))
+    commits[..., 1] = np.linspace(0.5, 6.0, len(EDGES) + 1)[None, :, None]
+    rule = ConfidenceRule(CANDIDATES, (0.0,), commits, np.full(commits.shape[:-1], 100), {1: 1.0, 4: 2.5})
+    sizes = walk_rule(rule, table, anchors)
+    live = generate(
+        tiny_models,
+        prompt,
+        policy=ConfidencePolicy(rule, measured_prices=False),
+        config=GenerationConfig(max_new_tokens=40),
+    )
+    assert live.token_ids == sweep.token_ids
+    cursors = np.cumsum([1, *live.acceptance_lengths[:-1]])
+    assert live.block_sizes == [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
+
+
+class Recorder(BlockSizePolicy):
+    """Drafts 4, autoregressive every third cycle; keeps every cycle state, with its anchor's top-1 probability
+    computed on the spot (the anchor logits are a view the next cycle overwrites)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.states, self.top = [], []
+
+    def initial_block_size(self, prefill):
+        return 4
+
+    def next_block_sizes(self, cycles):
+        self.states += cycles
+        self.top += [torch.softmax(cycle.anchor_logits.float(), dim=-1).max().item() for cycle in cycles]
+        return [1 if cycle.cycle % 3 == 2 else 4 for cycle in cycles]
+
+
+def test_a_cycle_hands_the_policy_its_anchor_probability_and_the_measured_prices(tiny_models):
+    policy = Recorder()
+    engine = Engine(tiny_models, max_batch=2)
+    prompts = [tiny_models.encode_prompt(text) for text in ("Count from 1 to 30.", "List four colors.")]
+    config = GenerationConfig(max_new_tokens=40)
+    generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts], engine=engine)
+    for state, expected in zip(policy.states, policy.top, strict=True):
+        assert state.anchor_confidence == pytest.approx(expected, abs=1e-5)
+    widths = {state.block_size for state in policy.states}
+    assert widths == {1, 4}
+    late = policy.states[-1].prices
+    assert late is not None and all(late[b] > 0 for b in (1, 3, 4))  # width 4's bucket prices 3 and 4
+    assert policy.states[0].prices is None or len(policy.states[0].prices) < 3  # none before a shape's warm-up
+    assert PRICE_WARM_UP >= 1
+
+
+def test_train_step_metrics_walk_the_rule(tiny_labels):
+    import pyarrow.parquet as pq
+
+    from blockpilot.predictor.step_data import step_rows
+
+    rows = step_rows(pq.read_table(tiny_labels["train"]))
+    cost = CycleCost({1: {b: 1.0 + 0.2 * b for b in rows[0].tables[0].candidates}})
+    rule = fit_confidence_rule(rows, cost)
+    metrics = evaluate_step_model(None, rows, cost, train_block_size=4, rule=rule)
+    assert metrics["tau_rule"] >= 1.0
+    assert metrics["throughput_rule"] <= metrics["throughput_step_oracle"] + 1e-9
