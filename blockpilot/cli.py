@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=None,
         help="fixed (the training block size), fixed:N, entropy, learned:PREDICTOR, learned-step:STEP_MODEL, "
-        "learned+step:PREDICTOR,STEP_MODEL, tree:NODES[:DEPTH], autoregressive "
+        "learned+step:PREDICTOR,STEP_MODEL, confidence:RULE, tree:NODES[:DEPTH], autoregressive "
         "(default fixed)",
     )
     gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")
