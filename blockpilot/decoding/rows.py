@@ -369,9 +369,10 @@ class RowScheduler:
         top-1 probability), priced at the batch the next cycle runs (those rows and the waiting ones that will join
         them); then the finished rows and any row that failed meanwhile (its policy's hook) leave."""
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        prices = self._prices(next_batch)
-        states = [(row, cycle_state(row, *done, next_batch, prices)) for row, *done in going_on]
-        decide_block_sizes(states, initial=False)
+        deciding = [done for done in going_on if not done[0].policy.keeps_block_size]
+        if deciding:  # a policy that keeps b has no per-cycle hook to ask
+            prices = self._prices(next_batch)
+            decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)
         failed = {index for index, row in enumerate(self.rows) if row.failure is not None}
         for index in sorted(set(finished) | failed, reverse=True):
             self._retire(index, updates)

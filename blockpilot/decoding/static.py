@@ -199,6 +199,7 @@ class StaticDecoder:
         self.length = torch.zeros(rows, **long)  # position (== slot) of each row's last committed token
         self.last_token = torch.zeros(rows, **long)
         self.block_sizes = torch.ones(rows, **long)
+        self._host_block_sizes = [1] * rows  # what `block_sizes` holds, kept on the host: unchanged b, no copy
         self.seeds = torch.zeros(rows, **long)
         self.temperatures = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self.active = torch.zeros(rows, dtype=torch.bool, device=self.device)  # a free row stays at length 0
@@ -735,14 +736,19 @@ class StaticDecoder:
         self.length[row], self.last_token[row] = length, last_token
         self.temperatures[row], self.seeds[row], self.rejection[row] = temperature, seed, rejection
         self.block_sizes[row], self.active[row] = 1, True
+        self._host_block_sizes[row] = 1
         if self.drafter is not None:
             self.pending_count[row] = 0
 
     def set_block_sizes(self, sizes: Sequence[int]) -> None:
         """The b of rows 0 .. len(sizes) - 1 for the next cycle, each in [1, width]."""
+        sizes = list(sizes)
+        if sizes == self._host_block_sizes[: len(sizes)]:
+            return
         if any(not 1 <= b <= self.width for b in sizes):
-            raise ValueError(f"expected block sizes in [1, {self.width}], got {list(sizes)}")
-        self.block_sizes[: len(sizes)].copy_(torch.tensor(list(sizes), device=self.device))
+            raise ValueError(f"expected block sizes in [1, {self.width}], got {sizes}")
+        self.block_sizes[: len(sizes)].copy_(torch.tensor(sizes, device=self.device))
+        self._host_block_sizes[: len(sizes)] = sizes
 
     def move(self, source: int, destination: int, length: int) -> None:
         """Row `source`'s first `length` cache slots and state into row `destination` (compaction: the engine's
@@ -763,12 +769,14 @@ class StaticDecoder:
             states += (self.pending_features, self.pending_positions, self.pending_count)
         for state in states:
             state[destination] = state[source]
+        self._host_block_sizes[destination] = self._host_block_sizes[source]
         self.free(source)
 
     def free(self, row: int, clear: bool = False) -> None:
         """Row `row` decodes nothing: it stays at length 0 (its cycles write its own first slots only). With `clear`,
         its cache slots are zeroed too (a failed row's may hold NaN, which a masked read still spreads)."""
         self.active[row], self.length[row], self.block_sizes[row], self.rejection[row] = False, 0, 1, False
+        self._host_block_sizes[row] = 1
         if self.drafter is not None:
             self.pending_count[row] = 0
         if clear:
