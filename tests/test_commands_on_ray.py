@@ -31,11 +31,10 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
     env = user_env(tmp_path / "home")
     models = f"--target {tiny_zoo / 'target'} --drafter {tiny_zoo / 'drafter'}"
     labels = tmp_path / "labels"  # --eval gets the same folder: a second labeling run would show nothing new
-    run(
-        f"blockpilot calibrate {models} --block-sizes 1,2,4,8 --repeats 1 --cycles 2 --compile off "
-        f"--out {tmp_path / 'cost.json'}",
-        env,
-    )
+    # The curve the training prices with, in process (not a README form; a subprocess costs about 8 s of imports).
+    calibrate = f"calibrate {models} --block-sizes 1,2,4,8 --repeats 1 --cycles 2 --compile off"
+    assert main(shlex.split(f"{calibrate} --out {tmp_path / 'cost.json'}")) == 0
+    assert "b=8" in capsys.readouterr().out
     # The README's labeling, as a user types it: the reference generations on the compiled cycle.
     printed = run(f"blockpilot label --prompts zoo:{tiny_zoo} {models} --out {labels} --limit 8 {LABEL_LIMITS}", env)
     assert "rows: 16 (16 new, 0 with errors)" in printed and "shape or" in printed  # the trees' headroom too

@@ -15,6 +15,7 @@ from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, g
 from blockpilot.decoding.engine import PRICE_WARM_UP, Engine
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.confidence import ConfidencePolicy
+from blockpilot.policies.fixed import Autoregressive
 from blockpilot.policies.resolve import resolve_policy
 from blockpilot.predictor.confidence import (
     ALL_ACCEPTED,
@@ -108,6 +109,12 @@ def test_switching_by_outcome_is_lossless_and_drafts_as_the_table_says(tiny_mode
         assert together.token_ids == single.token_ids == greedy_reference(tiny_models.target, prompt, 32)
     sizes = [b for result in alone for b in result.block_sizes]
     assert 1 in sizes and 4 in sizes
+    # Sampled: a row's output for a seed is autoregressive sampling's with that seed, however it switches.
+    sampled = GenerationConfig(max_new_tokens=32, temperature=1.0, seed=7)
+    switching = generate_many(tiny_models, [GenerationRequest(p, sampled, policy) for p in prompts])
+    plain = generate_many(tiny_models, [GenerationRequest(p, sampled, Autoregressive()) for p in prompts])
+    assert [r.token_ids for r in switching] == [r.token_ids for r in plain]
+    assert {1, 4} <= {b for result in switching for b in result.block_sizes}
 
 
 def test_live_choices_are_the_rules_walk_of_the_table(tiny_models):
