@@ -30,18 +30,12 @@ from blockpilot.predictor.confidence import EDGES, OUTCOMES, ConfidenceRule
 
 
 def without_confidence(decoder: StaticDecoder) -> StaticDecoder:
-    """The decoder's commit step without the anchor's top-1 probability (the cycle before the rule)."""
+    """The decoder keeping its anchors' logits alone, without their top-1 probability (the cycle before the rule)."""
 
-    def commit(self, n, logits, out, accepted, last_index, unused):
-        self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1))
-        self.tokens[:n, : out.shape[1]].copy_(out)
-        self.counts[:n].copy_(accepted + 1)
-        anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0].float()
-        self.anchor_logits[:n].copy_(anchor)
-        self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
-        self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
+    def keep_anchor(self, n, anchor):
+        self.anchor_logits[:n].copy_(anchor.float())
 
-    decoder._commit = types.MethodType(commit, decoder)
+    decoder._keep_anchor = types.MethodType(keep_anchor, decoder)
     return decoder
 
 

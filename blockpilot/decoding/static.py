@@ -357,12 +357,16 @@ class StaticDecoder:
         self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1))
         self.tokens[:n, : out.shape[1]].copy_(out)
         self.counts[:n].copy_(accepted + 1)
-        anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0].float()
-        self.anchor_logits[:n].copy_(anchor)
-        # softmax's largest entry, 1 / sum(exp(logits - max)): what a per-step rule reads, with no pass of its own
-        self.anchor_confidence[:n].copy_((anchor - anchor.amax(dim=-1, keepdim=True)).exp().sum(dim=-1).reciprocal())
+        self._keep_anchor(n, logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0])
         self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
         self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
+
+    def _keep_anchor(self, n: int, anchor: torch.Tensor) -> None:
+        """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability: softmax's largest
+        entry, 1 / sum(exp(logits - max)), what a per-step rule reads, with no pass of its own."""
+        anchor = anchor.float()
+        self.anchor_logits[:n].copy_(anchor)
+        self.anchor_confidence[:n].copy_((anchor - anchor.amax(dim=-1, keepdim=True)).exp().sum(dim=-1).reciprocal())
 
     def _grow(self, n: int, span: int, slots_n: int) -> None:
         """The drafter over every row's block of depth b (its block size), then each row's best-first tree of its
@@ -572,7 +576,8 @@ class StaticDecoder:
             if name != "_cycle" and list(key[3:]) != rest:
                 continue
             fits.append(key)
-        return min(fits, key=lambda key: key[1] * (key[2] if span else 1) * (key[3] if name == "_cycle" else 1), default=None)
+        size = lambda key: key[1] * (key[2] if span else 1) * (key[3] if name == "_cycle" else 1)  # noqa: E731
+        return min(fits, key=size, default=None)
 
     def build(self, name: str, *shape: int) -> None:
         """Compile (or load from the on-disk cache) and capture step `name` at `shape` now, if the mode compiles and
