@@ -222,6 +222,11 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     assert from_folder.policy == "learned-step" and len(from_folder.block_sizes) == from_folder.cycles
     registered = resolve_policy("learned-step:models:/blockpilot-step-policy@champion", tiny_models)
     assert generate(tiny_models, prompt, policy=registered, config=config).block_sizes == from_folder.block_sizes
+    # Its confidence rule, fitted on the same labels, saved beside it, reported, and served from either place.
+    assert (outcome.model_dir / "confidence.json").is_file() and "eval/T0/throughput_rule" in run.data.metrics
+    for rule in (outcome.model_dir, "models:/blockpilot-step-policy@champion"):
+        ruled = generate(tiny_models, prompt, policy=resolve_policy(f"confidence:{rule}", tiny_models), config=config)
+        assert ruled.policy == "confidence" and ruled.token_ids == from_folder.token_ids
     # MLflow's own loader: the pyfunc picks, per row of step features, the block size the model picks.
     import numpy as np
     import pandas as pd
