@@ -4,6 +4,7 @@ shown when it fails."""
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import socket
 import subprocess
@@ -45,9 +46,7 @@ def check_quiet(output: str, command: str, noise: tuple[str, ...] = EMBEDDED_UNA
     assert not found, f"`{command}` printed lines a user cannot act on:\n" + "\n".join(found[:5])
 
 
-def run(
-    command: str, env: dict[str, str], timeout: float = 300, noise: tuple[str, ...] = EMBEDDED_UNACTIONABLE
-) -> str:
+def run(command: str, env: dict[str, str], timeout: float = 300, noise: tuple[str, ...] = EMBEDDED_UNACTIONABLE) -> str:
     """Run `command` (a shell line, as in the README) and return its standard output; fail naming what it printed,
     and on a line of `noise`, lines a user cannot act on."""
     completed = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -59,10 +58,23 @@ def run(
     return completed.stdout
 
 
+# Ports for the servers the tests start: below Linux's ephemeral range (32768 and up), where the kernel places the
+# client end of every outgoing connection (Ray's processes open many), and above Ray's worker ports (10002-19999). A
+# port the kernel hands out as free (bind to 0) is ephemeral: minutes later, when the demo's endpoint binds it, a
+# connection may hold it ("Failed to bind to address '127.0.0.1:43001'", seen in CI).
+SERVER_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on now, from `SERVER_PORTS` (random: the two test workers draw independently)."""
+    for port in random.sample(SERVER_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS}")
 
 
 def wait_healthy(

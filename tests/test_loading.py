@@ -81,3 +81,27 @@ def test_missing_folders_name_the_path(tmp_path):
         load_models(tmp_path / "does-not-exist")
     with pytest.raises(FileNotFoundError, match="could not be fetched"):
         resolve_model_dir("nobody/no-such-model")  # HF_HUB_OFFLINE=1: a hub id fails here, clearly
+
+
+def test_a_hub_download_takes_what_loading_reads(monkeypatch, tmp_path):
+    """Llama's repository also holds its weights for Meta's code (`original/`) and may hold `.bin` copies: a
+    target's download matches only configs, safetensors and tokenizer files; a drafter's, configs and weights."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from blockpilot.models.hub import DRAFTER_FILES
+
+    asked = []
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns) or tmp_path
+    )
+    assert resolve_model_dir("meta-llama/Llama-3.1-8B-Instruct") == tmp_path
+    repository = [
+        "config.json", "generation_config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json",
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "original/consolidated.00.pth",
+        "pytorch_model-00001-of-00004.bin", "LICENSE", "README.md", "USE_POLICY.md",
+    ]  # fmt: skip
+    taken = list(filter_repo_objects(repository, allow_patterns=asked[0]))
+    assert taken == [name for name in repository if name.endswith((".json", ".safetensors"))]
+    assert resolve_model_dir("z-lab/Qwen3-8B-DFlash-b16", allow_patterns=DRAFTER_FILES) == tmp_path
+    assert asked[1] == DRAFTER_FILES

@@ -661,9 +661,9 @@ class DFlashDrafter(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> DFlashDrafter:
         """Load a drafter from a local folder or a hub id (e.g. `z-lab/Qwen3-4B-DFlash-b16`)."""
-        from blockpilot.models.hub import resolve_model_dir
+        from blockpilot.models.hub import DRAFTER_FILES, resolve_model_dir
 
-        directory = resolve_model_dir(path_or_id, allow_patterns=["*.json", "*.safetensors"])
+        directory = resolve_model_dir(path_or_id, allow_patterns=DRAFTER_FILES)
         config_path = directory / CONFIG_NAME
         if not config_path.is_file():
             raise FileNotFoundError(f"drafter {str(path_or_id)!r}: no {CONFIG_NAME} in {directory}")
