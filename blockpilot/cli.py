@@ -21,7 +21,9 @@ from blockpilot.options import (
     from_args,
     model_ref,
     non_negative_float_arg,
+    non_negative_int_arg,
     positive_int_arg,
+    top_p_arg,
     tree_budget_list,
 )
 
@@ -99,12 +101,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     models = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype)
     policy = resolve_policy(spec, models)
     prompt_ids = models.encode_prompt(args.prompt, chat=not args.raw)
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling = {"temperature": 0.0} | models.sampling_defaults() | {k: v for k, v in given.items() if v is not None}
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
         verify=args.verify,
         stop_token_ids=tuple(models.stop_token_ids()),
         seed=args.seed,
+        **sampling,
     )
     keep_compiled_kernels()
     request = GenerationRequest(prompt_ids, config, policy)
@@ -114,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     text = models.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
-        extra = {"compile": engine.decoder.mode, "compile_seconds": engine.compile_seconds}
+        extra = {"compile": engine.decoder.mode, "compile_seconds": engine.compile_seconds, "sampling": sampling}
         print(json.dumps({"text": text, **result.to_dict(), **extra}))
     else:
         print(text)
@@ -211,7 +215,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser; with `command`, the others' options may be left out (the serve module's imports,
+    Ray Serve and FastAPI, cost about 0.9 s that no other command needs)."""
     from blockpilot.decoding.acceptance import VERIFY_RULES
     from blockpilot.decoding.compiled import COMPILE_MODES
     from blockpilot.decoding.engine import COMPILE_HELP
@@ -257,7 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--block-size", type=positive_int_arg, default=None, help="shorthand for --policy fixed:N")
     gen.add_argument("--predictor", default=None, help="shorthand for --policy learned:PREDICTOR (folder or models:/)")
-    gen.add_argument("--temperature", type=non_negative_float_arg, default=0.0)
+    gen.add_argument(
+        "--temperature",
+        type=non_negative_float_arg,
+        default=None,
+        help="0: greedy (default: the target's generation_config, else 0)",
+    )
+    gen.add_argument(
+        "--top-k", type=non_negative_int_arg, default=None, help="0: every token (default: generation_config, else 0)"
+    )
+    gen.add_argument(
+        "--top-p", type=top_p_arg, default=None, help="1: every token (default: generation_config, else 1)"
+    )
     gen.add_argument("--max-new-tokens", type=positive_int_arg, default=128)
     gen.add_argument("--verify", choices=VERIFY_RULES, default="match", help="acceptance rule at temperature > 0")
     gen.add_argument("--seed", type=int, default=0)
@@ -300,13 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     step.set_defaults(handler=cmd_train_step)
 
     srv = commands.add_parser("serve", help="the adaptive decoder behind an OpenAI-style endpoint on Ray Serve")
-    try:
-        from pipelines.serve import ServeJob
-    except ImportError as missing:  # installed without the `ray` extra: every other command still runs
-        srv.set_defaults(handler=partial(cmd_serve_unavailable, missing), takes_any_arguments=True)
-    else:
-        add_options(srv, ServeJob)
-        srv.set_defaults(handler=cmd_serve)
+    if command in (None, "serve"):
+        try:
+            from pipelines.serve import ServeJob
+        except ImportError as missing:  # installed without the `ray` extra: every other command still runs
+            srv.set_defaults(handler=partial(cmd_serve_unavailable, missing), takes_any_arguments=True)
+        else:
+            add_options(srv, ServeJob)
+            srv.set_defaults(handler=cmd_serve)
 
     demo = commands.add_parser("demo", help="the main job on embedded defaults")
     add_options(demo, DemoJob)
@@ -315,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(next((word for word in given if not word.startswith("-")), None))
+    args, unknown = parser.parse_known_args(given)
     if unknown and not getattr(args, "takes_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

@@ -67,6 +67,14 @@ def fraction_arg(text: str) -> float:
     return value
 
 
+def top_p_arg(text: str) -> float:
+    """A number in (0, 1]."""
+    value = non_negative_float_arg(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def model_ref(text: str) -> str:
     """A local model folder, or a hub id `org/name` (fetched when a hub is reachable)."""
     path = Path(text).expanduser()

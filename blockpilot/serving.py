@@ -105,6 +105,8 @@ class DecodeRequest:
     block_size: int | None = None  # forces a fixed b
     policy: str = "adaptive"
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, tests)
+    top_k: int = 0  # at T > 0, sample among the top_k most likely tokens (0: all)
+    top_p: float = 1.0  # and among the fewest whose mass reaches top_p (1: all)
 
 
 class IncrementalText:
@@ -252,6 +254,8 @@ class BatchedDecoder:
         self.adaptive = resolve_policy(adaptive, models, predictor=predictor)
         self.context = int(getattr(models.target.config, "max_position_embeddings", 1 << 30))
         self.stop_token_ids = tuple(models.stop_token_ids())
+        # What a request that omits temperature, top_k or top_p gets: the target's generation_config, else OpenAI's.
+        self.sampling_defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} | models.sampling_defaults()
         keep_compiled_kernels()
         depth, tree_nodes = shape_for(self.adaptive)  # a tree policy's depth and budget shape the cycle
         width = self.limits.max_block_size or (models.train_block_size + 2 if models.drafter is not None else 1)
@@ -324,9 +328,11 @@ class BatchedDecoder:
             raise RequestError("prompt", "prompt is empty")
         return self._checked_prompt(self._prefix + self._tokenize_user_text(prompt), "prompt")
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[tuple[str, str]], enable_thinking: bool = False) -> list[int]:
         """(role, content) pairs through the chat template; contents are tokenized as user text, never as special
-        tokens, so a message cannot forge a turn."""
+        tokens, so a message cannot forge a turn. `enable_thinking`: Qwen3's switch (its template opens a thinking
+        block when on; templates without the switch ignore it). Off by default: DFlash's drafters are trained on
+        answers without one."""
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("messages", f"model {self.model_name!r} has no chat template; use /v1/completions")
@@ -345,7 +351,7 @@ class BatchedDecoder:
                 [{"role": role, "content": mark} for (role, _), mark in zip(messages, marks, strict=True)],
                 tokenize=False,
                 add_generation_prompt=True,
-                enable_thinking=False,
+                enable_thinking=enable_thinking,
             )
         except Exception as error:  # jinja's TemplateError and whatever a template raises on purpose
             raise RequestError("messages", f"the chat template rejects these messages: {error}") from None
@@ -373,14 +379,21 @@ class BatchedDecoder:
         prompt_ids: Sequence[int],
         *,
         max_tokens: int | None,
-        temperature: float,
+        temperature: float | None = None,
         stop: Sequence[str] = (),
         seed: int | None = None,
         block_size: int | None = None,
         policy: str = "adaptive",
         ignore_eos: bool = False,
+        top_k: int | None = None,
+        top_p: float | None = None,
     ) -> DecodeRequest:
-        """A request within this decoder's limits, or RequestError naming the parameter."""
+        """A request within this decoder's limits, or RequestError naming the parameter. Sampling parameters left
+        None take `sampling_defaults`; top_k -1 (vLLM's) or 0 is every token."""
+        defaults = self.sampling_defaults
+        temperature = defaults["temperature"] if temperature is None else temperature
+        top_k = defaults["top_k"] if top_k is None else top_k
+        top_p = defaults["top_p"] if top_p is None else top_p
         max_tokens = self.limits.default_max_tokens if max_tokens is None else max_tokens
         if not 1 <= max_tokens <= self.limits.max_tokens_cap:
             raise RequestError("max_tokens", f"must be between 1 and {self.limits.max_tokens_cap}, got {max_tokens}")
@@ -399,12 +412,25 @@ class BatchedDecoder:
                 raise RequestError("stop", f"each stop string needs 1 to {self.limits.max_stop_length} characters")
         if seed is not None and not 0 <= seed < 2**63:
             raise RequestError("seed", f"must be in [0, 2^63), got {seed}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise RequestError("top_k", f"must be an integer >= 1, or -1 or 0 for every token, got {top_k!r}")
+        if not (isinstance(top_p, (int, float)) and math.isfinite(top_p) and 0 < top_p <= 1):
+            raise RequestError("top_p", f"must be in (0, 1], got {top_p!r}")
         if block_size is not None and not 1 <= block_size <= self.max_block_size:
             raise RequestError("block_size", f"must be between 1 and {self.max_block_size}, got {block_size}")
         if policy not in REQUEST_POLICIES:
             raise RequestError("policy", f"must be one of {list(REQUEST_POLICIES)}, got {policy!r}")
         request = DecodeRequest(
-            tuple(prompt_ids), max_tokens, float(temperature), tuple(stop), seed, block_size, policy, ignore_eos
+            tuple(prompt_ids),
+            max_tokens,
+            float(temperature),
+            tuple(stop),
+            seed,
+            block_size,
+            policy,
+            ignore_eos,
+            max(top_k, 0),
+            float(top_p),
         )
         if self.cache_need(request) > self.cache_budget:
             raise RequestError(
@@ -435,8 +461,12 @@ class BatchedDecoder:
         if self.warm_up_seconds is None:
             started = time.perf_counter()
             adaptive = self.adaptive
+            defaults = self.sampling_defaults
             shapes = self._engine.declared_shapes(
-                adaptive.block_size_choices, spans=self.compile_spans, keeps_block_size=adaptive.keeps_block_size
+                adaptive.block_size_choices,
+                spans=self.compile_spans,
+                keeps_block_size=adaptive.keeps_block_size,
+                truncate=defaults["top_k"] > 0 or defaults["top_p"] < 1,  # requests that omit them sample cut
             )
             self._engine.compile_shapes(shapes)
             self.compiled_shapes = self._engine.decoder.built_shapes
@@ -562,6 +592,8 @@ class BatchedDecoder:
                 temperature=handle.request.temperature,
                 stop_token_ids=() if handle.request.ignore_eos else self.stop_token_ids,
                 seed=handle.request.seed,
+                top_k=handle.request.top_k,
+                top_p=handle.request.top_p,
             )
             try:
                 handle.row_id = self._engine.submit(GenerationRequest(handle.request.prompt_ids, config, handle.policy))

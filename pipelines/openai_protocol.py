@@ -28,7 +28,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "top_k": (-1, 0),  # vLLM's "off"
     "min_p": (0, 0.0),
     "repetition_penalty": (1, 1.0),
     "modalities": (["text"],),
@@ -73,6 +72,7 @@ class GenerationFields(BaseModel):
     max_completion_tokens: Optional[StrictInt] = None
     temperature: Optional[float] = Field(default=None, allow_inf_nan=True)
     top_p: Optional[float] = None
+    top_k: Optional[StrictInt] = None  # vLLM's extension; -1 or 0: every token
     stop: Union[str, list[str], None] = None
     seed: Optional[StrictInt] = None
     stream: StrictBool = False
@@ -82,13 +82,13 @@ class GenerationFields(BaseModel):
     policy: str = "adaptive"  # extension: adaptive (the server's policy) or fixed (the training block size)
     ignore_eos: StrictBool = False  # extension: always generate max_tokens (benchmarks)
 
-    @field_validator("temperature", mode="before")
+    @field_validator("temperature", "top_p", mode="before")
     @classmethod
     def _a_number(cls, value: Any) -> Any:
         if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float))):
             raise ValueError("must be a number")
         if isinstance(value, int) and abs(value) > 1000:
-            raise ValueError(f"must be between 0 and 2, got an integer of {len(str(abs(value)))} digits")
+            raise ValueError(f"must be a small number, got an integer of {len(str(abs(value)))} digits")
         return value
 
     def refuse_unsupported(self) -> None:
@@ -103,8 +103,6 @@ class GenerationFields(BaseModel):
                 raise RequestError(name, f"not supported by this server: only {allowed} (or absent) is accepted")
         if self.n is not None and self.n != 1:
             raise RequestError("n", "only n = 1 is supported")
-        if self.top_p is not None and self.top_p != 1:
-            raise RequestError("top_p", "only top_p = 1 is supported (the acceptance rules sample the full distribution)")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -123,8 +121,18 @@ class CompletionRequest(GenerationFields):
         return self.prompt
 
 
+class ChatTemplateOptions(BaseModel):
+    """What a chat request may pass to the chat template (vLLM's `chat_template_kwargs`): Qwen3's thinking switch.
+    Other keys are refused: a template may do anything with them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_thinking: StrictBool = False
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: Optional[ChatTemplateOptions] = None
 
 
 def _field_name(location: tuple[Any, ...]) -> str:
@@ -155,14 +163,16 @@ def parse_request(body: Any, model: type[GenerationFields]) -> GenerationFields:
 def decode_request(decoder: BatchedDecoder, parsed: GenerationFields) -> DecodeRequest:
     """The library's typed request from a parsed HTTP one (the prompt tokenized, every bound checked)."""
     if isinstance(parsed, ChatCompletionRequest):
-        prompt_ids = decoder.encode_chat([(m.role, m.text) for m in parsed.messages])
+        options = parsed.chat_template_kwargs or ChatTemplateOptions()
+        prompt_ids = decoder.encode_chat([(m.role, m.text) for m in parsed.messages], options.enable_thinking)
     else:
         prompt_ids = decoder.encode_completion(parsed.text)
-    temperature = 1.0 if parsed.temperature is None else parsed.temperature  # OpenAI's default
-    return decoder.check(
+    return decoder.check(  # omitted sampling fields: the model's generation_config, else OpenAI's defaults
         prompt_ids,
         max_tokens=parsed.max_tokens if parsed.max_tokens is not None else parsed.max_completion_tokens,
-        temperature=temperature,
+        temperature=parsed.temperature,
+        top_k=parsed.top_k,
+        top_p=parsed.top_p,
         stop=parsed.stops,
         seed=parsed.seed,
         block_size=parsed.block_size,

@@ -71,6 +71,24 @@ def test_generate_text_output_with_entropy_policy(random_zoo, capsys):
     assert "mean tau:" in out and "block size:" in out
 
 
+def test_generate_samples_as_the_targets_generation_config_says_unless_told(random_zoo, capsys, tmp_path):
+    """Temperature, top-k and top-p the command is not given come from the target's `generation_config.json` (as
+    transformers' `generate` reads it), else greedy; a flag wins."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(random_zoo["target"], target)
+    (target / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 3, "do_sample": True}))
+    base = ["generate", "--target", str(target), "--prompt", "hi", "--max-new-tokens", "4", "--json"]
+    base += ["--compile", "off"]
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"] == {"temperature": 0.7, "top_k": 3}
+    assert main([*base, "--temperature", "0", "--top-p", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"] == {"temperature": 0.0, "top_k": 3, "top_p": 0.5}
+    assert main(["generate", "--target", str(random_zoo["target"]), *base[3:]]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"] == {"temperature": 0.0}  # no config: greedy
+
+
 @pytest.mark.parametrize(
     "flags, flag_name",
     [
@@ -79,6 +97,9 @@ def test_generate_text_output_with_entropy_policy(random_zoo, capsys):
         (["--temperature", "-1"], "--temperature"),
         (["--temperature", "nan"], "--temperature"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
         (["--verify", "typical"], "--verify"),
     ],
 )

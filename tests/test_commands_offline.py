@@ -109,16 +109,22 @@ def test_calibrate_then_generate_with_every_policy_family_that_needs_no_training
     printed = capsys.readouterr().out
     assert "engine (off): " in printed and "mean tau:" in printed
     # Compiled by default (inductor, about 20 s here): the same sampled tokens as the eager cycle for the seed, which
-    # are the autoregressive sample of the seed whatever the policy (so an in-process run stands for the eager one).
+    # are the autoregressive sample of the seed whatever the policy (so an in-process run stands for the eager one),
+    # here from the distributions cut to the top 4 tokens and 0.9 of their mass (the sort compiled in the cycle).
     compiled = json.loads(  # its steps replayed, not through dynamo each call (`compiled_replay`)
         run(
-            f"blockpilot {generate} --temperature 0.8 --seed 3 --json",
+            f"blockpilot {generate} --temperature 0.8 --top-k 4 --top-p 0.9 --seed 3 --json",
             env,
             noise=(*EMBEDDED_UNACTIONABLE, "cannot be replayed"),
         )
     )
     sampled = GenerationConfig(
-        max_new_tokens=24, temperature=0.8, seed=3, stop_token_ids=tuple(tiny_models.stop_token_ids())
+        max_new_tokens=24,
+        temperature=0.8,
+        seed=3,
+        stop_token_ids=tuple(tiny_models.stop_token_ids()),
+        top_k=4,
+        top_p=0.9,
     )
     (eager,) = generate_many(
         tiny_models, [GenerationRequest(prompt_ids, sampled, None)], engine=Engine(tiny_models)

@@ -46,7 +46,8 @@ def test_labels_from_the_compiled_cycle_are_the_eager_cycles_at_temperature_zero
     records = [PromptRecord(f"p{i}", "zoo", (text,)) for i, text in enumerate(prompt_texts(f"zoo:{tiny_zoo}:heldout")[:4])]
     rows = {}
     for compile in ("off", "compile"):
-        labeler = Labeler(tiny_models, LabelSettings(max_new_tokens=24, compile=compile), max_batch=4)
+        # the label command's batch (8 rows): its compiled step, which the on-Ray label test builds too
+        labeler = Labeler(tiny_models, LabelSettings(max_new_tokens=24, compile=compile))
         rows[compile] = [row for rows_ in labeler.label_many([(r, t) for r in records for t in (0.0, 1.0)]) for row in rows_]
     for eager, compiled in zip(rows["off"], rows["compile"], strict=True):
         assert compiled["error"] is None and eager["error"] is None

@@ -24,6 +24,7 @@ from blockpilot.zoo.random_models import ModelShape, drafter_for, random_target
 VOCAB = 16
 PROMPT = [1, 2, 3, 4]
 TEMPERATURE = 0.6
+TOP_K, TOP_P = 6, 0.8  # on this target's distributions at TEMPERATURE both cut: each keeps 2 to 6 tokens
 SAMPLES = 2000
 BATCH = 250
 P_VALUE_FLOOR = 1e-3
@@ -47,11 +48,27 @@ def small_target():
 @pytest.fixture(scope="module")
 def exact_joint(small_target) -> torch.Tensor:
     """P(x1, x2, x3) at TEMPERATURE, (V, V, V), by enumerating all prefixes."""
+    return joint_law(small_target, lambda logits: torch.softmax(logits / TEMPERATURE, dim=-1))
+
+
+@pytest.fixture(scope="module")
+def truncated_joint(small_target) -> torch.Tensor:
+    """The same law with each distribution cut by transformers' own warpers: temperature, top-k, then top-p."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    def warped(logits: torch.Tensor) -> torch.Tensor:
+        scores = TopPLogitsWarper(TOP_P)(None, TopKLogitsWarper(TOP_K)(None, logits / TEMPERATURE))
+        return torch.softmax(scores, dim=-1)
+
+    return joint_law(small_target, warped)
+
+
+def joint_law(small_target, probs_of) -> torch.Tensor:
+    """P(x1, x2, x3), (V, V, V), with next-token distributions `probs_of(logits)`, by enumerating all prefixes."""
     with torch.no_grad():
 
         def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
-            logits = small_target(prefixes).logits[:, -1]
-            return torch.softmax(logits / TEMPERATURE, dim=-1)
+            return probs_of(small_target(prefixes).logits[:, -1])
 
         prompt = torch.tensor(PROMPT)
         p1 = next_probs(prompt[None])[0]
@@ -84,14 +101,14 @@ def drafters(small_target):
 # ----------------------------------------------------------------------------- the static cycle's sampler
 
 
-def static_counts(models: SpeculativeModels, width: int, rule: str = "match") -> torch.Tensor:
+def static_counts(models: SpeculativeModels, width: int, rule: str = "match", **cut: float) -> torch.Tensor:
     """Counts of (x1, x2, x3) over SAMPLES seeds from the engine (`blockpilot.decoding.engine`) at
-    `width` (every row at b = width), BATCH rows at a time."""
+    `width` (every row at b = width), BATCH rows at a time; `cut`: top_k and top_p."""
     from blockpilot.decoding.engine import Engine
 
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     engine = Engine(models, max_batch=BATCH, width=width, capacity=32)
-    config = GenerationConfig(3, TEMPERATURE, verify=rule)
+    config = GenerationConfig(3, TEMPERATURE, verify=rule, **cut)
     requests = [
         GenerationRequest(PROMPT, replace(config, seed=seed), FixedBlockSize(width) if width > 1 else None)
         for seed in range(SAMPLES)
@@ -177,3 +194,43 @@ def test_a_static_rejection_row_does_not_depend_on_the_other_rows(drafters):
     assert [r.token_ids for r in mixed[3:10]] == alone
     assert alone[-1] == greedy_reference(models.target, PROMPT, 16)
     assert len({tuple(tokens) for tokens in alone[:-1]}) > 3
+
+
+@pytest.mark.parametrize(("width", "rule"), [(1, "match"), (3, "match"), (3, "rejection")])
+def test_top_k_and_top_p_sample_the_cut_law_and_drafts_do_not_leak_past_it(
+    drafters, truncated_joint, exact_joint, small_target, monkeypatch, width, rule
+):
+    """With top-k and top-p, autoregression and both rules (drafts along the target's greedy path, most accepted;
+    under `rejection` drafts sampled from the drafter's own cut distributions) sample the law transformers' warpers
+    define; the same samples fail against the uncut law, and uncut samples fall outside the cut."""
+    cut = {"top_k": TOP_K, "top_p": TOP_P}
+    assert (truncated_joint > 0).sum() < (exact_joint > 1e-12).sum()  # the cut removes some of the law's support
+    if width > 1:
+        oracle_drafts(monkeypatch, small_target, PROMPT + greedy_reference(small_target, PROMPT, 6))
+    counts = static_counts(drafters["random"], width, rule, **cut)
+    assert chi_square_p_value(counts, truncated_joint) > P_VALUE_FLOOR
+    assert counts[truncated_joint == 0].sum() == 0  # not one sample outside the cut
+    assert chi_square_p_value(counts, exact_joint) < 1e-9
+    if width == 1:  # the check catches samples of the uncut law: many fall outside the cut
+        assert static_counts(drafters["random"], width, rule)[truncated_joint == 0].sum() > SAMPLES / 20
+
+
+def test_a_truncating_row_samples_what_it_would_alone_and_autoregressively(drafters):
+    """Rows with top-k and top-p beside rows without (and at T = 0): each row's tokens for its seed are those of
+    autoregression with the same cut, at any block size; the cut changes the samples."""
+    from blockpilot.decoding.engine import Engine
+
+    models = drafters["random"]
+    cuts = [{"top_k": 3}, {"top_p": 0.5}, {"top_k": 5, "top_p": 0.9}, {}] * 2
+    requests = [
+        GenerationRequest(PROMPT, GenerationConfig(16, t, seed=s, **c), FixedBlockSize(b))
+        for s, t, c, b in zip(range(8), [1.0, 1.0, 1.3, 1.0, 0.0, 1.0, 0.8, 1.0], cuts, [4, 2, 3, 1] * 2, strict=True)
+    ]
+    autoregressive = Engine(models, max_batch=1, width=1, capacity=48)
+    plain = [replace(q, policy=None) for q in requests]
+    alone = [r.token_ids for r in generate_many(models, plain, engine=autoregressive)]
+    mixed = generate_many(models, requests, engine=Engine(models, max_batch=8, width=4, capacity=48))
+    assert [r.token_ids for r in mixed] == alone
+    assert alone[4] == greedy_reference(models.target, PROMPT, 16)  # T = 0: a cut changes nothing
+    uncut = [replace(q, config=replace(q.config, top_k=0, top_p=1.0), policy=None) for q in requests[:3]]
+    assert [r.token_ids for r in generate_many(models, uncut, engine=autoregressive)] != alone[:3]

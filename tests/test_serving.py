@@ -3,6 +3,7 @@ text, batching, cancel and timeout."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -56,7 +57,15 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "stream": "yes"}, False, "stream"),
     ({"prompt": "hi", "n": 2}, False, "n"),
     ({"prompt": "hi", "logprobs": 3}, False, "logprobs"),
-    ({"prompt": "hi", "top_p": 0.5}, False, "top_p"),
+    ({"prompt": "hi", "top_p": 0}, False, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, False, "top_p"),
+    ({"prompt": "hi", "top_p": "most"}, False, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, False, "top_k"),
+    ({"prompt": "hi", "top_k": 2.5}, False, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}}, True,
+     "chat_template_kwargs.tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": "yes"}}, True,
+     "chat_template_kwargs.enable_thinking"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, True, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True, "tools"),
     (
@@ -93,13 +102,13 @@ def test_bad_requests_name_the_field(decoder, body, chat, field):
 
 # OpenAI's (and vLLM's) request fields against what the endpoint does: honored (typed), accepted at their neutral
 # value only, accepted and unused (nothing generated depends on them), or refused.
-HONORED = {"model": "blockpilot", "max_tokens": 4, "max_completion_tokens": 4, "temperature": 0, "top_p": 1,
-           "stop": ["\n"], "seed": 1, "stream": False, "stream_options": {"include_usage": True}, "n": 1,
+HONORED = {"model": "blockpilot", "max_tokens": 4, "max_completion_tokens": 4, "temperature": 0, "top_p": 0.9,
+           "top_k": 5, "stop": ["\n"], "seed": 1, "stream": False, "stream_options": {"include_usage": True}, "n": 1,
            "block_size": 2, "policy": "fixed", "ignore_eos": True}
 NOT_NEUTRAL = {"logprobs": 0, "top_logprobs": 2, "tools": [{"type": "function"}], "tool_choice": "auto",
                "functions": [{"name": "f"}], "function_call": "auto", "logit_bias": {"5": 1}, "response_format":
                {"type": "json_object"}, "echo": True, "suffix": "x", "best_of": 2, "presence_penalty": 0.5,
-               "frequency_penalty": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "modalities":
+               "frequency_penalty": 0.5, "min_p": 0.1, "repetition_penalty": 1.2, "modalities":
                ["text", "audio"]}
 
 
@@ -127,6 +136,57 @@ def test_an_unknown_field_is_refused_naming_it():
     with pytest.raises(RequestError) as error:
         parse_request({"prompt": "hi", "temprature": 0}, CompletionRequest)
     assert error.value.field == "temprature" and "not a field this server knows" in error.value.message
+
+
+def test_omitted_sampling_fields_take_the_models_generation_config_and_top_k_top_p_are_honored(tiny_models):
+    """A request that omits temperature, top_k or top_p gets the target's generation_config (as vLLM serves it),
+    else OpenAI's defaults; what a request gives wins. The engine samples the cut distribution: a row's tokens for
+    a seed are autoregression's with the same cut."""
+    plain = BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=64, default_max_tokens=16))
+    request = checked(plain, {"prompt": "hi"})
+    assert (request.temperature, request.top_k, request.top_p) == (1.0, 0, 1.0)  # the zoo's config sets none
+    target = copy.copy(tiny_models.target)  # the same weights, its own generation_config
+    target.generation_config = copy.deepcopy(tiny_models.target.generation_config)
+    target.generation_config.temperature, target.generation_config.top_k = 0.6, 3
+    limits = ServeLimits(max_tokens_cap=64, default_max_tokens=16)
+    qwen_like = BatchedDecoder(dataclasses.replace(tiny_models, target=target), limits=limits)
+    request = checked(qwen_like, {"prompt": "hi"})
+    assert (request.temperature, request.top_k, request.top_p) == (0.6, 3, 1.0)
+    given = checked(qwen_like, {"prompt": "hi", "temperature": 0.9, "top_k": -1, "top_p": 0.5})
+    assert (given.temperature, given.top_k, given.top_p) == (0.9, 0, 0.5)
+
+    body = {"prompt": "Count from 1 to 9.", "max_tokens": 24, "ignore_eos": True, "seed": 7, "top_k": 2, "top_p": 0.9}
+    plain.start()
+    try:
+        text, stats = plain.complete(checked(plain, body))
+    finally:
+        plain.stop()
+    assert stats["blockpilot"]["block_size"] > 1  # the rows drafted
+    ids = plain.encode_completion("Count from 1 to 9.")
+    config = GenerationConfig(max_new_tokens=24, temperature=1.0, seed=7, top_k=2, top_p=0.9)
+    expected = generate(tiny_models, ids, config=config, policy=FixedBlockSize(1))
+    assert text == tiny_models.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    uncut = generate(tiny_models, ids, config=dataclasses.replace(config, top_k=0, top_p=1.0), policy=FixedBlockSize(1))
+    assert uncut.token_ids != expected.token_ids  # the cut changes this seed's samples
+
+
+def test_the_thinking_switch_reaches_the_chat_template(tiny_models):
+    """`chat_template_kwargs.enable_thinking` (vLLM's form) is passed to the template: off by default, as the
+    drafters are trained; a template that reads it renders differently."""
+    tokenizer = copy.copy(tiny_models.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+        "{% if enable_thinking %}<think>{% endif %}"
+    )
+    models = dataclasses.replace(tiny_models, tokenizer=tokenizer)
+    decoder = BatchedDecoder(models, limits=ServeLimits(max_tokens_cap=64, default_max_tokens=16))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    off, on = (
+        checked(decoder, {**body, "chat_template_kwargs": {"enable_thinking": flag}}, chat=True).prompt_ids
+        for flag in (False, True)
+    )
+    assert checked(decoder, body, chat=True).prompt_ids == off != on
+    assert tokenizer.decode(on).endswith("<think>") and not tokenizer.decode(off).endswith("<think>")
 
 
 def test_nan_temperature_is_rejected(decoder):

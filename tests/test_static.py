@@ -363,24 +363,28 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     engine = Engine(random_models, max_batch=4, capacity=1024, compile="compile")
     assert engine.buckets == [1, 2, 4] and engine.spans == [256, 512, 1024]
     assert engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1) == [
-        ("_cycle", rows, 256, 4, False) for rows in (1, 4)
+        ("_cycle", rows, 256, 4, False, False) for rows in (1, 4)
     ]
     # A policy that may choose autoregression gets its width-1 step too: its rows then skip the drafter's pass, and
     # where the policy keeps a row's first b, the drafter's context (such a row never drafts again).
-    wide = [("_cycle", rows, 256, 4, False) for rows in (1, 4)]
-    assert engine.declared_shapes((1, 2, 3), spans=1) == [("_plain_cycle", 1, 256), *wide]
-    switching = [("_deferred_cycle", 1, 256), *wide, ("_flush_context", 1), ("_flush_context", 4)]
+    wide = [("_cycle", rows, 256, 4, False, False) for rows in (1, 4)]
+    assert engine.declared_shapes((1, 2, 3), spans=1) == [("_plain_cycle", 1, 256, False), *wide]
+    switching = [("_deferred_cycle", 1, 256, False), *wide, ("_flush_context", 1), ("_flush_context", 4)]
     assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False) == switching
+    # Rows that sample cut distributions (a served model's top-k or top-p defaults): every cycle's variant too.
+    truncating = [("_deferred_cycle", 1, 256, True), *[(*shape[:-1], True) for shape in wide]]
+    assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False, truncate=True) == switching + truncating
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}
     decoder = engine.decoder
-    decoder._steps[("_cycle", 4, 512, 8, False)] = lambda: None  # as if built
-    decoder._steps[("_cycle", 2, 256, 4, False)] = lambda: None
-    assert decoder._holding("_cycle", (2, 256, 3, False)) == ("_cycle", 2, 256, 4, False)
-    assert decoder._holding("_cycle", (3, 256, 4, False)) == ("_cycle", 4, 512, 8, False)
-    assert decoder._holding("_cycle", (1, 1024, 2, False)) is None
-    assert decoder._holding("_cycle", (1, 256, 2, True)) is None  # another rule: not held
+    decoder._steps[("_cycle", 4, 512, 8, False, False)] = lambda: None  # as if built
+    decoder._steps[("_cycle", 2, 256, 4, False, False)] = lambda: None
+    assert decoder._holding("_cycle", (2, 256, 3, False, False)) == ("_cycle", 2, 256, 4, False, False)
+    assert decoder._holding("_cycle", (3, 256, 4, False, False)) == ("_cycle", 4, 512, 8, False, False)
+    assert decoder._holding("_cycle", (1, 1024, 2, False, False)) is None
+    assert decoder._holding("_cycle", (1, 256, 2, True, False)) is None  # another rule: not held
+    assert decoder._holding("_cycle", (1, 256, 2, False, True)) is None  # truncating: not held either
 
 
 def test_compiled_kernels_go_under_the_home_unless_the_user_names_a_folder(monkeypatch, tmp_path):

@@ -106,7 +106,7 @@ def test_a_moe_target_compiled_decodes_its_greedy_output():
     engine = Engine(models, max_batch=1, width=2, capacity=96, compile="compile")
     results = generate_many(models, requests, engine=engine)
     assert results[0].token_ids == greedy_reference(models.target, prompts(1)[0], 16)
-    assert engine.decoder.built_shapes == [("_cycle", 1, 96, 2, False)]
+    assert engine.decoder.built_shapes == [("_cycle", 1, 96, 2, False, False)]
 
 
 def _tiny_config(kind: str):

@@ -13,6 +13,8 @@ finished rows leave, the last row moving into the hole.
   policy's b is capped at the engine's width;
 - sampling is counter-based (`sampling.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch);
+- rows at T > 0 with a top-k or top-p sample their cut distributions (`sampling.truncate`) in a cycle variant of
+  its own, run only when a row of the batch truncates (a batch without one pays no sort);
 - `rejection` rows draft samples of the drafter (`sampling.speculative_sampling`), in a cycle variant compiled when
   one runs; a tree engine verifies by matching only;
 - feature records (`GenerationRequest.record`, labeling's reference generations) need an engine built with
@@ -181,35 +183,42 @@ class Engine(RowScheduler):
         return spans
 
     def declared_shapes(
-        self, widths: Sequence[int] | None = None, spans: int = 2, keeps_block_size: bool = True
+        self,
+        widths: Sequence[int] | None = None,
+        spans: int = 2,
+        keeps_block_size: bool = True,
+        truncate: bool = False,
     ) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
         `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
         row bucket at width 1 where `widths` holds autoregression (without the drafter's context where the policy
         `keeps_block_size`, as its autoregressive rows never draft; else keeping it for later, and the steps that
-        write what was kept); with trees, those row buckets x every tree size.
+        write what was kept); with trees, those row buckets x every tree size. With `truncate` (rows that sample
+        with a top-k or top-p, as a served model's defaults may ask), each cycle also in its truncating variant.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
         width = next(w for w in self.widths if w >= widest)
         rows_set = sorted({self.buckets[0], self.buckets[-1]})
-        shapes = [("_cycle", rows, span, width, False) for rows in rows_set for span in self.spans[:spans]]
+        shapes = [("_cycle", rows, span, width, False, False) for rows in rows_set for span in self.spans[:spans]]
         if widths and min(widths) == AUTOREGRESSIVE and width > 1:
             # A lone row that stops drafting skips the drafter's pass; a batch of them runs on the wide step, whose
             # arithmetic on a CPU is about the many rows' at width 1 (packing rows is what would save it).
             first = self.buckets[0]
             if keeps_block_size:  # its autoregressive rows never draft: no drafter context kept
-                shapes[:0] = [("_plain_cycle", first, span) for span in self.spans[:spans]]
+                shapes[:0] = [("_plain_cycle", first, span, False) for span in self.spans[:spans]]
             else:
-                shapes[:0] = [("_deferred_cycle", first, span) for span in self.spans[:spans]]
+                shapes[:0] = [("_deferred_cycle", first, span, False) for span in self.spans[:spans]]
                 shapes += [("_flush_context", rows) for rows in rows_set]
         if self.tree_nodes is not None:
             shapes += [
-                ("_tree_cycle", rows, span, size + 1)
+                ("_tree_cycle", rows, span, size + 1, False)
                 for rows in rows_set
                 for span in self.spans[:spans]
                 for size in self.tree_sizes
             ]
+        if truncate:  # the same cycles, sampling cut distributions (the flag is each cycle step's last argument)
+            shapes += [(*shape[:-1], True) for shape in shapes if shape[0] != "_flush_context"]
         return shapes
 
     @torch.inference_mode()
@@ -353,7 +362,12 @@ class Engine(RowScheduler):
         finite = torch.isfinite(logits.amax(dim=-1)).tolist()
         seeds = [self._seeds[row.id] for row in joining]
         temperatures = [row.config.temperature for row in joining]
-        firsts = self.decoder.pick(logits, [row.prompt.numel() for row in joining], temperatures, seeds)
+        positions = [row.prompt.numel() for row in joining]
+        if any(row.config.truncates for row in joining):
+            cuts = [row.config.top_k for row in joining], [row.config.top_p for row in joining]
+            firsts = self.decoder.pick(logits, positions, temperatures, seeds, *cuts)
+        else:
+            firsts = self.decoder.pick(logits, positions, temperatures, seeds)
         for index, row in enumerate(joining):
             if not finite[index]:
                 row.fail(NonFiniteLogits("the target's next-token distribution after the prompt is not finite"))
@@ -389,6 +403,8 @@ class Engine(RowScheduler):
                 temperature=row.config.temperature,
                 seed=self._seeds[row.id],
                 rejection=row.config.verify == "rejection",
+                top_k=row.config.top_k,
+                top_p=row.config.top_p,
             )
             if row.failure is None:
                 if firsts[index] in row.config.stop_token_ids:
@@ -426,9 +442,10 @@ class Engine(RowScheduler):
             self.decoder.flush_context(bucket)
             for row in rows:
                 row.pending_context = 0
+        truncate = any(row.config.truncates for row in rows)
         if chains:  # the chain cycle, also on a tree engine
             rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
-            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context)
+            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context, truncate)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):
                     row.tree_nodes.append(size - 1)
@@ -436,7 +453,7 @@ class Engine(RowScheduler):
                 for row in rows:
                     row.pending_context += 1
         else:
-            tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span)
+            tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span, truncate)
         # One device-to-host copy for the batch: each row's tokens, count, whether its logits were finite and its
         # anchor's top-1 probability (in units of 2^-24, float32's precision).
         confidence = (self.decoder.anchor_confidence[:n, None] * CONFIDENCE_UNITS).round().long()
@@ -498,7 +515,7 @@ class Engine(RowScheduler):
         for name, buffer in zip(("features", "entropy", "top_ids", "top_probs"), buffers, strict=True):
             row.record[name].append(buffer[index, :kept].to("cpu", copy=True))  # the next cycle rewrites the buffer
 
-    def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int):
+    def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int, truncate: bool = False):
         """Every row's tree grown on the device (a chain for a row without a tree policy: b - 1 nodes of width 1)
         and verified cut to the size bucket that holds the largest, in one step. Returns the device views
         `StaticDecoder.cycle` returns."""
@@ -515,7 +532,7 @@ class Engine(RowScheduler):
         pad = bucket - len(rows)
         self.decoder.set_tree_shapes(budgets + [0] * pad, widths + [1] * pad)
         verified = next(size for size in self.tree_sizes if size >= max(holds))
-        out = self.decoder.tree_cycle(bucket, span, verified + 1)
+        out = self.decoder.tree_cycle(bucket, span, verified + 1, truncate)
         self.verified_nodes[verified] += 1
         for row, nodes in zip(rows, holds, strict=True):
             row.tree_nodes.append(min(nodes, verified))
@@ -543,7 +560,9 @@ def engine_for(
     compile: str = "off",
 ) -> Engine:
     """An engine shaped for `requests`: as wide as their widest fixed b or tree (the drafter's B + 2 at least), with
-    room for the longest prompt and budget, sampling only where a request samples, recording where one records."""
+    room for the longest prompt and budget (rounded up to a power of two, at least `MIN_SPAN`: the next generation
+    of another length then loads the same compiled steps instead of compiling its own), sampling only where a
+    request samples, recording where one records."""
     if not requests:
         raise ValueError("expected at least one request")
     policies = [request.policy for request in requests if request.policy is not None]
@@ -555,11 +574,12 @@ def engine_for(
         tree_nodes = max(trees) if trees else None
     reach = max(width or 1, (tree_nodes or 0) + 1)
     need = max(len(request.prompt_ids) + request.config.max_new_tokens for request in requests) + reach
+    context = getattr(models.target.config.get_text_config(), "max_position_embeddings", None) or need
     return Engine(
         models,
         max_batch=max_batch or len(requests),
         width=width,
-        capacity=need,
+        capacity=max(need, span_bucket(need, context)),
         compile=compile,
         sampling=any(request.config.temperature > 0 for request in requests),
         tree_nodes=tree_nodes,

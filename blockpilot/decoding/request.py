@@ -20,18 +20,34 @@ StopReason = Literal["stop", "length", "cancelled", "error"]
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How one row decodes. At T > 0 its target distributions are cut to the `top_k` most likely tokens (0: all),
+    then to the fewest most likely whose mass reaches `top_p` (1: all), as transformers' warpers do; drafting and
+    acceptance read the cut distributions, so the output is an exact sample of them. At T = 0 both change
+    nothing (the argmax is always kept)."""
+
     max_new_tokens: int = 128
     temperature: float = 0.0
     verify: VerifyRule = "match"
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         positive_int(self.max_new_tokens, "max_new_tokens")
         non_negative_number(self.temperature, "temperature")
         if self.verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1: every token), got {self.top_p!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether this row's sampled distributions are cut (T > 0 with a top-k or a top-p)."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,40 @@ def token_uniforms(
     return (bits.double() + 0.5) / 4294967296.0
 
 
-def row_probs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) in float64 with each row's T, (n, S, V) -> (n, S, V) (rows at T = 0: at T = 1)."""
+def row_probs(
+    logits: torch.Tensor,  # (n, S, V)
+    temperatures: torch.Tensor,  # (n,)
+    top_ks: torch.Tensor | None = None,  # (n,) int64, 0 = every token
+    top_ps: torch.Tensor | None = None,  # (n,) in (0, 1], 1 = every token
+) -> torch.Tensor:
+    """softmax(logits / T) in float64 with each row's T, (n, S, V) -> (n, S, V) (rows at T = 0: at T = 1); with
+    `top_ks` and `top_ps`, each row's distribution truncated (`truncate`)."""
     scale = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    return torch.softmax(logits.float() / scale[:, None, None], dim=-1).double()
+    probs = torch.softmax(logits.float() / scale[:, None, None], dim=-1).double()
+    return probs if top_ks is None or top_ps is None else truncate(probs, top_ks, top_ps)
+
+
+def truncate(
+    probs: torch.Tensor,  # (n, S, V) float64, each distribution normalized
+    top_ks: torch.Tensor,  # (n,) int64, 0 = every token
+    top_ps: torch.Tensor,  # (n,) in (0, 1], 1 = every token
+) -> torch.Tensor:
+    """Each row's distributions cut to its top-k tokens, then to the smallest most-likely set whose mass reaches
+    top-p of what is left, renormalized (transformers' TopK then TopP warpers, in that order: a token stays when
+    it ranks below k and the tokens before it hold less than p of the top k's mass; the most likely always stays).
+    Sampling, drafting and the acceptance tests all read the truncated distribution, so decoding stays exact for
+    it. (n, S, V) -> (n, S, V)."""
+    vocab = probs.shape[-1]
+    ordered, order = probs.sort(dim=-1, descending=True)
+    k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), vocab)[:, None, None]  # (n, 1, 1)
+    ranks = torch.arange(vocab, device=probs.device)
+    in_top_k = ranks < k
+    ordered = torch.where(in_top_k, ordered, torch.zeros_like(ordered))
+    before = ordered.cumsum(dim=-1) - ordered  # the mass of the tokens ranked above each
+    kept_mass = ordered.sum(dim=-1, keepdim=True)
+    keep = in_top_k & ((before < top_ps.double()[:, None, None] * kept_mass) | (ranks == 0))
+    kept = torch.zeros_like(probs).scatter(-1, order, torch.where(keep, ordered, torch.zeros_like(ordered)))
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -204,6 +204,8 @@ class StaticDecoder:
         self.temperatures = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self.active = torch.zeros(rows, dtype=torch.bool, device=self.device)  # a free row stays at length 0
         self.rejection = torch.zeros(rows, dtype=torch.bool, device=self.device)  # verifies by `rejection` at T > 0
+        self.top_ks = torch.zeros(rows, **long)  # each row's top-k at T > 0 (0: every token), read by `truncate` steps
+        self.top_ps = torch.ones(rows, dtype=torch.float32, device=self.device)  # and its top-p (1: every token)
         self.tokens = torch.zeros(rows, width, **long)  # the last cycle's output
         self.counts = torch.zeros(rows, **long)
         self.finite = torch.ones(rows, dtype=torch.bool, device=self.device)
@@ -250,10 +252,13 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
-    def _cycle(self, n: int, span: int, width: int, rejection: bool = False, context: str = "encode") -> None:
+    def _cycle(
+        self, n: int, span: int, width: int, rejection: bool = False, truncate: bool = False, context: str = "encode"
+    ) -> None:
         length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
         rows, window, offsets = slice(0, n), self.slot_range[:span], self.offsets[:width]
         temperatures, seeds = self.temperatures[:n], self.seeds[:n]
+        cut = (self.top_ks[:n], self.top_ps[:n]) if truncate else ()  # each row's top-k and top-p, where asked
         positions = length[:, None] + offsets  # (n, W)
         ids = last[:, None].expand(-1, width)
         if width > 1:
@@ -261,7 +266,7 @@ class StaticDecoder:
             drafts = draft_logits.argmax(dim=-1)
             if rejection:  # rows that verify by `rejection` draft samples of the drafter at their temperature
                 rejecting = self.rejection[:n] & (temperatures > 0)
-                draft_probs = row_probs(draft_logits, temperatures)
+                draft_probs = row_probs(draft_logits, temperatures, *cut)
                 sampled = race(
                     draft_probs, token_uniforms(seeds, positions[:, 1:], draft_logits.shape[-1], DRAFT_STREAM)
                 )
@@ -269,7 +274,8 @@ class StaticDecoder:
             ids = torch.cat([ids[:, :1], drafts], dim=1)
         mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
         logits, features = self.target(ids, positions, positions, mask, rows)
-        target_probs = row_probs(logits, temperatures) if rejection else None  # the picks' and the test's
+        # the picks' and the test's distributions
+        target_probs = row_probs(logits, temperatures, *cut) if rejection or truncate else None
         out = self._pick(logits, positions + 1, rows, target_probs)  # (n, W)
         if width > 1:
             right = (ids[:, 1:] == out[:, :-1]) & (offsets[1:] < sizes[:, None])
@@ -287,13 +293,13 @@ class StaticDecoder:
         self._record(n, logits, features, offsets.expand(n, -1))
         self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None])
 
-    def _plain_cycle(self, n: int, span: int) -> None:
+    def _plain_cycle(self, n: int, span: int, truncate: bool = False) -> None:
         """An autoregressive cycle for rows that never draft again: no drafter context kept."""
-        self._cycle(n, span, 1, False, "skip")
+        self._cycle(n, span, 1, False, truncate, "skip")
 
-    def _deferred_cycle(self, n: int, span: int) -> None:
+    def _deferred_cycle(self, n: int, span: int, truncate: bool = False) -> None:
         """An autoregressive cycle for rows that may draft again: their features kept, encoded later."""
-        self._cycle(n, span, 1, False, "defer")
+        self._cycle(n, span, 1, False, truncate, "defer")
 
     def _defer_context(self, n: int, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Keep rows 0 .. n - 1's features (n, F) at `positions` (n,) for `_flush_context` (the caller flushes a
@@ -388,12 +394,12 @@ class StaticDecoder:
         """Grow every row's whole tree (its nodes' probabilities then tell how many nodes a verify pays for)."""
         self._grow(n, span, self.tree_slots)
 
-    def _tree_cycle(self, n: int, span: int, slots_n: int) -> None:
+    def _tree_cycle(self, n: int, span: int, slots_n: int, truncate: bool = False) -> None:
         """A whole tree cycle, on the device: grow every row's tree cut to `slots_n` slots, verify and commit it."""
         self._grow(n, span, slots_n)
-        self._verify_tree(n, span, slots_n)
+        self._verify_tree(n, span, slots_n, truncate)
 
-    def _verify_tree(self, n: int, span: int, slots_n: int) -> None:
+    def _verify_tree(self, n: int, span: int, slots_n: int, truncate: bool = False) -> None:
         """The target over every row's tree in one pass (each node at position length + depth, in scratch slot
         length + node, seeing the committed context and its ancestors), then the walk: from the root, follow the
         child whose token is the target's pick at the current node; commit the path's tokens and the pick at its
@@ -413,7 +419,7 @@ class StaticDecoder:
         sees_tree = ancestors.gather(2, offset.clamp(0, slots_n - 1)[:, None, :].expand(-1, slots_n, -1))
         mask = ((window[None, None, :] < length[:, None, None]) | (sees_tree & in_tree[:, None, :]))[:, None]
         logits, features = self.target(tokens, positions, slots, mask, rows)  # (n, S, V), (n, S, F)
-        picks = self._pick(logits, positions + 1, rows)  # (n, S): the target's token after each node
+        picks = self._pick(logits, positions + 1, rows, truncate=truncate)  # (n, S): the target's token after each node
         # The walk down the tree, at once: a node is on the accepted path when its token is the target's pick after
         # its parent, and so is every ancestor's (siblings hold distinct tokens, so those nodes form one path).
         live = (parents >= 0) | (nodes == 0)
@@ -439,11 +445,18 @@ class StaticDecoder:
         self._commit(n, logits, out, accepted, current, ~live)
 
     def _pick(
-        self, logits: torch.Tensor, positions: torch.Tensor, rows: slice, probs: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        positions: torch.Tensor,
+        rows: slice,
+        probs: torch.Tensor | None = None,
+        truncate: bool = False,
     ) -> torch.Tensor:
-        if self.sampling:
-            return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions, probs)
-        return logits.argmax(dim=-1)
+        if not self.sampling:
+            return logits.argmax(dim=-1)
+        if probs is None and truncate:
+            probs = row_probs(logits, self.temperatures[rows], self.top_ks[rows], self.top_ps[rows])
+        return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions, probs)
 
     def _build(self, name: str, *shape: int) -> Callable[[], None]:
         """Compile and/or capture step `name` (`_cycle`, `_tree_cycle`, `_draft_tree`, `_verify_tree`) at `shape`
@@ -504,27 +517,30 @@ class StaticDecoder:
         width: int | None = None,
         rejection: bool = False,
         context: str = "encode",
+        truncate: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft/verify cycle for rows 0 .. n - 1 at `width` (default the decoder's; every row's b at most it)
         reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
         tokens (n, width), counts (n,), finite (n,). With `rejection`, rows placed to verify by `rejection` do (a
-        variant of the step of its own: the drafter's sampling and the test cost the others nothing). `context`
+        variant of the step of its own: the drafter's sampling and the test cost the others nothing); with
+        `truncate`, every row samples its distributions cut to its top-k and top-p (`place`; a variant too: the
+        sort costs the rows that do not truncate nothing). `context`
         (`CONTEXT_MODES`) is how a cycle of width 1 keeps the drafter's context (on a frozen decoder, where that
         step was built; else it encodes); a wider cycle encodes."""
         width = width or self.width
         if not 1 <= width <= self.width:
             raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
-        if rejection and not self.sampling:
-            raise ValueError("the rejection rule samples: it needs a decoder built with sampling=True")
+        if (rejection or truncate) and not self.sampling:
+            raise ValueError("the rejection rule and truncation sample: they need a decoder built with sampling=True")
         if span is None:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
         if context not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
-        step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span)
+        step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span, truncate)
         if width == 1 and context != "encode" and self.drafter is not None and self._can_run(step):
             self._run(*step)
         else:
-            self._run("_cycle", n, span, width, rejection)
+            self._run("_cycle", n, span, width, rejection, truncate)
         return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
 
     @torch.inference_mode()
@@ -571,7 +587,7 @@ class StaticDecoder:
         for key in self._steps:
             if key[0] != name or key[1] < rows or (span and key[2] < span):
                 continue
-            if name == "_cycle" and (key[3] < rest[0] or key[4] != rest[1]):
+            if name == "_cycle" and (key[3] < rest[0] or list(key[4:]) != rest[1:]):
                 continue
             if name != "_cycle" and list(key[3:]) != rest:
                 continue
@@ -613,10 +629,12 @@ class StaticDecoder:
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     @torch.inference_mode()
-    def tree_cycle(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tree_cycle(
+        self, n: int, span: int, slots: int, truncate: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grow, verify and commit rows 0 .. n - 1's trees cut to `slots` slots in one step: as `cycle`."""
         self._check_tree_slots(slots)
-        self._run("_tree_cycle", n, span, slots)
+        self._run("_tree_cycle", n, span, slots, truncate)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     def _check_tree_slots(self, slots: int) -> None:
@@ -715,31 +733,57 @@ class StaticDecoder:
         positions = torch.arange(length, device=self.device)[None].expand(k, -1)
         self.drafter.encode(features, positions, positions, slice(first, first + k))
 
-    def pick(self, logits: torch.Tensor, positions: Sequence[int], temperatures, seeds) -> list[int]:
-        """Tokens from next-token logits (k, V) for rows at temperatures and seeds, to sit at `positions`: the
-        same draw (`pick_tokens`) as every token the cycle commits."""
+    def pick(
+        self,
+        logits: torch.Tensor,
+        positions: Sequence[int],
+        temperatures: Sequence[float],
+        seeds: Sequence[int],
+        top_ks: Sequence[int] | None = None,
+        top_ps: Sequence[float] | None = None,
+    ) -> list[int]:
+        """Tokens from next-token logits (k, V) for rows at temperatures and seeds (and top-k and top-p, where
+        given), to sit at `positions`: the same draw (`pick_tokens`) as every token the cycle commits."""
         if any(t > 0 for t in temperatures) and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
         if not any(t > 0 for t in temperatures):  # pick_tokens' argmax, without its draw (0.15 ms a join on a CPU)
             return logits.argmax(dim=-1).tolist()
         device = self.device
+        temperatures_ = torch.tensor(list(temperatures), dtype=torch.float32, device=device)
+        probs = None
+        if top_ks is not None and top_ps is not None:
+            ks = torch.tensor(list(top_ks), dtype=torch.long, device=device)
+            ps = torch.tensor(list(top_ps), dtype=torch.float32, device=device)
+            probs = row_probs(logits[:, None], temperatures_, ks, ps)
         tokens = pick_tokens(
             logits[:, None],
-            torch.tensor(list(temperatures), dtype=torch.float32, device=device),
+            temperatures_,
             torch.tensor(list(seeds), dtype=torch.long, device=device),
             torch.tensor(list(positions), device=device)[:, None],
+            probs,
         )
         return tokens[:, 0].tolist()
 
     def place(
-        self, row: int, *, length: int, last_token: int, temperature: float, seed: int, rejection: bool = False
+        self,
+        row: int,
+        *,
+        length: int,
+        last_token: int,
+        temperature: float,
+        seed: int,
+        rejection: bool = False,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> None:
         """Row `row`, whose cache holds `length` positions, decodes from `last_token` (at position `length`),
-        verifying by `rejection` (at T > 0, in cycles run with `rejection=True`) or by matching."""
+        verifying by `rejection` (at T > 0, in cycles run with `rejection=True`) or by matching, and sampling its
+        distributions cut to `top_k` tokens (0: all) and `top_p` of their mass in cycles run with `truncate=True`."""
         if temperature > 0 and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
         self.length[row], self.last_token[row] = length, last_token
         self.temperatures[row], self.seeds[row], self.rejection[row] = temperature, seed, rejection
+        self.top_ks[row], self.top_ps[row] = top_k, top_p
         self.block_sizes[row], self.active[row] = 1, True
         self._host_block_sizes[row] = 1
         if self.drafter is not None:
@@ -769,6 +813,8 @@ class StaticDecoder:
             self.temperatures,
             self.active,
             self.rejection,
+            self.top_ks,
+            self.top_ps,
         )
         if self.drafter is not None:
             states += (self.pending_features, self.pending_positions, self.pending_count)

@@ -154,6 +154,22 @@ class SpeculativeModels:
             ids.append(int(self.tokenizer.eos_token_id))
         return sorted(set(ids))
 
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling the target's `generation_config` recommends, what a generation that does not say gets (as
+        in transformers' `generate` and vLLM): `temperature`, `top_k` (> 0) and `top_p` (< 1), each where the
+        config sets it (Qwen3: 0.6, 20, 0.95; Llama 3.1 Instruct: 0.6 and top_p 0.9). `do_sample` is not read:
+        a temperature of 0 is how a request asks for greedy decoding here."""
+        config = getattr(self.target, "generation_config", None)
+        found: dict[str, float | int] = {}
+        temperature, top_k, top_p = (getattr(config, name, None) for name in ("temperature", "top_k", "top_p"))
+        if temperature is not None:
+            found["temperature"] = float(temperature)
+        if top_k is not None and int(top_k) > 0:
+            found["top_k"] = int(top_k)
+        if top_p is not None and float(top_p) < 1:
+            found["top_p"] = float(top_p)
+        return found
+
     def encode_prompt(self, prompt: str | list[dict[str, str]], *, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a string or chat messages, through the chat template when there is one."""
         if self.tokenizer is None:
