@@ -378,13 +378,13 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}
     decoder = engine.decoder
-    decoder._steps[("_cycle", 4, 512, 8, False, False)] = lambda: None  # as if built
-    decoder._steps[("_cycle", 2, 256, 4, False, False)] = lambda: None
-    assert decoder._holding("_cycle", (2, 256, 3, False, False)) == ("_cycle", 2, 256, 4, False, False)
-    assert decoder._holding("_cycle", (3, 256, 4, False, False)) == ("_cycle", 4, 512, 8, False, False)
-    assert decoder._holding("_cycle", (1, 1024, 2, False, False)) is None
-    assert decoder._holding("_cycle", (1, 256, 2, True, False)) is None  # another rule: not held
-    assert decoder._holding("_cycle", (1, 256, 2, False, True)) is None  # truncating: not held either
+    decoder.steps.built[("_cycle", 4, 512, 8, False, False)] = lambda: None  # as if built
+    decoder.steps.built[("_cycle", 2, 256, 4, False, False)] = lambda: None
+    assert decoder.steps.holding("_cycle", (2, 256, 3, False, False)) == ("_cycle", 2, 256, 4, False, False)
+    assert decoder.steps.holding("_cycle", (3, 256, 4, False, False)) == ("_cycle", 4, 512, 8, False, False)
+    assert decoder.steps.holding("_cycle", (1, 1024, 2, False, False)) is None
+    assert decoder.steps.holding("_cycle", (1, 256, 2, True, False)) is None  # another rule: not held
+    assert decoder.steps.holding("_cycle", (1, 256, 2, False, True)) is None  # truncating: not held either
 
 
 def test_compiled_kernels_go_under_the_home_unless_the_user_names_a_folder(monkeypatch, tmp_path):

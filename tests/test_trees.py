@@ -15,13 +15,12 @@ from support import greedy_reference
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.engine import Engine
-from blockpilot.decoding.static import grow_trees
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
 from blockpilot.serving import BatchedDecoder, ServeLimits
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import acceptance_table, table_columns, tables_from_row
-from blockpilot.tree import DEAD, best_first_tree
+from blockpilot.tree import DEAD, best_first_tree, grow_trees
 from pipelines.openai_protocol import CompletionRequest, decode_request, parse_request
 
 PROMPTS = ["Count from 3 to 14.", "Sort these numbers: 5 3 9 1", "def add(a, b):", "Write the numbers from 2 to 20."]

@@ -20,7 +20,7 @@ finished rows leave, the last row moving into the hole.
 - feature records (`GenerationRequest.record`, labeling's reference generations) need an engine built with
   `record=True`: its compiled cycle then also keeps every committed position's features and distribution summary;
 - draft trees (`tree.py`, policy `tree:N`): an engine built with `tree_nodes` drafts, grows every row's tree on the
-  device (`static.grow_trees`) and verifies the batch's trees in one target pass, one step a cycle.
+  device (`tree.grow_trees`) and verifies the batch's trees in one target pass, one step a cycle.
 """
 
 from __future__ import annotations

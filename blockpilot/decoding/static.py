@@ -3,7 +3,7 @@
 
 The target's and the drafter's forwards (`forwards.py`) run over a KV cache of `capacity` slots per row, written at
 absolute slots and read through a boolean mask, so nothing is cropped, concatenated or reallocated between cycles;
-how a step is compiled and replayed is `compiled.py`.
+how a step is compiled and replayed is `compiled.py`, which steps are built and when is `steps.py`.
 
 One cycle for `rows` rows of width W (each row its own block size b <= W; slots past b are padding):
 
@@ -20,14 +20,15 @@ One cycle for `rows` rows of width W (each row its own block size b <= W; slots 
 
 Sampling is counter-based (`sampling.py`): the token at absolute position p of a row with seed s is drawn by an
 exponential race over uniforms that are hashes of (s, p, token). It needs no generator state, so it compiles and
-replays as a graph, and a row's output for a seed is a function of its prompt and seed alone: the same at any block size, in any batch,
-and equal to autoregressive sampling with that seed (which samples the target's distribution exactly, so the speculative
-output does too). Under `rejection` a row's output for a seed depends on its block sizes, not on the other rows:
-every committed token is decided by the uniforms of its own position alone (drafts, the test and the bonus each from
-a stream of their own), which no earlier committed token depended on, so it is exact in distribution too.
+replays as a graph, and a row's output for a seed is a function of its prompt and seed alone: the same at any block
+size, in any batch, and equal to autoregressive sampling with that seed (which samples the target's distribution
+exactly, so the speculative output does too). Under `rejection` a row's output for a seed depends on its block
+sizes, not on the other rows: every committed token is decided by the uniforms of its own position alone (drafts,
+the test and the bonus each from a stream of their own), which no earlier committed token depended on, so it is
+exact in distribution too.
 
 A tree cycle (`_tree_cycle`: `_grow` every row's best-first tree on the device, then `_verify_tree`) is the same
-with the verify's block a tree: see `tree.py` and `grow_trees`.
+with the verify's block a tree: see `tree.py` (`best_first_tree`, and `grow_trees` on the device).
 
 Stale entries (a rejected draft's slot, a short prompt's padding) always lie at or past `length`, are invisible to
 every query that could read them, and are rewritten before `length` passes them. `width == 1` is autoregressive
@@ -46,12 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from blockpilot.decoding.compiled import (
-    compile_mode,
-    compiled_replay,
-    inductor_calls,
-    inductor_options,
-)
+from blockpilot.decoding.compiled import compile_mode, inductor_options
 from blockpilot.decoding.forwards import StaticDrafter, StaticTarget, check_exact_target
 from blockpilot.decoding.request import RECORD_TOP_K
 from blockpilot.decoding.sampling import (
@@ -62,69 +58,15 @@ from blockpilot.decoding.sampling import (
     speculative_sampling,
     token_uniforms,
 )
-from blockpilot.models.loading import SpeculativeModels, synchronize
+from blockpilot.decoding.steps import Steps
+from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import distribution_summary
-from blockpilot.tree import TOP_K
+from blockpilot.tree import TOP_K, grow_trees
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_MODES = ("encode", "defer", "skip")
 PENDING_CONTEXT = 16  # positions an autoregressive row keeps unencoded before they are written in one pass
-
-
-def grow_trees(
-    top_logprobs: torch.Tensor,  # (n, L, k) each drafted slot's top k, most likely first; -inf where nothing grows
-    top_ids: torch.Tensor,  # (n, L, k)
-    budgets: torch.Tensor,  # (n,) the nodes each row's tree keeps
-    slots: int,  # S: the root and at most S - 1 nodes
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every row's best-first tree (`tree.best_first_tree`'s, up to exact ties) in fixed-shape tensor steps, so it
-    compiles and replays with the cycle: tokens, depths, parents (n, S), ancestors (n, S, S) and each node's
-    probability (n, S), in `DraftTree`'s layout (nodes by decreasing probability, dead nodes past the tree).
-
-    The N = S - 1 most probable continuations of length d are extensions of the N most probable of length d - 1
-    (a continuation's prefix is at least as probable, and each of N better prefixes extends to a better
-    continuation), so a beam of N over the levels holds every candidate; the tree is the best N of all levels. A
-    child ties its parent when its token has probability 1: keys fall by 1e-9 a level, so parents come first."""
-    n, levels, k = top_logprobs.shape
-    nodes = slots - 1
-    device = top_logprobs.device
-    beams_scores, beams_parent, beams_token = [], [], []
-    scores = torch.zeros(n, 1, dtype=torch.float64, device=device)
-    for level in range(levels):  # (n, beam) x (k,) -> the best `nodes` of the level
-        candidates = (scores[:, :, None] + top_logprobs[:, level, None, :].double()).flatten(1)
-        if candidates.shape[1] < nodes:
-            candidates = F.pad(candidates, (0, nodes - candidates.shape[1]), value=-torch.inf)
-        scores, index = candidates.topk(nodes, dim=1)
-        beams_parent.append(torch.div(index, k, rounding_mode="floor"))
-        beams_token.append(top_ids[:, level].gather(1, (index % k)))
-        beams_scores.append(scores)
-    every_score = torch.cat(beams_scores, dim=1)  # (n, L * N)
-    level_of = torch.arange(levels, device=device).repeat_interleave(nodes)  # (L * N,)
-    key = every_score - 1e-9 * level_of
-    _, order = key.topk(nodes, dim=1)  # (n, N): the tree's nodes 1 .. N, best first
-    chosen_score = every_score.gather(1, order)
-    node_index = torch.arange(1, slots, device=device)
-    alive = torch.isfinite(chosen_score) & (node_index[None, :] <= budgets[:, None])
-    # Each beam entry's node (-1: not in the tree), to find a chosen node's parent among the level above.
-    node_of = torch.full((n, levels * nodes), -1, dtype=torch.long, device=device)
-    node_of.scatter_(1, order, torch.where(alive, node_index[None, :], -1))
-    level = level_of[order]  # (n, N)
-    beam_parent = torch.cat(beams_parent, dim=1).gather(1, order)  # the parent's place in the level above
-    above = node_of.gather(1, ((level - 1).clamp(min=0) * nodes + beam_parent))
-    parent = torch.where(level == 0, torch.zeros_like(above), above)
-    alive = alive & (parent >= 0)
-    root = torch.zeros(n, 1, dtype=torch.long, device=device)
-    tokens = torch.cat([root, torch.where(alive, torch.cat(beams_token, dim=1).gather(1, order), 0)], dim=1)
-    depths = torch.cat([root, torch.where(alive, level + 1, 0)], dim=1)
-    parents = torch.cat([root - 1, torch.where(alive, parent, -1)], dim=1)
-    probabilities = torch.cat([root + 1.0, torch.where(alive, chosen_score.exp(), 0.0)], dim=1).float()
-    ancestors = torch.eye(slots, dtype=torch.bool, device=device).expand(n, -1, -1).clone()
-    current = parents
-    for _ in range(levels):  # climb one level a step: every node's ancestors, the root included
-        ancestors |= F.one_hot(current.clamp(min=0), slots).bool() & (current >= 0)[..., None]
-        current = torch.where(current >= 0, parents.gather(1, current.clamp(min=0)), current)
-    return tokens, depths, parents, ancestors, probabilities
 
 
 MIN_SPAN = 256
@@ -189,7 +131,6 @@ class StaticDecoder:
             raise ValueError(f"capacity {capacity} must exceed the width {width} and the tree's slots")
         self.models, self.rows, self.width, self.capacity, self.mode = models, rows, width, capacity, compile
         self.sampling = sampling  # rows may have T > 0 (else the cycle only takes argmaxes)
-        self.replay = True  # compiled steps on a CPU run without dynamo once built (False: through it, to compare)
         self.device = models.device
         drafting = width > 1
         layer_ids = models.drafter.target_layer_ids if drafting else None
@@ -238,17 +179,39 @@ class StaticDecoder:
             self.record_entropy = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
             self.record_top_ids = torch.zeros(rows, width, RECORD_TOP_K, **long)
             self.record_top_probs = torch.zeros(rows, width, RECORD_TOP_K, dtype=torch.float32, device=self.device)
-        self.compile_seconds: float | None = None  # every build so far, added up
-        self._steps: dict[tuple, Callable[[], None]] = {}
-        self._graphs: list[torch.cuda.CUDAGraph] = []  # kept alive while their replays are in `_steps`
-        self._compiled: dict[str, Callable[..., None]] = {}
+        self.steps = Steps(self, compile, self.device, self._moved_by_a_build)
         # Whole prompts' prefill compiled too, by `compile_prefill` (a long-lived engine's start), on a CPU.
         self._prefill_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self._context_compiled: Callable[..., None] | None = None  # the drafter's context of whole prompts
-        # Once frozen (a serving engine, after it built its declared shapes), nothing compiles: a step of a shape not
-        # built runs eagerly (logged once), and a prefill that would recompile runs eagerly.
-        self.frozen = False
-        self._eager_shapes: set[tuple] = set()
+
+    # ------------------------------------------------------------------ how steps run (`steps.Steps`)
+
+    def _moved_by_a_build(self) -> tuple[torch.Tensor, ...]:
+        """What a build's warm-up moves and `Steps` restores: each row's length, last token and kept context."""
+        return (self.length, self.last_token) + ((self.pending_count,) if self.drafter is not None else ())
+
+    @property
+    def frozen(self) -> bool:
+        """Once frozen (a serving engine, after it built its declared shapes), nothing compiles: a step of a shape
+        not built runs eagerly (logged once), and a prefill that would recompile runs eagerly."""
+        return self.steps.frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self.steps.frozen = value
+
+    @property
+    def compile_seconds(self) -> float | None:
+        return self.steps.compile_seconds
+
+    @property
+    def built_shapes(self) -> list[tuple]:
+        return list(self.steps.built)
+
+    def build(self, name: str, *shape: object) -> None:
+        """Compile (or load from the on-disk cache) and capture step `name` at `shape` now (`cycle`'s names and
+        shapes: `Steps.build`)."""
+        self.steps.build(name, *shape)
 
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
@@ -458,57 +421,6 @@ class StaticDecoder:
             probs = row_probs(logits, self.temperatures[rows], self.top_ks[rows], self.top_ps[rows])
         return pick_tokens(logits, self.temperatures[rows], self.seeds[rows], positions, probs)
 
-    def _build(self, name: str, *shape: int) -> Callable[[], None]:
-        """Compile and/or capture step `name` (`_cycle`, `_tree_cycle`, `_draft_tree`, `_verify_tree`) at `shape`
-        once, on the rows' current state (restored after: the warm-up's writes lie at or past each row's length,
-        where the real step writes again)."""
-        started = time.perf_counter()
-        kept = (self.length, self.last_token) + ((self.pending_count,) if self.drafter is not None else ())
-        state = [t.clone() for t in kept]
-        function = getattr(self, name)
-        if "compile" in self.mode:
-            if name not in self._compiled:
-                # One compiled variant per shape the engine runs at (rows, span, width or tree slots): a few
-                # buckets each, more than dynamo's default of 8 recompiles of one function.
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-                self._compiled[name] = torch.compile(
-                    function, fullgraph=True, dynamic=False, options=inductor_options(self.device)
-                )
-            function = self._compiled[name]
-        step: Callable[[], None] = lambda: function(*shape)  # noqa: E731
-        if self.mode == "compile" and self.device.type == "cpu" and self.replay:  # a GPU replays a CUDA graph
-            with inductor_calls() as calls:
-                step()  # compiles
-            replay = compiled_replay(calls)
-            if replay is None:
-                logger.warning(
-                    "the compiled step %s%s cannot be replayed (torch %s did not run it as one graph with no outputs): "
-                    "it goes through dynamo at every call, about 0.1 ms slower on a CPU",
-                    name,
-                    shape,
-                    torch.__version__,
-                )
-            step = replay or step
-        elif "graph" in self.mode:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: compilation, allocator, kernels' first launch
-                    step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            self._graphs.append(graph)
-            step = graph.replay
-        else:
-            step()  # compiles
-        for tensor, saved in zip(kept, state, strict=True):
-            tensor.copy_(saved)
-        synchronize(self.device)
-        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
-        return step
-
     @torch.inference_mode()
     def cycle(
         self,
@@ -537,73 +449,17 @@ class StaticDecoder:
         if context not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
         step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span, truncate)
-        if width == 1 and context != "encode" and self.drafter is not None and self._can_run(step):
-            self._run(*step)
+        if width == 1 and context != "encode" and self.drafter is not None and self.steps.can_run(step):
+            self.steps.run(*step)
         else:
-            self._run("_cycle", n, span, width, rejection, truncate)
+            self.steps.run("_cycle", n, span, width, rejection, truncate)
         return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
 
     @torch.inference_mode()
     def flush_context(self, n: int) -> None:
         """Encode the drafter's context of every position rows 0 .. n - 1 kept by `defer` cycles (before a row
         drafts again, or before one keeps more than `PENDING_CONTEXT`)."""
-        self._run("_flush_context", n)
-
-    def _can_run(self, step: tuple) -> bool:
-        """Whether step (name, *shape) runs compiled or as built: not a frozen decoder's step that was not built."""
-        name, *shape = step
-        return not self.frozen or self.mode == "off" or step in self._steps or self._holding(name, shape) is not None
-
-    def _run(self, name: str, *shape: int) -> None:
-        """Step `name` at `shape` (rows, span, and the width of a cycle or the tree's slots of a verify), built
-        once per shape."""
-        if self.mode == "off":
-            getattr(self, name)(*shape)
-            return
-        step = self._steps.get((name, *shape))
-        if step is None and self.frozen:
-            step = self._steps.get(self._holding(name, shape))
-            if step is None:
-                if (name, *shape) not in self._eager_shapes:
-                    self._eager_shapes.add((name, *shape))
-                    logger.warning(
-                        "step %s%s was not built up front: it runs eagerly (nothing compiles while serving)",
-                        name,
-                        shape,
-                    )
-                getattr(self, name)(*shape)
-                return
-        if step is None:
-            step = self._steps[(name, *shape)] = self._build(name, *shape)
-        step()
-
-    def _holding(self, name: str, shape: tuple) -> tuple | None:
-        """The smallest built step of `name` that holds `shape`: as many rows or more (the others are free rows,
-        which commit nothing), as long a span or longer (masked), and for a chain cycle as wide or wider (a row's b
-        stops its acceptance) under the same rule; a tree step's slots must match. None when no built step holds it."""
-        rows, *rest = shape
-        span = rest.pop(0) if rest else 0
-        fits = []
-        for key in self._steps:
-            if key[0] != name or key[1] < rows or (span and key[2] < span):
-                continue
-            if name == "_cycle" and (key[3] < rest[0] or list(key[4:]) != rest[1:]):
-                continue
-            if name != "_cycle" and list(key[3:]) != rest:
-                continue
-            fits.append(key)
-        size = lambda key: key[1] * (key[2] if span else 1) * (key[3] if name == "_cycle" else 1)  # noqa: E731
-        return min(fits, key=size, default=None)
-
-    def build(self, name: str, *shape: int) -> None:
-        """Compile (or load from the on-disk cache) and capture step `name` at `shape` now, if the mode compiles and
-        it is not built yet (`_run`'s names and shapes)."""
-        if self.mode != "off" and (name, *shape) not in self._steps:
-            self._steps[(name, *shape)] = self._build(name, *shape)
-
-    @property
-    def built_shapes(self) -> list[tuple]:
-        return list(self._steps)
+        self.steps.run("_flush_context", n)
 
     def set_tree_shapes(self, budgets: Sequence[int], widths: Sequence[int]) -> None:
         """Rows 0 .. len(budgets) - 1 grow trees of these many nodes over their slots' top `widths` tokens next
@@ -617,7 +473,7 @@ class StaticDecoder:
     def draft_tree(self, n: int, span: int) -> torch.Tensor:
         """Grow rows 0 .. n - 1's whole trees: a device view of their nodes' probabilities (n, S), root first, to
         choose how many a verify checks (`verify_tree`)."""
-        self._run("_draft_tree", n, span)
+        self.steps.run("_draft_tree", n, span)
         return self.tree_probabilities[:n]
 
     @torch.inference_mode()
@@ -625,7 +481,7 @@ class StaticDecoder:
         """Verify and commit the first `slots` nodes of rows 0 .. n - 1's grown trees: tokens (n, W), counts (n,),
         finite (n,), as `cycle`."""
         self._check_tree_slots(slots)
-        self._run("_verify_tree", n, span, slots)
+        self.steps.run("_verify_tree", n, span, slots)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     @torch.inference_mode()
@@ -634,7 +490,7 @@ class StaticDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grow, verify and commit rows 0 .. n - 1's trees cut to `slots` slots in one step: as `cycle`."""
         self._check_tree_slots(slots)
-        self._run("_tree_cycle", n, span, slots, truncate)
+        self.steps.run("_tree_cycle", n, span, slots, truncate)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     def _check_tree_slots(self, slots: int) -> None:
@@ -666,7 +522,8 @@ class StaticDecoder:
             mask = (self.slot_range[: start + max(lengths)][None, None, :] <= positions[:, :, None])[:, None]
         if mask is not None or context or self._prefill_compiled is None:
             return self._prefill_pass(ids, positions, mask, first, last, context)
-        return self._compiled_or_eager(self._prefill_compiled, self._prefill_pass, ids, positions, None, first, last)
+        compiled, eager = self._prefill_compiled, self._prefill_pass
+        return self.steps.compiled_or_eager(compiled, eager, ids, positions, None, first, last)
 
     @torch.inference_mode()
     def keep_context(self, first: int, features: torch.Tensor) -> None:
@@ -678,19 +535,7 @@ class StaticDecoder:
         if compiled is None:
             self._context_pass(features, first)
         else:
-            self._compiled_or_eager(compiled, self._context_pass, features, first)
-
-    def _compiled_or_eager(self, compiled: Callable, eager: Callable, *args: object) -> object:
-        """`compiled(*args)`; on a frozen decoder, `eager(*args)` where the compiled form would recompile."""
-        if not self.frozen:
-            return compiled(*args)
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return compiled(*args)
-        except RuntimeError as error:  # these shapes would recompile: eager, the same pass
-            if "recompile" not in str(error).lower():
-                raise
-            return eager(*args)
+            self.steps.compiled_or_eager(compiled, self._context_pass, features, first)
 
     def compile_prefill(self) -> None:
         """Compile the whole-prompt prefill for every prompt count and length (dynamic shapes), on a CPU in a mode
@@ -711,7 +556,7 @@ class StaticDecoder:
             self.keep_context(0, features)
         for row in range(min(3, self.rows)):
             self.free(row, clear=True)
-        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - started
+        self.steps.add_seconds(time.perf_counter() - started)
 
     def _prefill_pass(
         self,
