@@ -11,9 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockpilot.models.attention import RaggedTokens
 from blockpilot.models.drafter import Blocks, DFlashConfig, DFlashDrafter, dflash_target_layer_ids
-from blockpilot.zoo.random_models import ModelShape, drafter_for, random_target, random_models_like
+from blockpilot.zoo.random_models import ModelShape, drafter_for, random_models_like, random_target
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB_WEIGHT_NAME = re.compile(
@@ -253,7 +252,6 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
     # Over one shared context the blocks are packed PACKED_SLOTS // width to a row: 4 blocks in one row, then 7
     # blocks in two rows of 4 (the last filled up with a copy).
     cases = [([6, 11, 17, 23], [5, 2, 8, 3], 8), ([2, 5, 6, 11, 14, 17, 23], [16, 2, 9, 3, 12, 1, 7], 16)]
-    packed_logits = []
     for anchor_list, size_list, width in cases:
         anchors, sizes = torch.tensor(anchor_list), torch.tensor(size_list)
         with torch.no_grad():
@@ -261,7 +259,6 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
             hidden = drafter.draft_over_one_context(target.get_input_embeddings(), context_kv, blocks, mask_token_id=79)
             logits = target.get_output_embeddings()(hidden[:, 1:])
         assert hidden.shape == (len(anchor_list), width, shape.hidden_size)
-        packed_logits.append(logits)
         for row, (anchor, size) in enumerate(zip(anchor_list, size_list, strict=True)):
             expected = zlab_reference_logits(drafter, target, features[:anchor], int(ids[0, anchor]), size)
             torch.testing.assert_close(logits[row, : size - 1], expected, rtol=1e-4, atol=1e-4)
@@ -272,32 +269,4 @@ def test_the_drafting_primitive_equals_an_independent_zlab_style_forward():
             )
             chosen = torch.tensor([len(anchor_list) - 1, 0])
             torch.testing.assert_close(deferred.hidden(chosen, 2, 5), hidden[chosen, 2:5], rtol=1e-5, atol=1e-5)
-
-    # In place (decoding's form): a context row per block with scratch entries past the last anchor, holding
-    # garbage beforehand; the blocks' keys and values go there instead of a concatenated copy. Same logits.
-    anchors, sizes, width = (torch.tensor(cases[0][0]), torch.tensor(cases[0][1]), cases[0][2])
-    blocks = Blocks(ids[0, anchors], anchors, sizes, width)
-    logits, block_at = packed_logits[0], 24
-    noise = torch.Generator().manual_seed(6)
-    scratch = [
-        tuple(
-            torch.cat([t.expand(4, -1, -1, -1), torch.randn(4, t.shape[1], width, t.shape[3], generator=noise)], dim=2)
-            for t in pair
-        )
-        for pair in context_kv
-    ]
-    kept = [tuple(t[:, :, :block_at].clone() for t in pair) for pair in scratch]
-    with torch.no_grad():
-        in_place = drafter.draft_in_rows(target.get_input_embeddings(), scratch, blocks, 79, block_at=block_at)
-    torch.testing.assert_close(target.get_output_embeddings()(in_place[:, 1:]), logits, rtol=1e-5, atol=1e-5)
-    for pair, before in zip(scratch, kept, strict=True):
-        for tensor, old in zip(pair, before, strict=True):
-            assert torch.equal(tensor[:, :, :block_at], old), "the context before block_at is left as it was"
-    with pytest.raises(ValueError, match="needs one context row per block and 32 entries"):
-        drafter.draft_in_rows(target.get_input_embeddings(), context_kv, blocks, 79, block_at=24)
-    # Packed (decoding's form for unequal blocks): only each block's own slots, one sequence; the same states.
-    with torch.no_grad():
-        packed = drafter.draft_in_rows(target.get_input_embeddings(), scratch, blocks, 79, block_at=block_at, packed=True)
-    assert packed.shape == (1, int(sizes.sum()), shape.hidden_size)
-    torch.testing.assert_close(packed, RaggedTokens.of(sizes, width).pack(in_place), rtol=1e-5, atol=1e-5)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,67 +67,6 @@ def grouped_query_attention(
     return out.reshape(n, heads, q_len, value.shape[-1])
 
 
-@dataclass(frozen=True)
-class RaggedTokens:
-    """A batch packed without padding: token t of the packed sequence is slot `slots[t]` of row `rows[t]` in the
-    padded (rows, width) layout. Linear layers run on the packed tokens; attention unpacks them (its mask and the
-    cache are per row), so a row pays for its own block, not for the widest one."""
-
-    rows: torch.Tensor  # (T,) int64
-    slots: torch.Tensor  # (T,) int64
-    width: int
-
-    @classmethod
-    def of(cls, sizes: torch.Tensor, width: int | None = None) -> RaggedTokens:
-        """The packing of rows with `sizes[i]` tokens each, (n,) int64, in row order, from a padded layout of
-        `width` slots a row (default: the largest size)."""
-        widest = int(sizes.max())
-        if width is not None and width < widest:
-            raise ValueError(f"width {width} is narrower than the largest row, {widest} tokens")
-        rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes)
-        starts = torch.cumsum(sizes, 0) - sizes
-        return cls(rows, torch.arange(rows.shape[0], device=sizes.device) - starts[rows], width or widest)
-
-    def pack(self, padded: torch.Tensor) -> torch.Tensor:
-        """(n, W, ...) -> (1, T, ...)."""
-        return padded[self.rows, self.slots][None]
-
-    def unpack(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
-        """(1, T, ...) -> (rows, W, ...), zeros where a row has no token."""
-        out = packed.new_zeros(rows, self.width, *packed.shape[2:])
-        out[self.rows, self.slots] = packed[0]
-        return out
-
-    def unpack_heads(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
-        """(1, heads, T, d) -> (rows, heads, W, d), the layout attention runs in."""
-        return self.unpack(packed[0].transpose(0, 1)[None], rows).transpose(1, 2)
-
-    def pack_heads(self, padded: torch.Tensor) -> torch.Tensor:
-        """(rows, heads, W, d) -> (1, heads, T, d)."""
-        return padded[self.rows, :, self.slots].transpose(0, 1)[None]
-
-    def from_slot(self, start: int) -> tuple[torch.Tensor, RaggedTokens]:
-        """Every row's slots from `start` on: which packed tokens they are, (T,) bool, and their packing, slot
-        `start` of a row becoming its slot 0 (the drafts of a block, past its first token)."""
-        kept = self.slots >= start
-        return kept, RaggedTokens(self.rows[kept], self.slots[kept] - start, max(self.width - start, 0))
-
-
-def ragged_attention(
-    query: torch.Tensor,  # (1, H, T, d) packed
-    key: torch.Tensor,  # (n, KV, k, d) per row
-    value: torch.Tensor,
-    mask: torch.Tensor,  # (n, 1, W, k) per row, slot by slot
-    tokens: RaggedTokens,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:  # (1, T, H, d_v)
-    """Attention of packed queries over per-row keys: unpacked to (n, H, W, d), attended row by row under the
-    mask, packed back."""
-    out = grouped_query_attention(tokens.unpack_heads(query, key.shape[0]), key, value, mask, scale=scale)
-    return tokens.pack_heads(out).transpose(1, 2)
-
-
 def grouped_sdpa_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -140,14 +78,9 @@ def grouped_sdpa_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: SDPA, with masked multi-token passes through
-    `grouped_query_attention` (`ragged_attention` when the pass is packed: a `ragged_tokens` keyword through
-    the model's forward); everything else (no mask, one query, biases, caches of their own) is transformers'
+    `grouped_query_attention`; everything else (no mask, one query, biases, caches of their own) is transformers'
     SDPA path unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    ragged = kwargs.pop("ragged_tokens", None)
-    if ragged is not None:
-        return ragged_attention(query, key, value, attention_mask, ragged, scale=scaling), None
 
     plain = attention_mask is None or query.shape[2] == 1 or any(
         kwargs.get(name) is not None for name in ("position_bias", "cache", "softcap")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockpilot.files import CONFIG_NAME, WEIGHTS_NAME
-from blockpilot.models.attention import RaggedTokens, grouped_query_attention, masked_attention_kernels
+from blockpilot.models.attention import grouped_query_attention, masked_attention_kernels
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -321,9 +321,7 @@ class DrafterAttention(nn.Module):
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],  # (N or 1, kv_heads, C, head_dim) each
         attention_mask: torch.Tensor | None,  # bool (N or 1, 1, S, C + S), True = may attend; packed: see below
-        block_at: int | None = None,  # see `DFlashDrafter._draft`
         blocks_per_row: int = 1,  # > 1: N / G rows of G blocks side by side, mask (N / G, 1, G * S, C + G * S)
-        ragged: RaggedTokens | None = None,  # x is (1, T, hidden), the blocks' own slots packed; mask per block
     ) -> torch.Tensor:
         """The attention's output before `o_proj`, (N, S, heads * head_dim): the layer projects it token by token
         (`DrafterLayer.finish`)."""
@@ -332,21 +330,11 @@ class DrafterAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k_block, v_block = self._keys_values(x, cos, sin)
         k_ctx, v_ctx = context_kv
-        if ragged is not None:  # attention runs per block: unpacked to (blocks, heads, W, d), packed back after
-            blocks = k_ctx.shape[0]
-            q, k_block, v_block = (ragged.unpack_heads(t, blocks) for t in (q, k_block, v_block))
-        if block_at is not None:
-            k, v = k_ctx[:, :, : block_at + s], v_ctx[:, :, : block_at + s]
-            k[:, :, block_at:] = k_block
-            v[:, :, block_at:] = v_block
-        else:
-            q, k_block, v_block = (_pack(t, blocks_per_row) for t in (q, k_block, v_block))
-            rows = q.shape[0]
-            k = torch.cat([k_ctx.expand(rows, -1, -1, -1), k_block], dim=2)
-            v = torch.cat([v_ctx.expand(rows, -1, -1, -1), v_block], dim=2)
+        q, k_block, v_block = (_pack(t, blocks_per_row) for t in (q, k_block, v_block))
+        rows = q.shape[0]
+        k = torch.cat([k_ctx.expand(rows, -1, -1, -1), k_block], dim=2)
+        v = torch.cat([v_ctx.expand(rows, -1, -1, -1), v_block], dim=2)
         out = _unpack(grouped_query_attention(q, k, v, attention_mask), blocks_per_row)
-        if ragged is not None:
-            out = ragged.pack_heads(out)
         return out.transpose(1, 2).reshape(n, s, self.num_heads * self.head_dim)
 
 
@@ -407,14 +395,10 @@ class DrafterLayer(nn.Module):
         sin: torch.Tensor,
         context_kv: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        block_at: int | None = None,
         blocks_per_row: int = 1,
-        ragged: RaggedTokens | None = None,
     ) -> torch.Tensor:
         normed = self.input_layernorm(x)
-        attended = self.self_attn.attend(
-            normed, cos, sin, context_kv, attention_mask, block_at, blocks_per_row, ragged
-        )
+        attended = self.self_attn.attend(normed, cos, sin, context_kv, attention_mask, blocks_per_row)
         return self.finish(x, attended)
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -516,10 +500,8 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,  # (N or 1, S)
         context_kv: ContextKV,  # from encode_context, batch N or 1
         attention_mask: torch.Tensor | None = None,  # bool (N or 1, 1, S, C + S); None = see everything
-        block_at: int | None = None,  # see `_draft`; then C = block_at
         blocks_per_row: int = 1,  # see `_draft`
         defer_last_layer: bool = False,
-        ragged: RaggedTokens | None = None,  # see `_draft`: embeds and positions (1, T, ...) packed
     ) -> torch.Tensor | DeferredSlots:
         """Hidden states of the block after the final norm, (N, S, hidden); feed them to the target's head. With
         `defer_last_layer`, a `DeferredSlots` that computes them slot by slot on demand."""
@@ -528,31 +510,13 @@ class DFlashDrafter(nn.Module):
         if len(context_kv) != len(self.layers):
             raise ValueError(f"context_kv has {len(context_kv)} layers; the drafter has {len(self.layers)}")
         for layer, kv in zip(self.layers[:-1], context_kv[:-1], strict=True):
-            x = layer(x, cos, sin, kv, attention_mask, block_at, blocks_per_row, ragged)
+            x = layer(x, cos, sin, kv, attention_mask, blocks_per_row)
         last = self.layers[-1]
         normed = last.input_layernorm(x)
-        attended = last.self_attn.attend(
-            normed, cos, sin, context_kv[-1], attention_mask, block_at, blocks_per_row, ragged
-        )
+        attended = last.self_attn.attend(normed, cos, sin, context_kv[-1], attention_mask, blocks_per_row)
         if defer_last_layer:
             return DeferredSlots(x, attended, last, self.norm)
         return self.norm(last.finish(x, attended))
-
-    def draft_in_rows(
-        self,
-        embed: nn.Module,  # the target's input embeddings
-        context_kv: ContextKV,  # per layer (N, kv_heads, >= block_at + W, head_dim): one context row per block
-        blocks: Blocks,
-        mask_token_id: int,
-        block_at: int,  # every anchor <= block_at; entries [block_at, block_at + W) are scratch
-        packed: bool = False,
-    ) -> torch.Tensor:
-        """Decoding's drafting: block n over context row n, its keys and values written into the row's scratch
-        entries [block_at, block_at + W) (overwritten; decoding passes the slots past its longest row), the context
-        attended in place instead of a copy concatenated to every block in every layer. Hidden states (N, W, hidden);
-        `packed` (blocks of unequal sizes): the layers' token-by-token parts run on each block's own slots only, and
-        the result is (1, sum(sizes), hidden), block by block (`RaggedTokens.of(blocks.sizes, W)`)."""
-        return self._draft(embed, context_kv, blocks, mask_token_id, block_at=block_at, packed=packed)
 
     def draft_over_one_context(
         self,
@@ -585,11 +549,9 @@ class DFlashDrafter(nn.Module):
         blocks: Blocks,
         mask_token_id: int,
         context_rows: torch.Tensor | None = None,
-        block_at: int | None = None,
         defer_last_layer: bool = False,
-        packed: bool = False,
     ) -> torch.Tensor | DeferredSlots:
-        """The one drafting core under the three entry points above: hidden states of N blocks in one call.
+        """The one drafting core under the two entry points above: hidden states of N blocks in one call.
 
         Block n is `[first_tokens[n], MASK, ...]` at positions anchors[n] .. anchors[n] + W - 1. It sees the
         context strictly before its anchor (index < anchor; later entries may be stale or belong to other
@@ -599,17 +561,7 @@ class DFlashDrafter(nn.Module):
         first_tokens, anchors, block_sizes, width = blocks.first_tokens, blocks.anchors, blocks.sizes, blocks.width
         device = first_tokens.device
         n = first_tokens.shape[0]
-        if packed and (block_at is None or defer_last_layer):
-            raise ValueError("packed drafting needs block_at (one context row per block) and no defer_last_layer")
-        if block_at is not None:
-            rows, _, entries, _ = context_kv[0][0].shape
-            if context_rows is not None or rows != n or entries < block_at + width:
-                raise ValueError(
-                    f"block_at={block_at} needs one context row per block and {block_at + width} entries; got "
-                    f"{rows} rows of {entries} for {n} blocks of width {width}"
-                    + (" and context_rows" if context_rows is not None else "")
-                )
-        shared = block_at is None and context_rows is None and bool(context_kv) and context_kv[0][0].shape[0] == 1
+        shared = context_rows is None and bool(context_kv) and context_kv[0][0].shape[0] == 1
         per_row = min(n, max(1, PACKED_SLOTS // width)) if shared else 1
         padding = -n % per_row
         if padding:  # the last row is filled up with copies of the last block, dropped at the end
@@ -620,19 +572,14 @@ class DFlashDrafter(nn.Module):
         block_ids[:, 0] = first_tokens
         slots = torch.arange(width, device=device)
         positions = anchors[:, None] + slots
-        context_length = block_at if block_at is not None else context_kv[0][0].shape[2] if context_kv else 0
+        context_length = context_kv[0][0].shape[2] if context_kv else 0
         sees_context = torch.arange(context_length, device=device)[None, :] < anchors[:, None]
         sees_block = slots[None, :] < block_sizes[:, None]
         mask = _block_mask(sees_context, sees_block, per_row)
         if context_rows is not None:
             context_kv = [(k.index_select(0, context_rows), v.index_select(0, context_rows)) for k, v in context_kv]
-        ragged = RaggedTokens.of(block_sizes, width) if packed else None
-        if ragged is not None:
-            block_ids, positions = ragged.pack(block_ids), ragged.pack(positions)
         with masked_attention_kernels(device):
-            hidden = self(embed(block_ids), positions, context_kv, mask, block_at, per_row, defer_last_layer, ragged)
-        if ragged is not None:
-            return hidden
+            hidden = self(embed(block_ids), positions, context_kv, mask, per_row, defer_last_layer)
         if isinstance(hidden, DeferredSlots):
             return dataclasses.replace(hidden, residual=hidden.residual[:n], attended=hidden.attended[:n])
         return hidden[:n]
