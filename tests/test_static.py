@@ -387,6 +387,22 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert decoder.steps.holding("_cycle", (1, 256, 2, False, True)) is None  # truncating: not held either
 
 
+def test_a_compiled_engine_for_requests_rounds_its_capacity_so_other_lengths_share_its_steps(random_models):
+    """`engine_for` (what `generate` builds): compiled, the cache rounds up to a power of two (at least 256 slots), so
+    a generation of another prompt length or budget runs the same compiled steps (their shapes hold the capacity);
+    eager, it is exactly what the requests need (an eager cycle reads up to the capacity)."""
+    from blockpilot.decoding.engine import engine_for
+
+    def capacity(prompt: int, budget: int, compile: str) -> int:
+        request = GenerationRequest([1] * prompt, GenerationConfig(max_new_tokens=budget), FixedBlockSize(2))
+        return engine_for(random_models, [request], compile=compile).capacity
+
+    reach = random_models.train_block_size + 2
+    assert capacity(5, 20, "off") == 25 + reach and capacity(9, 40, "off") == 49 + reach
+    assert capacity(5, 20, "compile") == capacity(9, 40, "compile") == 256
+    assert capacity(100, 200, "compile") == 512
+
+
 def test_compiled_kernels_go_under_the_home_unless_the_user_names_a_folder(monkeypatch, tmp_path):
     """Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR the first time it looks: that default is
     replaced by $BLOCKPILOT_HOME/inductor, a folder the user named is kept."""

@@ -36,6 +36,7 @@ import torch
 
 from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import positive_int
+from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
     PREFILL_MAX_PADDING,
@@ -560,9 +561,10 @@ def engine_for(
     compile: str = "off",
 ) -> Engine:
     """An engine shaped for `requests`: as wide as their widest fixed b or tree (the drafter's B + 2 at least), with
-    room for the longest prompt and budget (rounded up to a power of two, at least `MIN_SPAN`: the next generation
-    of another length then loads the same compiled steps instead of compiling its own), sampling only where a
-    request samples, recording where one records."""
+    room for the longest prompt and budget (compiled, rounded up to a power of two, at least `MIN_SPAN`: the next
+    generation of another length then loads the same compiled steps instead of compiling its own; eager, exactly
+    that, as a cycle reads at most the capacity), sampling only where a request samples, recording where one
+    records."""
     if not requests:
         raise ValueError("expected at least one request")
     policies = [request.policy for request in requests if request.policy is not None]
@@ -574,12 +576,15 @@ def engine_for(
         tree_nodes = max(trees) if trees else None
     reach = max(width or 1, (tree_nodes or 0) + 1)
     need = max(len(request.prompt_ids) + request.config.max_new_tokens for request in requests) + reach
-    context = getattr(models.target.config.get_text_config(), "max_position_embeddings", None) or need
+    capacity = need
+    if compile_mode(compile, models.device) != "off":
+        context = getattr(models.target.config.get_text_config(), "max_position_embeddings", None) or need
+        capacity = max(need, span_bucket(need, context))
     return Engine(
         models,
         max_batch=max_batch or len(requests),
         width=width,
-        capacity=max(need, span_bucket(need, context)),
+        capacity=capacity,
         compile=compile,
         sampling=any(request.config.temperature > 0 for request in requests),
         tree_nodes=tree_nodes,
