@@ -40,7 +40,6 @@ so the draft sees the context it would have seen had the row drafted all along.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -62,8 +61,6 @@ from blockpilot.decoding.steps import Steps
 from blockpilot.models.loading import SpeculativeModels
 from blockpilot.policies.base import distribution_summary
 from blockpilot.tree import TOP_K, grow_trees
-
-logger = logging.getLogger(__name__)
 
 CONTEXT_MODES = ("encode", "defer", "skip")
 PENDING_CONTEXT = 16  # positions an autoregressive row keeps unencoded before they are written in one pass
