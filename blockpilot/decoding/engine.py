@@ -364,11 +364,9 @@ class Engine(RowScheduler):
         seeds = [self._seeds[row.id] for row in joining]
         temperatures = [row.config.temperature for row in joining]
         positions = [row.prompt.numel() for row in joining]
-        if any(row.config.truncates for row in joining):
-            cuts = [row.config.top_k for row in joining], [row.config.top_p for row in joining]
-            firsts = self.decoder.pick(logits, positions, temperatures, seeds, *cuts)
-        else:
-            firsts = self.decoder.pick(logits, positions, temperatures, seeds)
+        truncate = any(row.config.truncates for row in joining)  # as a cycle: the sort only where a row cuts
+        cuts = ([row.config.top_k for row in joining], [row.config.top_p for row in joining]) if truncate else ()
+        firsts = self.decoder.pick(logits, positions, temperatures, seeds, *cuts)
         for index, row in enumerate(joining):
             if not finite[index]:
                 row.fail(NonFiniteLogits("the target's next-token distribution after the prompt is not finite"))

@@ -86,7 +86,7 @@ class StaticDecoder:
 
     - `off`: eager, the reference;
     - `compile`: `torch.compile(fullgraph=True)` of the whole cycle (inductor, CPU or GPU); on a CPU each compiled
-      step is then replayed (`compiled_replay`), unless `replay` is set False before it is built;
+      step is then replayed (`compiled_replay`), unless `steps.replay` is set False before it is built;
     - `graph` (CUDA): the eager cycle captured once as a CUDA graph and replayed;
     - `compile+graph` (CUDA): the compiled cycle, captured and replayed.
 
@@ -126,7 +126,7 @@ class StaticDecoder:
         self.tree_slots = tree_nodes + 1 if tree_nodes is not None else None  # the root and the drafted nodes
         if capacity < max(width, self.tree_slots or 0) + 1:
             raise ValueError(f"capacity {capacity} must exceed the width {width} and the tree's slots")
-        self.models, self.rows, self.width, self.capacity, self.mode = models, rows, width, capacity, compile
+        self.models, self.rows, self.width, self.capacity = models, rows, width, capacity
         self.sampling = sampling  # rows may have T > 0 (else the cycle only takes argmaxes)
         self.device = models.device
         drafting = width > 1
@@ -186,6 +186,11 @@ class StaticDecoder:
     def _moved_by_a_build(self) -> tuple[torch.Tensor, ...]:
         """What a build's warm-up moves and `Steps` restores: each row's length, last token and kept context."""
         return (self.length, self.last_token) + ((self.pending_count,) if self.drafter is not None else ())
+
+    @property
+    def mode(self) -> str:
+        """`COMPILE_MODES`, "auto" resolved: how the steps run."""
+        return self.steps.mode
 
     @property
     def frozen(self) -> bool:
@@ -432,10 +437,10 @@ class StaticDecoder:
         reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
         tokens (n, width), counts (n,), finite (n,). With `rejection`, rows placed to verify by `rejection` do (a
         variant of the step of its own: the drafter's sampling and the test cost the others nothing); with
-        `truncate`, every row samples its distributions cut to its top-k and top-p (`place`; a variant too: the
-        sort costs the rows that do not truncate nothing). `context`
-        (`CONTEXT_MODES`) is how a cycle of width 1 keeps the drafter's context (on a frozen decoder, where that
-        step was built; else it encodes); a wider cycle encodes."""
+        `truncate`, rows sample their distributions cut to their top-k and top-p (`place`; a variant too, run only
+        where a row cuts: a batch without one pays no sort). `context` (`CONTEXT_MODES`) is how a cycle of width 1
+        keeps the drafter's context (on a frozen decoder, where that step was built; else it encodes); a wider cycle
+        encodes."""
         width = width or self.width
         if not 1 <= width <= self.width:
             raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
