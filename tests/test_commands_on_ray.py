@@ -74,8 +74,9 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
     assert payload["token_ids"] == greedy and payload["policy"] == "learned+step"
 
     port = free_port()
-    # As the README shows it: the compiled engine, its shapes built before the replica is healthy.
-    command = f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --step-model {STEP_MODEL} --port {port}"
+    # As the README shows it: the compiled engine, its shapes built before the replica is healthy. (A step model's
+    # pinning and replica: test_serving.py.)
+    command = f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --port {port}"
     log = tmp_path / "serve.log"  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     with open(log, "w") as output_file:
         server = subprocess.Popen(command.split(), cwd=ROOT, env=env, stdout=output_file, stderr=subprocess.STDOUT)
@@ -85,11 +86,12 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
         started = psutil.Process(server.pid).children(recursive=True)  # Ray's processes: GCS, raylet, workers
         assert started
         check_endpoint(f"http://127.0.0.1:{port}", "blockpilot")
-        # The aliases were pinned as the app deployed: the versions they named then, which every replica serves.
+        # The alias was pinned as the app deployed: the version it named then, which every replica serves.
         served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["blockpilot"]
-        assert (served["predictor"], served["step_model"]) == (
+        assert (served["predictor"], served["step_model"], served["policy"]) == (
             "models:/blockpilot-predictor/1",
-            "models:/blockpilot-step-policy/1",
+            None,
+            "learned:models:/blockpilot-predictor/1",
         )
         # What a process manager sends (Ctrl-C's SIGINT takes the same path, and reaches Ray's processes too): the
         # server alone gets it, lets the request in flight finish, and must leave none of them running.

@@ -540,10 +540,11 @@ class StaticDecoder:
             self.steps.compiled_or_eager(compiled, self._context_pass, features, first)
 
     def compile_prefill(self) -> None:
-        """Compile the whole-prompt prefill for every prompt count and length (dynamic shapes), on a CPU in a mode
-        that compiles, and warm it up (rows 0 .. 2 are left free and clean). Eager, its few hundred small operations
-        were a fifth of a mini-zoo request's time (0.8-0.9 ms saved a request); compiling costs about 34 s cold and
-        5 s from the on-disk cache on 2 cores, so a long-lived engine pays it as it starts, a one-off generation not.
+        """Compile the whole-prompt prefill of one prompt (any length past 1, dynamic shapes), on a CPU in a mode that
+        compiles, and warm it up (cache row 0 is left free and clean). Eager, its few hundred small operations were a
+        fifth of a mini-zoo request's time (0.8-0.9 ms saved a request); several prompts in one pass share that cost
+        and run eagerly (dynamo specializes the prompt count, so each count would be a compile of its own: two counts
+        cost 30 s cold on the tiny zoo, one 20 s). A long-lived engine pays it as it starts, a one-off generation not.
         (On a GPU the prefill stays eager: not measured there.)"""
         if "compile" not in self.mode or self.device.type != "cpu" or self._prefill_compiled is not None:
             return
@@ -552,12 +553,9 @@ class StaticDecoder:
         self._prefill_compiled = torch.compile(self._prefill_pass, fullgraph=True, dynamic=True, options=options)
         if self.drafter is not None:
             self._context_compiled = torch.compile(self._context_pass, fullgraph=True, dynamic=True, options=options)
-        for prompts in ([torch.arange(1, 3)], [torch.arange(1, 3)] * 2, [torch.arange(1, 4)] * 2):
-            # one prompt, several, lengths past 2: dynamo's specializations
-            _, features = self.prefill(0, prompts, context=False)
-            self.keep_context(0, features)
-        for row in range(min(3, self.rows)):
-            self.free(row, clear=True)
+        _, features = self.prefill(0, [torch.arange(1, 3)], context=False)  # a length past 1: not specialized
+        self.keep_context(0, features)
+        self.free(0, clear=True)
         self.steps.add_seconds(time.perf_counter() - started)
 
     def _prefill_pass(
