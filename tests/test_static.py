@@ -13,7 +13,7 @@ import torch
 from support import greedy_reference
 from test_step_policy import growing_step_model, random_step_model, vocab_of
 
-from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding import GenerationConfig, GenerationRequest, forwards, generate_many
 from blockpilot.decoding.compiled import COMPILE_MODES, compiled_replay, inductor_calls, inductor_options
 from blockpilot.decoding.engine import Engine, power_buckets, tree_buckets
 from blockpilot.decoding.forwards import StaticTarget
@@ -252,7 +252,9 @@ def test_what_the_static_engine_cannot_decode_is_refused_naming_it(random_models
             engine.submit(GenerationRequest([1, 2, 3], config, None, record))
     trees = Engine(random_models, max_batch=1, capacity=64, tree_nodes=4)
     with pytest.raises(ValueError, match="needs chains"):
-        trees.submit(GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection")))
+        trees.submit(
+            GenerationRequest([1, 2, 3], GenerationConfig(max_new_tokens=4, temperature=1.0, verify="rejection"))
+        )
     with pytest.raises(ValueError, match="compile must be one of"):
         StaticDecoder(random_models, rows=1, width=2, capacity=32, compile="fast")
     assert "graph" in COMPILE_MODES
@@ -306,6 +308,29 @@ def test_a_compiled_step_replays_without_dynamo_what_dynamo_computes():
     assert len(calls) == 1 and compiled_replay(calls) is None
 
 
+def test_few_row_projections_fuse_in_compiled_steps_and_compute_what_f_linear_does(monkeypatch):
+    """`forwards.linear` where this CPU's MKL is slow at few rows (forced here, whatever it measures): inside a
+    compiled step, up to FEW_ROWS rows (and a bias) as the fused reduction, equal to F.linear up to float
+    reassociation; more rows, and every eager call, F.linear itself."""
+    monkeypatch.setattr(forwards, "few_rows", forwards.FEW_ROWS)
+    weight, bias = torch.randn(24, 16), torch.randn(24)
+    fused = torch.compile(forwards.linear, fullgraph=True, dynamic=False, options=inductor_options(torch.device("cpu")))
+    for shape in [(1, 1, 16), (1, 4, 16), (2, 2, 16), (1, 5, 16)]:
+        x = torch.randn(shape)
+        for b in (None, bias):
+            expected = torch.nn.functional.linear(x, weight, b)
+            assert torch.allclose(fused(x, weight, b), expected, rtol=1e-5, atol=1e-5), shape
+            assert torch.equal(forwards.linear(x, weight, b), expected)  # eager: F.linear, bit for bit
+    for rows, matmul in ((4, False), (5, True)):  # the compiled code calls a matmul only past FEW_ROWS rows
+        with inductor_calls() as calls:
+            fused(torch.randn(1, rows, 16), weight, None)
+        assert ("mm_out" in calls[0][0].source_code) is matmul, rows
+    # What the measurement decides: on this CPU either; on a weight it times, an answer of FEW_ROWS or 0, once.
+    monkeypatch.setattr(forwards, "_measured", False)
+    assert forwards.measure_few_rows(torch.randn(64, 32)) in (0, forwards.FEW_ROWS)
+    assert forwards._measured
+
+
 def test_the_static_target_computes_the_targets_logits(tiny_models):
     """Over the cache (a mask) and from slot 0 alone (a whole prompt, no mask), with its projections stacked into one
     matmul each: the model's parameters become views of the stacks (no second copy), which a second decoder reuses."""
@@ -335,7 +360,9 @@ def test_a_recording_static_engine_keeps_what_the_tables_need(tiny_models):
     from blockpilot.table import acceptance_table
 
     stop = tuple(tiny_models.stop_token_ids())
-    prompts = [tiny_models.encode_prompt(text) for text in ("Count from 3 to 14.", "def add(a, b):", "List four colors.")]
+    prompts = [
+        tiny_models.encode_prompt(text) for text in ("Count from 3 to 14.", "def add(a, b):", "List four colors.")
+    ]
     config = GenerationConfig(max_new_tokens=24, stop_token_ids=stop)
     B = tiny_models.train_block_size
     requests = [GenerationRequest(p, config, FixedBlockSize(b), record=True) for p, b in zip(prompts, (B, 2, B + 1))]
@@ -343,7 +370,10 @@ def test_a_recording_static_engine_keeps_what_the_tables_need(tiny_models):
     static = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=2, record=True, prefill_chunk=8))
     for mine, theirs, prompt in zip(static, eager, prompts, strict=True):
         assert mine.token_ids == theirs.token_ids
-        assert mine.record.context_features.shape == (len(prompt) + len(mine.token_ids) - 1, theirs.record.context_features.shape[1])
+        assert mine.record.context_features.shape == (
+            len(prompt) + len(mine.token_ids) - 1,
+            theirs.record.context_features.shape[1],
+        )
         torch.testing.assert_close(mine.record.context_features, theirs.record.context_features, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mine.record.entropy, theirs.record.entropy, atol=1e-4, rtol=1e-4)
         assert torch.equal(mine.record.top_ids[:, 0], theirs.record.top_ids[:, 0])

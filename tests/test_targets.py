@@ -10,7 +10,7 @@ import torch
 import transformers
 from support import greedy_reference, oracle_drafts
 
-from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding import GenerationConfig, GenerationRequest, forwards, generate_many
 from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.forwards import StaticTarget
 from blockpilot.models.loading import SpeculativeModels
@@ -98,9 +98,12 @@ def test_drafts_that_accept_commit_several_tokens_a_cycle_and_the_output_stays_g
 
 
 @pytest.mark.slow
-def test_a_moe_target_compiled_decodes_its_greedy_output():
+def test_a_moe_target_compiled_decodes_its_greedy_output(monkeypatch):
     """The compiled cycle (inductor) over a Qwen3-MoE target, one row at b = 2: its 2-token steps gather their
-    chosen experts (the wide form is the einsum over every expert, compiled in the same way: checked by hand)."""
+    chosen experts (the wide form is the einsum over every expert, compiled in the same way: checked by hand), and
+    its projections are the fused few-row products (`forwards.linear`), whatever this CPU's MKL measured."""
+    monkeypatch.setattr(forwards, "few_rows", forwards.FEW_ROWS)
+    monkeypatch.setattr(forwards, "_measured", True)
     models = family_models("qwen3-moe")
     requests = [GenerationRequest(prompts(1)[0], GenerationConfig(max_new_tokens=16), FixedBlockSize(2))]
     engine = Engine(models, max_batch=1, width=2, capacity=96, compile="compile")

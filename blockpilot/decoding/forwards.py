@@ -5,6 +5,8 @@ refused as an engine is built."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,66 @@ from torch import nn
 
 from blockpilot.models.drafter import apply_rotary, default_inverse_frequencies, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
+
+# In a compiled step on a CPU where MKL's GEMM of a few rows is slow (`measure_few_rows`), projections of at most
+# this many rows (a cycle's tokens at batch 1) are the fused reduction of `linear`.
+FEW_ROWS = 4
+SLOW_GEMM = 1.5  # MKL's GEMM of FEW_ROWS rows over its GEMV of one row, past which `linear` fuses
+few_rows = 0  # this process's measured choice: FEW_ROWS or 0 (F.linear everywhere)
+_measured = False
+
+
+def measure_few_rows(weight: torch.Tensor) -> int:
+    """Whether `linear` fuses few-row products on this CPU: MKL's GEMM of FEW_ROWS rows against its GEMV of one, on
+    `weight` (a projection of the model), eager, once per process (a few milliseconds). Where the GEMM costs more
+    than SLOW_GEMM times the GEMV (2.9x on the 2-core AMD EPYC: 4 rows 36.8 us, 1 row 12.8 us, 1152 x 192), the
+    GEMM does not read its weight once for all its rows, and the fused loop does. Sets and returns `few_rows`."""
+    global few_rows, _measured
+    if _measured or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return few_rows
+    one, several = torch.randn(1, weight.shape[1]), torch.randn(FEW_ROWS, weight.shape[1])
+
+    def seconds(x: torch.Tensor) -> float:
+        F.linear(x, weight)  # warm
+        rounds = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(20):
+                F.linear(x, weight)
+            rounds.append(time.perf_counter() - started)
+        return sorted(rounds)[2]
+
+    with torch.inference_mode():
+        few_rows = FEW_ROWS if seconds(several) > SLOW_GEMM * seconds(one) else 0
+    _measured = True
+    return few_rows
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; in a compiled step on a CPU whose MKL is slow at few rows (`few_rows`), for at
+    most that many rows of fp32 (static: a cycle's tokens), the product as a reduction that inductor fuses into one
+    vectorized loop over each row's outputs. On the 2-core AMD EPYC, a cycle at batch 1 (mini zoo, compiled,
+    interleaved): autoregressive 0.252 -> 0.199 ms, b = 4 0.942 -> 0.683 ms, the tokens the same; 8 rows fused
+    were slower there (b = 8 0.976 -> 1.068 ms), hence FEW_ROWS (docs/log.md). Eager the reduction would
+    materialize its products: there, and for prompts (dynamic shapes), F.linear."""
+    dims = x.shape[:-1]
+    if (
+        not few_rows
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or not torch.compiler.is_compiling()
+        or not all(type(d) is int for d in dims)
+    ):
+        return F.linear(x, weight, bias)
+    rows = math.prod(dims)
+    if rows > few_rows:
+        return F.linear(x, weight, bias)
+    # Rows outer, the reduced dimension inner and contiguous: the layout inductor vectorizes (the weight-outer form
+    # left the next projection reading a transposed input, one parallel region per output: 30x slower).
+    out = (x.reshape(rows, 1, x.shape[-1]) * weight).sum(dim=-1)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*dims, weight.shape[0])
 
 
 def stacked(weights: Sequence[nn.Parameter]) -> torch.Tensor:
@@ -157,10 +219,10 @@ class _Layers(nn.Module):
         n, s, _ = x.shape
         query_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         if queries:
-            q, k, v = F.linear(x, a.qkv, a.qkv_bias).split([query_size, kv_size, kv_size], dim=-1)
+            q, k, v = linear(x, a.qkv, a.qkv_bias).split([query_size, kv_size, kv_size], dim=-1)
         else:
             bias = a.qkv_bias[query_size:] if a.qkv_bias is not None else None
-            q, (k, v) = None, F.linear(x, a.qkv[query_size:], bias).split([kv_size, kv_size], dim=-1)
+            q, (k, v) = None, linear(x, a.qkv[query_size:], bias).split([kv_size, kv_size], dim=-1)
 
         def rotated(t: torch.Tensor, heads: int, norm: torch.Tensor | None) -> torch.Tensor:
             t = t.reshape(n, s, heads, self.head_dim)
@@ -198,13 +260,13 @@ class _Layers(nn.Module):
             keys, values = self.cached(index, rows, mask.shape[-1])
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         attention = self.attention[index]
-        x = x + F.linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), attention.o, attention.o_bias)
+        x = x + linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), attention.o, attention.o_bias)
         mlp, h = self.mlp[index], rms_norm(x, second, self.eps)
         if isinstance(mlp, _Experts):
             return x + mlp(h)
         gate_up, down = mlp
-        gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, down)
+        gate, up = linear(h, gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, down)
 
 
 def target_rope(target: nn.Module) -> tuple[torch.Tensor, float]:
@@ -262,7 +324,7 @@ class StaticTarget(nn.Module):
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
-        return F.linear(x, self.head).float(), features
+        return linear(x, self.head).float(), features
 
 
 class StaticDrafter(nn.Module):
@@ -281,7 +343,7 @@ class StaticDrafter(nn.Module):
     def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: slice) -> None:
         """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S) of
         cache rows `rows`."""
-        context = rms_norm(F.linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
+        context = rms_norm(linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
         cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.fc.dtype)
         for index in range(len(self.body.attention)):
             _, keys, values = self.body.project(index, context, cos, sin, queries=False)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from blockpilot.decoding.compiled import compile_mode, inductor_options
-from blockpilot.decoding.forwards import StaticDrafter, StaticTarget, check_exact_target
+from blockpilot.decoding.forwards import StaticDrafter, StaticTarget, check_exact_target, linear, measure_few_rows
 from blockpilot.decoding.request import RECORD_TOP_K
 from blockpilot.decoding.sampling import (
     DRAFT_STREAM,
@@ -133,6 +133,8 @@ class StaticDecoder:
         layer_ids = models.drafter.target_layer_ids if drafting else None
         self.target = StaticTarget(models.target, rows, capacity, layer_ids)
         self.drafter = StaticDrafter(models.drafter, rows, capacity) if drafting else None
+        if "compile" in compile:  # what a compiled step's few-row projections are on this CPU (`forwards.linear`)
+            measure_few_rows(self.target.body.attention[0].qkv)
         long = dict(dtype=torch.long, device=self.device)
         self.length = torch.zeros(rows, **long)  # position (== slot) of each row's last committed token
         self.last_token = torch.zeros(rows, **long)
@@ -292,7 +294,7 @@ class StaticDecoder:
         block = torch.where(offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
         sees = (self.slot_range[:span] < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
         hidden = self.drafter(F.embedding(block, self.target.embed), length[:, None] + offsets, sees, slice(0, n))
-        return F.linear(hidden[:, 1:], self.target.head)
+        return linear(hidden[:, 1:], self.target.head)
 
     def _record(
         self,
