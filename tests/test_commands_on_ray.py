@@ -46,42 +46,17 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
         env,
     )
     assert "the new champion" in printed
-    printed = run(
-        f"blockpilot train-step --labels {labels} --eval {labels} --cost {tmp_path / 'cost.json'} "
-        f"--epochs 1 --prior {PREDICTOR}",
-        env,
-    )
-    assert "the new champion" in printed
-
-    printed = run(f"blockpilot train --labels {labels} --eval {labels} --trees --epochs 1", env)
-    assert "models:/blockpilot-shape-predictor/1 (the new champion)" in printed and "shape or" in printed
-
-    greedy = greedy_reference(tiny_models.target, tiny_models.encode_prompt(PROMPT), 24, tiny_models.stop_token_ids())
-    generate = f"blockpilot generate {models} --prompt '{PROMPT}' --max-new-tokens 24 --json"
-    for flags, policy in [  # the first as the README shows it (compiled), the other on the eager cycle
-        (f"--predictor {PREDICTOR}", "learned"),
-        ("--policy learned:models:/blockpilot-shape-predictor@champion --compile off", "learned"),
-    ]:
-        payload = json.loads(run(f"{generate} {flags}", env))
-        assert payload["token_ids"] == greedy and payload["policy"] == policy
-    # Both registered models in one spec, in process (not a README form; a subprocess costs about 8 s of imports).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BLOCKPILOT_HOME", env["BLOCKPILOT_HOME"])
-        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
-        spec = f"--policy learned+step:{PREDICTOR},{STEP_MODEL} --compile off"
-        assert main(shlex.split(f"{generate.removeprefix('blockpilot ')} {spec}")) == 0
-    payload = json.loads(capsys.readouterr().out)
-    assert payload["token_ids"] == greedy and payload["policy"] == "learned+step"
-
+    # The endpoint as the README shows it, started now: the replica builds its compiled shapes (about a minute on 2
+    # cores) while the commands below run, as a user would go on working beside a server. (A step model's pinning
+    # and replica: test_serving.py.)
     port = free_port()
-    # As the README shows it: the compiled engine, its shapes built before the replica is healthy. (A step model's
-    # pinning and replica: test_serving.py.)
     command = f"{BIN / 'blockpilot'} serve {models} --predictor {PREDICTOR} --port {port}"
     log = tmp_path / "serve.log"  # a file, not a pipe: a pipe nobody reads would stall a chatty server
     with open(log, "w") as output_file:
         server = subprocess.Popen(command.split(), cwd=ROOT, env=env, stdout=output_file, stderr=subprocess.STDOUT)
     started: list[psutil.Process] = []
     try:
+        _train_and_generate_beside_the_server(tiny_zoo, tiny_models, models, labels, tmp_path, env, capsys)
         wait_healthy(f"http://127.0.0.1:{port}/health", server, log)
         started = psutil.Process(server.pid).children(recursive=True)  # Ray's processes: GCS, raylet, workers
         assert started
@@ -114,3 +89,34 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
     check_quiet(output, "blockpilot serve")
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"left running after SIGTERM: {[p.info for p in alive]}"
+
+
+def _train_and_generate_beside_the_server(tiny_zoo, tiny_models, models, labels, tmp_path, env, capsys) -> None:
+    """`train-step`, `train --trees` and `generate` (both predictors, compiled and eager, and both registered models
+    in one spec in process), each as the README shows it."""
+    printed = run(
+        f"blockpilot train-step --labels {labels} --eval {labels} --cost {tmp_path / 'cost.json'} "
+        f"--epochs 1 --prior {PREDICTOR}",
+        env,
+    )
+    assert "the new champion" in printed
+
+    printed = run(f"blockpilot train --labels {labels} --eval {labels} --trees --epochs 1", env)
+    assert "models:/blockpilot-shape-predictor/1 (the new champion)" in printed and "shape or" in printed
+
+    greedy = greedy_reference(tiny_models.target, tiny_models.encode_prompt(PROMPT), 24, tiny_models.stop_token_ids())
+    generate = f"blockpilot generate {models} --prompt '{PROMPT}' --max-new-tokens 24 --json"
+    for flags, policy in [  # the first as the README shows it (compiled), the other on the eager cycle
+        (f"--predictor {PREDICTOR}", "learned"),
+        ("--policy learned:models:/blockpilot-shape-predictor@champion --compile off", "learned"),
+    ]:
+        payload = json.loads(run(f"{generate} {flags}", env))
+        assert payload["token_ids"] == greedy and payload["policy"] == policy
+    # Both registered models in one spec, in process (not a README form; a subprocess costs about 8 s of imports).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKPILOT_HOME", env["BLOCKPILOT_HOME"])
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        spec = f"--policy learned+step:{PREDICTOR},{STEP_MODEL} --compile off"
+        assert main(shlex.split(f"{generate.removeprefix('blockpilot ')} {spec}")) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["token_ids"] == greedy and payload["policy"] == "learned+step"
