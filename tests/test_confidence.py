@@ -117,6 +117,43 @@ def test_switching_by_outcome_is_lossless_and_drafts_as_the_table_says(tiny_mode
     assert {1, 4} <= {b for result in switching for b in result.block_sizes}
 
 
+def test_a_row_the_rule_would_never_draft_for_is_autoregressive_for_good(tiny_models):
+    """Where the rule chooses b = 1 at every confidence after an autoregressive cycle (the outcome it then meets
+    again), a row starting autoregressive never drafts: no drafter context is written for it and its per-cycle hook
+    is not asked. Where it would draft at some confidence, the row keeps the context. Both greedy."""
+    stays = rule_of({1: 1.0, 4: 2.0}, {1: 1.0, 4: 3.0})  # 2 tokens for 3x the price: never worth drafting
+    assert stays.never_drafts(0.0) and not stays.never_drafts(0.0, {1: 1.0, 4: 1.5})  # measured prices first
+    confident = {FIRST_OR_AUTOREGRESSIVE: {1: 1.0, 4: 2.0}}
+    drafts = rule_of({1: 1.0, 4: 1.0}, {1: 1.0, 4: 3.0}, outcomes=confident)
+    drafts.commits[0, -1, FIRST_OR_AUTOREGRESSIVE] = [1.0, 4.0]  # at the most confident anchors it drafts
+    assert not drafts.never_drafts(0.0)
+
+    class Counting(ConfidencePolicy):
+        asked = 0
+
+        def next_block_sizes(self, cycles):
+            Counting.asked += len(cycles)
+            return super().next_block_sizes(cycles)
+
+    prompt = tiny_models.encode_prompt("Count from 1 to 30.")
+    engine = Engine(tiny_models, max_batch=1)
+    drafter, encoded = engine.decoder.drafter, []
+    write = drafter.encode
+
+    def encode(features, positions, slots, rows):
+        encoded.append(features.shape[1])
+        write(features, positions, slots, rows)
+
+    drafter.encode = encode
+    config = GenerationConfig(max_new_tokens=16)
+    greedy = greedy_reference(tiny_models.target, prompt, 16)
+    (result,) = generate_many(tiny_models, [GenerationRequest(prompt, config, Counting(stays, False))], engine=engine)
+    assert result.token_ids == greedy and set(result.block_sizes) == {1}
+    assert Counting.asked == 0 and encoded == []
+    (result,) = generate_many(tiny_models, [GenerationRequest(prompt, config, Counting(drafts, False))], engine=engine)
+    assert result.token_ids == greedy and Counting.asked > 0 and encoded[0] == len(prompt)
+
+
 def test_live_choices_are_the_rules_walk_of_the_table(tiny_models):
     """Priced by its curve alone, the rule decodes live exactly as it walks the sequence's acceptance table: the
     cycle's anchor probability is the labels' anchor summary."""

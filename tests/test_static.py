@@ -399,10 +399,13 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     # where the policy keeps a row's first b, the drafter's context (such a row never drafts again).
     wide = [("_cycle", rows, 256, 4, False, False) for rows in (1, 4)]
     assert engine.declared_shapes((1, 2, 3), spans=1) == [("_plain_cycle", 1, 256, False), *wide]
-    switching = [("_deferred_cycle", 1, 256, False), *wide, ("_flush_context", 1), ("_flush_context", 4)]
+    # A policy whose rows may switch: also the step that keeps the context for later, and those that write it; its
+    # rows autoregressive for good (`autoregressive_for_good`) run the plain step.
+    narrow = [("_plain_cycle", 1, 256, False), ("_deferred_cycle", 1, 256, False)]
+    switching = [*narrow, *wide, ("_flush_context", 1), ("_flush_context", 4)]
     assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False) == switching
     # Rows that sample cut distributions (a served model's top-k or top-p defaults): every cycle's variant too.
-    truncating = [("_deferred_cycle", 1, 256, True), *[(*shape[:-1], True) for shape in wide]]
+    truncating = [*[(*shape[:-1], True) for shape in narrow], *[(*shape[:-1], True) for shape in wide]]
     assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False, truncate=True) == switching + truncating
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}

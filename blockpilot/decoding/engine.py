@@ -192,10 +192,11 @@ class Engine(RowScheduler):
     ) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
         `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
-        row bucket at width 1 where `widths` holds autoregression (without the drafter's context where the policy
-        `keeps_block_size`, as its autoregressive rows never draft; else keeping it for later, and the steps that
-        write what was kept); with trees, those row buckets x every tree size. With `truncate` (rows that sample
-        with a top-k or top-p, as a served model's defaults may ask), each cycle also in its truncating variant.
+        row bucket at width 1 where `widths` holds autoregression (without the drafter's context, for rows
+        autoregressive for good; unless the policy `keeps_block_size`, also keeping it for rows that may draft again,
+        and the steps that write what was kept); with trees, those row buckets x every tree size. With `truncate`
+        (rows that sample with a top-k or top-p, as a served model's defaults may ask), each cycle also in its
+        truncating variant.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
@@ -206,10 +207,10 @@ class Engine(RowScheduler):
             # A lone row that stops drafting skips the drafter's pass; a batch of them runs on the wide step, whose
             # arithmetic on a CPU is about the many rows' at width 1 (packing rows is what would save it).
             first = self.buckets[0]
-            if keeps_block_size:  # its autoregressive rows never draft: no drafter context kept
-                shapes[:0] = [("_plain_cycle", first, span, False) for span in self.spans[:spans]]
-            else:
-                shapes[:0] = [("_deferred_cycle", first, span, False) for span in self.spans[:spans]]
+            # Rows autoregressive for good (all of a policy that keeps b) keep no drafter context.
+            shapes[:0] = [("_plain_cycle", first, span, False) for span in self.spans[:spans]]
+            if not keeps_block_size:  # rows that may draft again keep it for later
+                shapes[1:1] = [("_deferred_cycle", first, span, False) for span in self.spans[:spans]]
                 shapes += [("_flush_context", rows) for rows in rows_set]
         if self.tree_nodes is not None:
             shapes += [
@@ -383,7 +384,7 @@ class Engine(RowScheduler):
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         for row in joining:
-            row.drafter_context = not (row.policy.keeps_block_size and row.block_size == AUTOREGRESSIVE)
+            row.drafter_context = not row.policy.autoregressive_for_good(row.prefill_state, row.block_size)
         if features is not None and any(row.drafter_context for row in joining):
             started = time.perf_counter()
             self.decoder.keep_context(first_row, features)

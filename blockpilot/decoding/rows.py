@@ -78,7 +78,8 @@ class Row:
     tree_nodes: list[int] = field(default_factory=list)  # per cycle, where trees ran
     tree_budget: int | None = None  # the nodes of its trees, chosen after prefill (None: chains of its b)
     drafter_passes: int = 0
-    # Whether the drafter's context is kept for it: False once its policy chose b = 1 for good (`keeps_block_size`).
+    # Whether the drafter's context is kept for it: False once its policy chose b = 1 for good
+    # (`BlockSizePolicy.autoregressive_for_good`); such a row's per-cycle hook is not asked either.
     drafter_context: bool = True
     pending_context: int = 0  # its positions whose drafter context waits in the decoder (`defer` cycles)
     prefill_time: float = 0.0
@@ -369,8 +370,9 @@ class RowScheduler:
         top-1 probability), priced at the batch the next cycle runs (those rows and the waiting ones that will join
         them); then the finished rows and any row that failed meanwhile (its policy's hook) leave."""
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        deciding = [done for done in going_on if not done[0].policy.keeps_block_size]
-        if deciding:  # a policy that keeps b has no per-cycle hook to ask
+        # A policy that keeps b has no per-cycle hook to ask, nor a row autoregressive for good.
+        deciding = [done for done in going_on if not done[0].policy.keeps_block_size and done[0].drafter_context]
+        if deciding:
             prices = self._prices(next_batch)
             decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)
         failed = {index for index, row in enumerate(self.rows) if row.failure is not None}

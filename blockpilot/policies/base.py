@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from blockpilot.blocks import AUTOREGRESSIVE
+
 
 def distribution_summary(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entropy (nats) and the top-k ids and probabilities of softmax(logits) at T = 1, for (..., V) logits:
@@ -117,6 +119,11 @@ class BlockSizePolicy:
             kind.next_block_size is BlockSizePolicy.next_block_size
             and kind.next_block_sizes is BlockSizePolicy.next_block_sizes
         )
+
+    def autoregressive_for_good(self, prefill: PrefillState, block_size: int) -> bool:
+        """Whether a row that starts at `block_size` never drafts: the engine then writes no drafter context for it
+        and asks its per-cycle hook nothing. By default, a row starting autoregressive under a policy that keeps b."""
+        return block_size == AUTOREGRESSIVE and self.keeps_block_size
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")

@@ -82,6 +82,13 @@ class ConfidenceRule:
                 best, best_rate = b, rate
         return best
 
+    def never_drafts(self, temperature: float, prices: Mapping[int, float] | None = None) -> bool:
+        """Whether a row that starts autoregressive stays so: after an autoregressive cycle the outcome is
+        FIRST_OR_AUTOREGRESSIVE again, so if the rule chooses b = 1 there at every confidence, at these prices, it
+        never drafts."""
+        anchors = (0.0, *self.edges)  # a confidence in each bucket
+        return all(self.choose(temperature, c, FIRST_OR_AUTOREGRESSIVE, prices) == 1 for c in anchors)
+
     @cached_property
     def _means(self) -> list:
         return self.commits.tolist()
