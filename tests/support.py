@@ -76,3 +76,17 @@ def check_stats_invariants(result, max_new_tokens: int) -> None:
         assert 1 <= tau <= size
     assert result.target_forward_passes == result.cycles + 1
     assert len(result.token_ids) <= max_new_tokens
+
+
+def context_writes(engine) -> list[int]:
+    """The positions each write of the drafter's context covers on `engine` from now on (its decoder's drafter
+    `encode` calls, recorded as they happen): empty while no row keeps a drafter context."""
+    drafter, written = engine.decoder.drafter, []
+    write = drafter.encode
+
+    def encode(features, positions, slots, rows):
+        written.append(features.shape[1])
+        write(features, positions, slots, rows)
+
+    drafter.encode = encode
+    return written

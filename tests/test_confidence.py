@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from support import greedy_reference
+from support import context_writes, greedy_reference
 from test_step_policy import sweep_anchors
 
 from blockpilot.cost import CycleCost
@@ -137,14 +137,7 @@ def test_a_row_the_rule_would_never_draft_for_is_autoregressive_for_good(tiny_mo
 
     prompt = tiny_models.encode_prompt("Count from 1 to 30.")
     engine = Engine(tiny_models, max_batch=1)
-    drafter, encoded = engine.decoder.drafter, []
-    write = drafter.encode
-
-    def encode(features, positions, slots, rows):
-        encoded.append(features.shape[1])
-        write(features, positions, slots, rows)
-
-    drafter.encode = encode
+    encoded = context_writes(engine)
     config = GenerationConfig(max_new_tokens=16)
     greedy = greedy_reference(tiny_models.target, prompt, 16)
     (result,) = generate_many(tiny_models, [GenerationRequest(prompt, config, Counting(stays, False))], engine=engine)

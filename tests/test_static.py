@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from support import greedy_reference
+from support import context_writes, greedy_reference
 from test_step_policy import growing_step_model, random_step_model, vocab_of
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, forwards, generate_many
@@ -150,14 +150,7 @@ def test_a_row_autoregressive_for_good_spends_nothing_on_the_drafter(tiny_models
     its prompt on. Both greedy."""
     prompts, expected = references(tiny_models, 12, PROMPTS[:2])
     engine = Engine(tiny_models, max_batch=1)
-    drafter, encoded = engine.decoder.drafter, []
-    write = drafter.encode
-
-    def encode(features, positions, slots, rows):
-        encoded.append(features.shape[1])
-        write(features, positions, slots, rows)
-
-    drafter.encode = encode
+    encoded = context_writes(engine)
     assert not LateDrafter(4).keeps_block_size and Autoregressive().keeps_block_size
     (alone,) = decode(tiny_models, engine, prompts[:1], [Autoregressive()], 12)
     assert alone.token_ids == expected[0] and alone.block_sizes and encoded == []
