@@ -50,7 +50,7 @@ def main() -> None:
 
     tokens: dict[tuple[str, str], list[list[int]]] = {}
     for form, rows in forms.items():  # each engine's steps are built (and compiled) under its own form
-        forwards.few_rows, forwards._measured = rows, True
+        forwards.few_rows = rows
         engines[form] = Engine(models, width=8, compile="compile", sampling=args.temperature > 0)
         for spec in policies:
             tokens[form, spec] = [r.token_ids for r in run(form, spec)[1]]

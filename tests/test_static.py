@@ -308,19 +308,17 @@ def test_few_row_projections_fuse_in_compiled_steps_and_compute_what_f_linear_do
     monkeypatch.setattr(forwards, "few_rows", forwards.FEW_ROWS)
     weight, bias = torch.randn(24, 16), torch.randn(24)
     fused = torch.compile(forwards.linear, fullgraph=True, dynamic=False, options=inductor_options(torch.device("cpu")))
-    for shape, b in [((2, 2, 16), bias), ((1, 5, 16), bias)]:
-        x = torch.randn(shape)
-        expected = torch.nn.functional.linear(x, weight, b)
-        assert torch.allclose(fused(x, weight, b), expected, rtol=1e-5, atol=1e-5), shape
-        assert torch.equal(forwards.linear(x, weight, b), expected)  # eager: F.linear, bit for bit
     for shape, matmul in (((2, 2, 16), False), ((1, 5, 16), True)):  # a matmul only past FEW_ROWS rows
+        x = torch.randn(shape)
+        expected = torch.nn.functional.linear(x, weight, bias)
         with inductor_calls() as calls:
-            fused(torch.randn(shape), weight, bias)
+            assert torch.allclose(fused(x, weight, bias), expected, rtol=1e-5, atol=1e-5), shape
         assert ("mm_out" in calls[0][0].source_code) is matmul, shape
-    # What the measurement decides: on this CPU either; on a weight it times, an answer of FEW_ROWS or 0, once.
-    monkeypatch.setattr(forwards, "_measured", False)
+        assert torch.equal(forwards.linear(x, weight, bias), expected)  # eager: F.linear, bit for bit
+    # What the measurement decides: on this CPU either; on a weight it times, an answer of FEW_ROWS or 0, kept.
+    monkeypatch.setattr(forwards, "few_rows", None)
     assert forwards.measure_few_rows(torch.randn(64, 32)) in (0, forwards.FEW_ROWS)
-    assert forwards._measured
+    assert forwards.few_rows in (0, forwards.FEW_ROWS)
 
 
 def test_the_static_target_computes_the_targets_logits(tiny_models):

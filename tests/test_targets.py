@@ -103,7 +103,6 @@ def test_a_moe_target_compiled_decodes_its_greedy_output(monkeypatch):
     chosen experts (the wide form is the einsum over every expert, compiled in the same way: checked by hand), and
     its projections are the fused few-row products (`forwards.linear`), whatever this CPU's MKL measured."""
     monkeypatch.setattr(forwards, "few_rows", forwards.FEW_ROWS)
-    monkeypatch.setattr(forwards, "_measured", True)
     models = family_models("qwen3-moe")
     requests = [GenerationRequest(prompts(1)[0], GenerationConfig(max_new_tokens=16), FixedBlockSize(2))]
     engine = Engine(models, max_batch=1, width=2, capacity=96, compile="compile")

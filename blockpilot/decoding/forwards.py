@@ -22,8 +22,7 @@ from blockpilot.models.features import decoder_layers
 # this many rows (a cycle's tokens at batch 1) are the fused reduction of `linear`.
 FEW_ROWS = 4
 SLOW_GEMM = 1.5  # MKL's GEMM of FEW_ROWS rows over its GEMV of one row, past which `linear` fuses
-few_rows = 0  # this process's measured choice: FEW_ROWS or 0 (F.linear everywhere)
-_measured = False
+few_rows: int | None = None  # this process's measured choice: FEW_ROWS, or 0 (F.linear everywhere); None: not yet
 
 
 def measure_few_rows(weight: torch.Tensor) -> int:
@@ -31,9 +30,9 @@ def measure_few_rows(weight: torch.Tensor) -> int:
     `weight` (a projection of the model), eager, once per process (a few milliseconds). Where the GEMM costs more
     than SLOW_GEMM times the GEMV (2.9x on the 2-core AMD EPYC: 4 rows 36.8 us, 1 row 12.8 us, 1152 x 192), the
     GEMM does not read its weight once for all its rows, and the fused loop does. Sets and returns `few_rows`."""
-    global few_rows, _measured
-    if _measured or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return few_rows
+    global few_rows
+    if few_rows is not None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return few_rows or 0
     one, several = torch.randn(1, weight.shape[1]), torch.randn(FEW_ROWS, weight.shape[1])
 
     def seconds(x: torch.Tensor) -> float:
@@ -48,7 +47,6 @@ def measure_few_rows(weight: torch.Tensor) -> int:
 
     with torch.inference_mode():
         few_rows = FEW_ROWS if seconds(several) > SLOW_GEMM * seconds(one) else 0
-    _measured = True
     return few_rows
 
 
