@@ -55,7 +55,8 @@ class Steps:
                 getattr(self.owner, name)(*shape)
                 return
         if step is None:
-            step = self.built[(name, *shape)] = self._build(name, *shape)
+            self.build(name, *shape)
+            step = self.built[(name, *shape)]
         step()
 
     def can_run(self, step: Step) -> bool:
