@@ -466,7 +466,8 @@ class BatchedDecoder:
                 adaptive.block_size_choices,
                 spans=self.compile_spans,
                 keeps_block_size=adaptive.keeps_block_size,
-                truncate=defaults["top_k"] > 0 or defaults["top_p"] < 1,  # requests that omit them sample cut
+                # a sampling request that omits top_k and top_p samples cut where these defaults cut
+                truncate=GenerationConfig(temperature=1.0, top_k=defaults["top_k"], top_p=defaults["top_p"]).truncates,
             )
             self._engine.compile_shapes(shapes)
             self.compiled_shapes = self._engine.decoder.built_shapes
