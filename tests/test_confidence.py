@@ -190,14 +190,14 @@ class Recorder(BlockSizePolicy):
 
 def test_a_cycle_hands_the_policy_its_anchor_probability_and_the_measured_prices(tiny_models):
     policy = Recorder()
-    engine = Engine(tiny_models, max_batch=2)
+    engine = Engine(tiny_models, max_batch=2, batch_pricing=False)  # every cycle the policy's b
     prompts = [tiny_models.encode_prompt(text) for text in ("Count from 1 to 30.", "List four colors.")]
     config = GenerationConfig(max_new_tokens=40)
     generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts], engine=engine)
     for state, expected in zip(policy.states, policy.top, strict=True):
         assert state.anchor_confidence == pytest.approx(expected, abs=1e-5)
-    widths = {state.block_size for state in policy.states}
-    assert widths == {1, 4}
+    widths = {state.block_size for state in policy.states}  # the b each cycle ran, the last ones cut to the budget
+    assert {1, 4} <= widths <= {1, 2, 3, 4}
     late = policy.states[-1].prices
     assert late is not None and all(late[b] > 0 for b in (1, 3, 4))  # width 4's bucket prices 3 and 4
     assert policy.states[0].prices is None or len(policy.states[0].prices) < 3  # none before a shape's warm-up

@@ -385,13 +385,15 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1) == [
         ("_cycle", rows, 256, 4, False, False) for rows in (1, 4)
     ]
-    # A policy that may choose autoregression gets its width-1 step too: its rows then skip the drafter's pass, and
-    # where the policy keeps a row's first b, the drafter's context (such a row never drafts again).
+    # A policy that may choose autoregression gets its width-1 steps too: its rows then skip the drafter's pass, and
+    # where the policy keeps a row's first b, the drafter's context (such a row never drafts again), except in a batch
+    # of several rows, which may run autoregressive where drafting does not pay for it (`batch_pricing`).
     wide = [("_cycle", rows, 256, 4, False, False) for rows in (1, 4)]
-    assert engine.declared_shapes((1, 2, 3), spans=1) == [("_plain_cycle", 1, 256, False), *wide]
-    # A policy whose rows may switch: also the step that keeps the context for later, and those that write it; its
-    # rows autoregressive for good (`autoregressive_for_good`) run the plain step.
-    narrow = [("_plain_cycle", 1, 256, False), ("_deferred_cycle", 1, 256, False)]
+    keeping = [("_plain_cycle", 1, 256, False), ("_plain_cycle", 4, 256, False), ("_deferred_cycle", 4, 256, False)]
+    assert engine.declared_shapes((1, 2, 3), spans=1) == [*keeping, *wide, ("_flush_context", 4)]
+    # A policy whose rows may switch: the step that keeps the context for later at every row bucket, and those that
+    # write it; its rows autoregressive for good (`autoregressive_for_good`) run the plain step.
+    narrow = [(kind, rows, 256, False) for rows in (1, 4) for kind in ("_plain_cycle", "_deferred_cycle")]
     switching = [*narrow, *wide, ("_flush_context", 1), ("_flush_context", 4)]
     assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False) == switching
     # Rows that sample cut distributions (a served model's top-k or top-p defaults): every cycle's variant too.

@@ -16,6 +16,7 @@ from support import check_stats_invariants, greedy_reference
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
+from blockpilot.decoding.engine import Engine
 from blockpilot.policies.base import CycleState, PrefillState
 from blockpilot.policies.learned import LearnedPolicy
 from blockpilot.policies.resolve import resolve_policy
@@ -513,7 +514,8 @@ def test_one_policy_shared_by_a_batch_decides_for_every_row_at_once_as_it_would_
     predictor = random_predictor(CANDIDATES, vocab, 2)
     hook = predictor.register_forward_hook(lambda *_: passes.append(1))
     policy = Counting(random_prior_step_model(21, vocab=vocab), LearnedPolicy(predictor))
-    batched = generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts])
+    engine = Engine(tiny_models, max_batch=len(prompts), batch_pricing=False)  # every cycle the policy's b
+    batched = generate_many(tiny_models, [GenerationRequest(p, config, policy) for p in prompts], engine=engine)
     hook.remove()
     assert joined == [len(prompts)] and len(passes) == 1, "the joining rows were not decided together"
     assert max(calls) == len(prompts), "the rows' decisions were not asked together"

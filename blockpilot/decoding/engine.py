@@ -36,6 +36,7 @@ import torch
 
 from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import positive_int
+from blockpilot.decoding.batch_pricing import SlotAcceptance, drafting_pays, expected_commits
 from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
@@ -119,7 +120,9 @@ class Engine(RowScheduler):
     many nodes (`tree.py`; a row without a tree policy as the chain of its b), branching into each slot's `top_k`
     tokens (at least the engine's widest chain: a chain of b is the tree of b - 1 nodes). `row_buckets`: the row
     counts a cycle runs at (default: powers of two up to `max_batch`; a cycle of fewer rows runs at the next, its
-    free rows committing nothing), so many compiled shapes a span.
+    free rows committing nothing), so many compiled shapes a span. `batch_pricing`: a cycle of several rows whose
+    adaptive policies chose to draft runs autoregressive where the measured prices say drafting does not pay for the
+    batch (`batch_pricing.py`; off: every row runs its policy's b, as when measuring a policy's own choices).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class Engine(RowScheduler):
         top_k: int = TOP_K,
         record: bool = False,
         row_buckets: Sequence[int] | None = None,
+        batch_pricing: bool = True,
     ) -> None:
         super().__init__(models, max_batch, prefill_chunk)
         if width is None:
@@ -170,6 +174,8 @@ class Engine(RowScheduler):
         # row bucket -> b -> seconds, and the cycles seen per (row bucket, width).
         self._measured_prices: dict[int, dict[int, float]] = {}
         self._price_cycles: Counter[tuple[int, int]] = Counter()
+        self.batch_pricing = batch_pricing
+        self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
 
     @property
     def capacity(self) -> int:
@@ -191,10 +197,11 @@ class Engine(RowScheduler):
         truncate: bool = False,
     ) -> list[tuple]:
         """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
-        `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and the smallest
-        row bucket at width 1 where `widths` holds autoregression (without the drafter's context, for rows
-        autoregressive for good; unless the policy `keeps_block_size`, also keeping it for rows that may draft again,
-        and the steps that write what was kept); with trees, those row buckets x every tree size. With `truncate`
+        `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and those row
+        buckets at width 1 where `widths` holds autoregression (without the drafter's context, for rows
+        autoregressive for good; also keeping it for rows that may draft again, with the step that writes what was
+        kept, where the policy does not `keeps_block_size` and at the largest row bucket, where a batch may run
+        autoregressive); with trees, those row buckets x every tree size. With `truncate`
         (rows that sample with a top-k or top-p, as a served model's defaults may ask), each cycle also in its
         truncating variant.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
@@ -204,14 +211,18 @@ class Engine(RowScheduler):
         rows_set = sorted({self.buckets[0], self.buckets[-1]})
         shapes = [("_cycle", rows, span, width, False, False) for rows in rows_set for span in self.spans[:spans]]
         if widths and min(widths) == AUTOREGRESSIVE and width > 1:
-            # A lone row that stops drafting skips the drafter's pass; a batch of them runs on the wide step, whose
-            # arithmetic on a CPU is about the many rows' at width 1 (packing rows is what would save it).
-            first = self.buckets[0]
-            # Rows autoregressive for good (all of a policy that keeps b) keep no drafter context.
-            shapes[:0] = [("_plain_cycle", first, span, False) for span in self.spans[:spans]]
-            if not keeps_block_size:  # rows that may draft again keep it for later
-                shapes[1:1] = [("_deferred_cycle", first, span, False) for span in self.spans[:spans]]
-                shapes += [("_flush_context", rows) for rows in rows_set]
+            # Rows autoregressive for good (all of a policy that keeps b) keep no drafter context; rows that may
+            # draft again keep it for later: under a per-step policy, and in a batch of several rows that drafting
+            # does not pay for (`batch_pricing`), so at the largest row bucket whatever the policy.
+            keeping = [rows for rows in rows_set if not keeps_block_size or rows > 1]
+            autoregressive = [
+                (kind, rows, span, False)
+                for rows in rows_set
+                for kind in ("_plain_cycle", "_deferred_cycle")
+                if kind == "_plain_cycle" or rows in keeping
+                for span in self.spans[:spans]
+            ]
+            shapes = autoregressive + shapes + [("_flush_context", rows) for rows in keeping]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1, False)
@@ -423,14 +434,17 @@ class Engine(RowScheduler):
         started = time.perf_counter()
         rows, n = self.rows, len(self.rows)
         chosen = [min(row.block_size, self.width) for row in rows]
+        bucket = next(b for b in self.buckets if b >= n)
+        chains = all(row.tree_budget is None for row in rows)
+        batch_drafts = self.batch_pricing and chains and n > 1 and max(chosen) > 1
+        if batch_drafts and self._autoregression_pays(rows, chosen, bucket):
+            chosen = [AUTOREGRESSIVE] * n
         sizes = [min(b, row.config.max_new_tokens - len(row.tokens)) for b, row in zip(chosen, rows, strict=True)]
         self.decoder.set_block_sizes(sizes)
         # The cycle's width: the bucket of the widest chosen b (not cut to the rows' budgets, which only stop
         # acceptance: a generation's last cycles need no narrower shape compiled).
         width = next(w for w in self.widths if w >= max(chosen))
-        bucket = next(b for b in self.buckets if b >= n)
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
-        chains = all(row.tree_budget is None for row in rows)
         # An autoregressive cycle keeps the drafter's context for later (`defer`) where a row may draft again, and
         # skips it where none will; a drafting cycle first writes what autoregressive ones kept.
         context = "encode"
@@ -472,6 +486,9 @@ class Engine(RowScheduler):
             if row.record is not None:
                 self._record(row, index, len(new_tokens))
             row.length += count
+            if chains:
+                row.acceptance.add(size, count)
+                self.acceptance.add(size, count)
             row.tokens.extend(new_tokens)
             row.block_sizes.append(size)
             row.acceptance_lengths.append(len(new_tokens))
@@ -488,6 +505,23 @@ class Engine(RowScheduler):
             else:
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)
+
+    def _autoregression_pays(self, rows: list[Row], chosen: list[int], bucket: int) -> bool:
+        """Whether this cycle of several rows, where only adaptive policies chose to draft, runs autoregressive
+        instead (`batch_pricing`): the rows' expected tokens a second at the chosen width against one token each a
+        cycle, at this row bucket's measured prices. An autoregressive price not measured yet is measured first;
+        without a drafting price or any drafted slot, the rows draft."""
+        if any(b > 1 and not row.policy.adapts for row, b in zip(rows, chosen, strict=True)):
+            return False
+        prices = self._measured_prices.get(bucket, {})
+        draft_price = prices.get(max(chosen))
+        if draft_price is None or not self.acceptance.tried:
+            return False
+        if AUTOREGRESSIVE not in prices:
+            return True
+        prior = self.acceptance.accepted / self.acceptance.tried
+        expected = [expected_commits(row.acceptance.rate(prior), b) for row, b in zip(rows, chosen, strict=True)]
+        return not drafting_pays(expected, draft_price, prices[AUTOREGRESSIVE])
 
     def _observe_price(self, bucket: int, width: int, seconds: float) -> None:
         """A chain cycle of `bucket` rows at `width` took `seconds`, the drafter's context kept (what a row that may

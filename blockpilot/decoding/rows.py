@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from blockpilot.checks import check_fits_context, positive_int
+from blockpilot.decoding.batch_pricing import SlotAcceptance
 from blockpilot.decoding.request import (
     RECORD_TOP_K,
     GenerationConfig,
@@ -82,6 +83,7 @@ class Row:
     # (`BlockSizePolicy.autoregressive_for_good`); such a row's per-cycle hook is not asked either.
     drafter_context: bool = True
     pending_context: int = 0  # its positions whose drafter context waits in the decoder (`defer` cycles)
+    acceptance: SlotAcceptance = field(default_factory=SlotAcceptance)  # its drafted slots kept, for batch pricing
     prefill_time: float = 0.0
     decode_time: float = 0.0
     prefill_state: PrefillState | None = None
@@ -198,7 +200,7 @@ def cycle_state(
     """What the per-cycle hook sees of a row's last cycle, which committed `committed` tokens."""
     return CycleState(
         cycle=len(row.block_sizes) - 1,
-        block_size=row.block_size,
+        block_size=row.block_sizes[-1],
         acceptance_length=committed,
         new_tokens=len(row.tokens),
         max_new_tokens=row.config.max_new_tokens,

@@ -104,6 +104,9 @@ class BlockSizePolicy:
     # (`initial_tree_budgets`) names its largest, and the depth of its trees (`tree_depth`).
     tree_nodes: int | None = None
     tree_depth: int | None = None
+    # Whether the policy chooses b itself (from the prompt or the cycles), so that a batch may run its row narrower
+    # where drafting does not pay for the batch (`decoding.batch_pricing`); a fixed b is the request's own choice.
+    adapts = True
 
     @property
     def block_size_choices(self) -> tuple[int, ...] | None:

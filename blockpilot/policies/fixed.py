@@ -15,6 +15,7 @@ class FixedBlockSize(BlockSizePolicy):
 
     block_size: int
     name: str = field(default="fixed", init=False)
+    adapts = False
 
     @property
     def block_size_choices(self) -> tuple[int, ...]:
@@ -35,6 +36,7 @@ class FixedTree(BlockSizePolicy):
     nodes: int
     depth: int
     name: str = field(default="tree", init=False)
+    adapts = False
 
     @property
     def block_size_choices(self) -> tuple[int, ...]:
@@ -62,6 +64,7 @@ class Autoregressive(BlockSizePolicy):
     """One token per target pass: what runs without a drafter."""
 
     name: str = field(default="autoregressive", init=False)
+    adapts = False
 
     @property
     def block_size_choices(self) -> tuple[int, ...]:

@@ -1,0 +1,92 @@
+"""Batch pricing: a cycle of several rows whose adaptive policies chose to draft runs autoregressive where the
+engine's measured prices say drafting does not pay for the batch; never a fixed b's row, never a lone row; the output
+is greedy decoding's either way. Properties for any weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from support import greedy_reference
+
+from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
+from blockpilot.decoding.batch_pricing import PRIOR_SLOTS, SlotAcceptance, drafting_pays, expected_commits
+from blockpilot.decoding.engine import Engine
+from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.policies.fixed import FixedBlockSize
+
+
+def test_a_rows_rate_and_what_a_chain_commits_at_it():
+    counts = SlotAcceptance()
+    counts.add(1, 1)  # autoregressive: no slot tried
+    assert counts.tried == 0 and counts.rate(0.5) == pytest.approx(0.5)
+    counts.add(4, 4)  # three slots kept, none rejected
+    counts.add(4, 2)  # one kept, the second rejected
+    assert (counts.accepted, counts.rejected) == (4, 1)
+    assert counts.rate(0.0) == pytest.approx(4 / (5 + PRIOR_SLOTS))
+    assert expected_commits(0.0, 8) == 1.0 and expected_commits(1.0, 8) == 8.0 and expected_commits(0.7, 1) == 1.0
+    assert expected_commits(0.5, 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert drafting_pays([2.0, 2.0], draft_price=2.0, autoregressive_price=1.0)  # a tie drafts
+    assert not drafting_pays([2.0, 1.5], draft_price=2.0, autoregressive_price=1.0)
+
+
+@dataclass(frozen=True)
+class DraftsFour(BlockSizePolicy):
+    """An adaptive policy (its b its own choice) that always drafts 4."""
+
+    name: str = field(default="drafts-four", init=False)
+
+    def initial_block_size(self, prefill) -> int:
+        return 4
+
+
+TEXTS = ["Count from 1 to 30.", "List four colors.", "Spell cat."]
+TOKENS = 24
+
+
+def decode(models, engine: Engine, policies: list[BlockSizePolicy]) -> list:
+    prompts = [models.encode_prompt(text) for text in TEXTS[: len(policies)]]
+    config = GenerationConfig(max_new_tokens=TOKENS)
+    requests = [GenerationRequest(p, config, q) for p, q in zip(prompts, policies, strict=True)]
+    results = generate_many(models, requests, engine=engine)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == greedy_reference(models.target, prompt, TOKENS)
+    return results
+
+
+def priced(engine: Engine, autoregressive: float | None, draft: float) -> Engine:
+    """The engine's measured prices at every row bucket, as if it had timed those cycles, and one drafted slot seen."""
+    for bucket in engine.buckets:
+        engine._measured_prices[bucket] = {b: draft for b in range(2, engine.width + 1)}
+        if autoregressive is not None:
+            engine._measured_prices[bucket][1] = autoregressive
+    engine.acceptance.add(4, 2)
+    return engine
+
+
+def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_models):
+    slow_drafts = lambda: priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)  # noqa: E731
+    results = decode(tiny_models, slow_drafts(), [DraftsFour()] * 3)
+    # Every cycle of several rows is autoregressive; a row that finishes last alone drafts its own b again.
+    for result in results:
+        assert set(result.block_sizes) <= {1, 4} and result.block_sizes[0] == 1 and 1 in result.block_sizes
+    # A fixed b is the request's own choice: its batch drafts whatever it costs.
+    fixed = decode(tiny_models, slow_drafts(), [DraftsFour(), FixedBlockSize(4)])
+    assert all(b > 1 for result in fixed for b in result.block_sizes[:-1])
+    # A lone row: the policy's choice stands.
+    (alone,) = decode(tiny_models, slow_drafts(), [DraftsFour()])
+    assert set(alone.block_sizes[:-1]) == {4}
+    # Drafting that pays is kept.
+    cheap_drafts = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1.0, draft=1.0)
+    assert all(
+        b > 1 for result in decode(tiny_models, cheap_drafts, [DraftsFour()] * 3) for b in result.block_sizes[:-1]
+    )
+
+
+def test_an_autoregressive_price_not_measured_is_measured_first(tiny_models):
+    """Where a row bucket's drafting price is known and its autoregressive one is not, the batch runs autoregressive
+    until that price is measured, then chooses by both."""
+    engine = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=None, draft=1e-6)
+    results = decode(tiny_models, engine, [DraftsFour()] * 2)
+    assert results[0].block_sizes[0] == 1 and 1 in engine._measured_prices[2]
+    assert 4 in results[0].block_sizes  # once measured, drafts at a millionth of its price pay
