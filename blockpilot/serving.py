@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockpilot.checks import check_fits_context
+from blockpilot.decoding.compiled import release_openmp_threads
 from blockpilot.decoding.engine import Engine, generate_many, keep_compiled_kernels, shape_for
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.models.loading import SpeculativeModels, text_prefix
@@ -482,6 +483,7 @@ class BatchedDecoder:
             if self._running:
                 return self
             self._running = True
+        release_openmp_threads()  # the engine thread's passes get the cores' OpenMP workers to themselves
         self._thread = threading.Thread(target=self._loop, name="blockpilot-engine", daemon=True)
         self._thread.start()
         return self
