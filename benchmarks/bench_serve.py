@@ -1,14 +1,16 @@
-"""Endpoint throughput and latency under load, per policy, and the HTTP overhead over the library.
+"""The load curve through the endpoint: tokens/s and latency per mode and concurrency, and the HTTP overhead.
 
-    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI]
-    # ZOO from `blockpilot zoo build --out ZOO`
+    python benchmarks/bench_serve.py --zoo ZOO [--predictor DIR_OR_URI] [--step-model DIR_OR_URI] [--temperature 1]
+    # ZOO from `blockpilot zoo build --out ZOO`; the models from `blockpilot demo` or `blockpilot train`
 
-Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch
-rows), then for each policy (the server's adaptive one, and fixed b = B) and each concurrency (1, 8, 32)
-sends the same bounded set of completion requests (T = 0, `ignore_eos` so every request generates exactly
-max_tokens) and prints requests/s, generated tokens/s and p50/p99 latency. Before that, the same requests go
-one by one through the library's `BatchedDecoder` in this process: the difference of mean latencies at
-concurrency 1 is the HTTP + Serve overhead per request.
+Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch rows,
+its shapes built up front as `serve` builds them), then, in interleaved rounds, for each concurrency and mode sends
+the same held-out prompts (`ignore_eos`, so every request generates exactly max_tokens): modes `autoregressive`
+(fixed b = 1), `fixed` (b = B) and `adaptive` (the replica's policy, as `serve` resolves it from the models given).
+Prints each (concurrency, mode)'s median tokens/s, requests/s and p50/p99 latency over the rounds, the adaptive mode
+against the best other one, and the share of its cycles that ran autoregressive. Before that, the same requests go
+one by one through the library's decoder in this process: the difference of mean latencies at concurrency 1 is the
+HTTP + Serve overhead per request.
 """
 
 from __future__ import annotations
@@ -28,17 +30,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+MODES = {"autoregressive": {"policy": "fixed", "block_size": 1}, "fixed": {"policy": "fixed"}, "adaptive": {}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, required=True)
-    parser.add_argument("--predictor", default=None, help="the adaptive policy's predictor (default: none, fixed B)")
-    parser.add_argument("--policy", default=None, help="the adaptive policy's spec, e.g. entropy")
-    parser.add_argument("--requests", type=int, default=32, help="requests per (policy, concurrency)")
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-batch", type=int, default=8, help="rows in the replica's engine")
+    parser.add_argument("--predictor", default=None, help="the per-request predictor (folder or models:/ URI)")
+    parser.add_argument("--step-model", default=None, help="the per-step model (folder or models:/ URI)")
+    parser.add_argument("--policy", default=None, help="the adaptive policy's spec (default: serve's, from the models)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency, round)")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=16, help="rows in the replica's engine")
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (its torch threads)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; expected some of {list(MODES)}")
 
     from blockpilot.data.sources import prompt_texts
     from blockpilot.serving import ServeLimits
@@ -48,12 +61,19 @@ def main() -> None:
     prompts = [texts[i % len(texts)] for i in range(args.requests)]
     limits = ServeLimits(max_batch=args.max_batch, max_queue=max(64, args.requests))
     loader = ModelLoader(
-        str(args.zoo / "target"), str(args.zoo / "drafter"), args.predictor, policy=args.policy, limits=limits
+        str(args.zoo / "target"),
+        str(args.zoo / "drafter"),
+        args.predictor,
+        step_model=args.step_model,
+        policy=args.policy,
+        limits=limits,
     )
 
     decoder = loader()
     requests = [
-        decoder.check(decoder.encode_completion(p), max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        decoder.check(
+            decoder.encode_completion(p), max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True
+        )
         for p in prompts
     ]
     decoder.complete(requests[0])  # warm-up
@@ -73,48 +93,67 @@ def main() -> None:
     url = f"{server.url}/v1/completions"
     server.wait_healthy()
 
-    def body(prompt: str, policy: str) -> dict:
-        return {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "policy": policy}
+    def body(prompt: str, mode: str, index: int) -> dict:
+        sampling = {"temperature": args.temperature, "seed": index}
+        return {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, **sampling, **MODES[mode]}
 
     levels = [int(c) for c in args.concurrency.split(",")]
     # One pooled client: `httpx.post` builds a client (and an SSL context) per call, and at concurrency 32 that
     # load generator took half of a 2-core machine away from the server it measures.
-    client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels)))
-    client.post(url, json=body(prompts[0], "adaptive")).raise_for_status()  # warm-up
+    limits_http = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    client = httpx.Client(timeout=600, limits=limits_http)
 
-    def one(payload: dict) -> tuple[float, int, str]:
+    def one(payload: dict) -> tuple[float, int, list[int]]:
         started = time.perf_counter()
         response = client.post(url, json=payload)
         response.raise_for_status()
         answer = response.json()
-        return time.perf_counter() - started, answer["usage"]["completion_tokens"], answer["blockpilot"]["policy"]
+        return time.perf_counter() - started, answer["usage"]["completion_tokens"], answer["blockpilot"]["block_sizes"]
+
+    for mode in modes:  # warm-up: every mode's first cycles at every batch
+        with ThreadPoolExecutor(max_workers=max(levels)) as pool:
+            list(pool.map(one, [body(p, mode, i) for i, p in enumerate(prompts)]))
+    runs: dict[tuple[int, str], list[tuple[float, float, list]]] = {}
+    for _ in range(args.rounds):
+        for level in levels:
+            for mode in modes:
+                started = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=level) as pool:
+                    answers = list(pool.map(one, [body(p, mode, i) for i, p in enumerate(prompts)]))
+                wall = time.perf_counter() - started
+                runs.setdefault((level, mode), []).append((sum(a[1] for a in answers) / wall, wall, answers))
 
     print(
-        f"requests per level: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T=0, one replica, "
-        f"engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs; adaptive = {adaptive_name}"
+        f"requests per run: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T={args.temperature:g}, one "
+        f"replica, engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs, {args.rounds} interleaved rounds "
+        f"(medians); adaptive = {adaptive_name}"
     )
-    print(f"{'policy':<16} {'concurrency':>11} {'req/s':>8} {'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
-    latencies_at_one = []
-    for policy in ("adaptive", "fixed"):
-        for level in levels:
-            started = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=level) as pool:
-                answers = list(pool.map(one, [body(p, policy) for p in prompts]))
-            wall = time.perf_counter() - started
-            latencies = [a[0] for a in answers]
-            if policy == "adaptive" and level == 1:
-                latencies_at_one = latencies
+    header = f"{'concurrency':>11} {'mode':<15} {'tokens/s':>9} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8}"
+    print(f"{header} {'x best other':>12}")
+    for level in levels:
+        rates = {mode: statistics.median(r[0] for r in runs[(level, mode)]) for mode in modes}
+        for mode in modes:
+            median_run = sorted(runs[(level, mode)], key=lambda r: r[0])[len(runs[(level, mode)]) // 2]
+            latencies = [a[0] for a in median_run[2]]
+            others = [rates[m] for m in modes if m != mode]
+            versus = f"{rates[mode] / max(others):.3f}" if others else "-"
+            sizes = [b for a in median_run[2] for b in a[2]]
+            share = (
+                f" ({sum(b == 1 for b in sizes) / max(len(sizes), 1):.0%} of cycles b = 1)"
+                if mode == "adaptive"
+                else ""
+            )
             print(
-                f"{policy + '=' + answers[0][2]:<16} {level:>11} {len(prompts) / wall:>8.2f} {sum(a[1] for a in answers) / wall:>9.1f} "
-                f"{percentile(latencies, 0.5) * 1000:>8.0f} {percentile(latencies, 0.99) * 1000:>8.0f}",
+                f"{level:>11} {mode:<15} {rates[mode]:>9.1f} {len(prompts) / median_run[1]:>7.2f} "
+                f"{percentile(latencies, 0.5) * 1000:>8.0f} {percentile(latencies, 0.99) * 1000:>8.0f} {versus:>12}"
+                f"{share}",
                 flush=True,
             )
-    if latencies_at_one:
-        overhead = statistics.fmean(latencies_at_one) - statistics.fmean(library)
-        print(
-            f"library mean latency {statistics.fmean(library) * 1000:.0f} ms; HTTP + Serve overhead at concurrency 1: "
-            f"{overhead * 1000:.0f} ms per request"
-        )
+    overhead = statistics.fmean(a[0] for a in runs[(levels[0], modes[-1])][0][2]) - statistics.fmean(library)
+    print(
+        f"library mean latency {statistics.fmean(library) * 1000:.0f} ms; HTTP + Serve overhead at concurrency "
+        f"{levels[0]} ({modes[-1]}): {overhead * 1000:.0f} ms per request"
+    )
     client.close()
     server.shutdown()
 
