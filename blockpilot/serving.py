@@ -12,6 +12,7 @@ a proxy timeout) frees its row at the next cycle.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import queue
@@ -31,6 +32,8 @@ from blockpilot.models.loading import SpeculativeModels, text_prefix
 from blockpilot.options import option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
+
+logger = logging.getLogger(__name__)
 
 REQUEST_POLICIES = ("adaptive", "fixed")  # what a request may ask for; responses report the resolved policy name
 MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / T leave the range sampling is meaningful in
@@ -92,6 +95,16 @@ class ServeLimits:
         for name, value in asdict(self).items():
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"serve limit {name} must be a positive number, got {value!r}")
+
+
+@dataclass
+class StepTotals:
+    """What the engine thread did since it started, as running totals: engine steps, their seconds, and the rows that
+    committed tokens in them (rows per step = rows / steps). A metrics exporter reads their increase."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,6 +304,9 @@ class BatchedDecoder:
         self.compile_spans = compile_spans
         self.warm_up_seconds: float | None = None  # what `start` spent building the engine's steps
         self.compiled_shapes: list[tuple] = []  # the steps `start` built up front
+        self.totals = StepTotals()
+        # Called from the engine thread with each finished request's stats (`complete`'s): a metrics exporter.
+        self.on_finished: Callable[[dict[str, Any]], None] | None = None
 
     # ---------------------------------------------------------------- prompts
 
@@ -564,7 +580,12 @@ class BatchedDecoder:
                     self._admit()
                 self._reap()
                 if self._engine.busy:
-                    for update in self._engine.step():
+                    started = time.perf_counter()
+                    updates = self._engine.step()
+                    totals = self.totals
+                    totals.steps, totals.seconds = totals.steps + 1, totals.seconds + time.perf_counter() - started
+                    totals.rows += sum(1 for update in updates if update.new_tokens)
+                    for update in updates:
                         self._deliver(update)
             self._fail_all(RuntimeError("the decoder stopped"))
         except BaseException as error:  # a broken device: unhealthy from now on; every request gets the error
@@ -643,7 +664,13 @@ class BatchedDecoder:
             tail = handle.text.push([], final=True)
             if tail:
                 handle.emit("delta", tail)
-            handle.emit("done", self._stats(handle, update.result))
+            stats = self._stats(handle, update.result)
+            handle.emit("done", stats)
+            if self.on_finished is not None:
+                try:
+                    self.on_finished(stats)
+                except Exception:  # an exporter that fails costs its metrics, not the request or the engine
+                    logger.exception("recording a finished request's metrics failed")
 
     def _stats(self, handle: DecodeHandle, result: GenerationResult) -> dict[str, Any]:
         stopped = handle.text.stopped or result.stop_reason == "stop"

@@ -21,9 +21,12 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import os
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -45,7 +48,15 @@ from blockpilot.options import (
     positive_int_arg,
 )
 from blockpilot.policies.resolve import adaptive_spec
-from blockpilot.serving import BatchedDecoder, Overloaded, RequestError, RowFailure, ServeLimits, new_id
+from blockpilot.serving import (
+    BatchedDecoder,
+    Overloaded,
+    RequestError,
+    RowFailure,
+    ServeLimits,
+    StepTotals,
+    new_id,
+)
 from pipelines.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request, parse_request
 
 API_KEY_ENV = "BLOCKPILOT_API_KEY"
@@ -336,6 +347,67 @@ async def sse_events(
         handle.cancel()
 
 
+METRICS_INTERVAL_S = 1.0  # how often a replica copies its engine's running totals into its metrics
+
+
+class ReplicaMetrics:
+    """A replica's Prometheus metrics, through Ray Serve's metrics API (Ray exports them with the node's metrics; the
+    Ray dashboard and Grafana read them there, each with Serve's replica tags and the model's name): per finished
+    request, its policy, finish reason, tokens, tau, queue time and the block size of every cycle it ran (the shapes
+    chosen); per engine step, from the decoder's running totals every `METRICS_INTERVAL_S`, the steps, their seconds
+    and the rows that decoded in them (mean cycle time and rows per cycle are ratios of their rates), and the rows
+    decoding and the requests waiting now."""
+
+    def __init__(self, model: str) -> None:
+        from ray.serve import metrics
+
+        model_tag = ("model",)
+        self.requests = metrics.Counter(
+            "blockpilot_requests", "finished requests", tag_keys=("model", "policy", "finish_reason")
+        )
+        self.tokens = metrics.Counter("blockpilot_generated_tokens", "generated tokens", tag_keys=model_tag)
+        self.cycles = metrics.Counter(
+            "blockpilot_cycles", "draft/verify cycles by the block size they ran", tag_keys=("model", "block_size")
+        )
+        self.tau = metrics.Histogram(
+            "blockpilot_request_tau", "a request's mean tokens a cycle", [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8], model_tag
+        )
+        self.queue = metrics.Histogram(
+            "blockpilot_queue_seconds", "a request's wait for a row", [0.001, 0.01, 0.1, 0.5, 1, 5, 30], model_tag
+        )
+        self.steps = metrics.Counter("blockpilot_engine_steps", "engine steps (a cycle each)", tag_keys=model_tag)
+        self.step_seconds = metrics.Counter("blockpilot_engine_step_seconds", "seconds in engine steps", model_tag)
+        self.step_rows = metrics.Counter("blockpilot_engine_step_rows", "rows decoding, summed over steps", model_tag)
+        self.active = metrics.Gauge("blockpilot_active_rows", "rows decoding", tag_keys=model_tag)
+        self.waiting = metrics.Gauge("blockpilot_waiting_requests", "requests waiting for a row", tag_keys=model_tag)
+        for metric in vars(self).values():
+            metric.set_default_tags({"model": model})
+        self._seen = StepTotals()
+
+    def finished(self, stats: dict[str, Any]) -> None:
+        """One finished request (`BatchedDecoder.on_finished`, from the engine thread)."""
+        own = stats["blockpilot"]
+        self.requests.inc(tags={"policy": own["policy"], "finish_reason": stats["finish_reason"]})
+        self.tokens.inc(stats["usage"]["completion_tokens"])
+        for block_size, cycles in Counter(own["block_sizes"]).items():
+            self.cycles.inc(cycles, tags={"block_size": str(block_size)})
+        if own["tau"] is not None:
+            self.tau.observe(own["tau"])
+        self.queue.observe(own["queue_time_s"])
+
+    def sample(self, decoder: BatchedDecoder) -> None:
+        """The engine's steps since the last sample, and the load now."""
+        now = replace(decoder.totals)
+        seen, self._seen = self._seen, now
+        if now.steps > seen.steps:
+            self.steps.inc(now.steps - seen.steps)
+            self.step_seconds.inc(now.seconds - seen.seconds)
+            self.step_rows.inc(now.rows - seen.rows)
+        load = decoder.load
+        self.active.set(load["active"])
+        self.waiting.set(load["waiting"])
+
+
 @serve.deployment(name="BlockPilotDecoder")
 @serve.ingress(api)
 class BlockPilotDecoder:
@@ -347,6 +419,17 @@ class BlockPilotDecoder:
     def __init__(self, loader: Callable[[], BatchedDecoder]) -> None:
         self.decoder = loader()
         self.api_key = getattr(loader, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+        self.metrics = ReplicaMetrics(self.decoder.model_name)
+        self.decoder.on_finished = self.metrics.finished
+        threading.Thread(target=self._sample_metrics, name="blockpilot-metrics", daemon=True).start()
+
+    def _sample_metrics(self) -> None:
+        while True:
+            time.sleep(METRICS_INTERVAL_S)
+            try:
+                self.metrics.sample(self.decoder)
+            except Exception:  # a metrics backend that fails costs the metrics, not the replica
+                logging.getLogger("ray.serve").exception("sampling the engine's metrics failed")
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine died (a broken device) is replaced."""

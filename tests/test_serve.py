@@ -299,3 +299,40 @@ def test_a_client_that_disconnects_frees_its_row(endpoint):
     while _load(endpoint)["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _load(endpoint)["active"] == 0
+
+
+def test_the_replica_exports_its_metrics_to_prometheus(endpoint, local_ray):
+    """The replica's metrics reach the node's Prometheus endpoint (what the Ray dashboard and Grafana scrape): requests
+    by policy and finish reason, generated tokens, cycles by block size, tau, queue time, engine steps and load."""
+    body = {"prompt": "Count from 3 to 14.", "max_tokens": 24, "temperature": 0, "block_size": 3, "ignore_eos": True}
+    assert post(endpoint, "/v1/completions", body).status_code == 200
+    node = next(node for node in local_ray.nodes() if node["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    wanted = {
+        "ray_blockpilot_requests_total",
+        "ray_blockpilot_generated_tokens_total",
+        "ray_blockpilot_cycles_total",
+        "ray_blockpilot_request_tau_bucket",
+        "ray_blockpilot_queue_seconds_bucket",
+        "ray_blockpilot_engine_steps_total",
+        "ray_blockpilot_engine_step_seconds_total",
+        "ray_blockpilot_active_rows",
+    }
+    def exported(text: str) -> bool:
+        lines = [line for line in text.splitlines() if line.startswith("ray_blockpilot_")]
+        names = {line.split("{")[0] for line in lines}
+        cycles = [line for line in lines if line.startswith("ray_blockpilot_cycles_total")]
+        finished = [line for line in lines if line.startswith("ray_blockpilot_requests_total")]
+        return (
+            wanted <= names
+            and any('block_size="3"' in line and 'model="tiny"' in line for line in cycles)
+            and any('policy="fixed"' in line and 'finish_reason="length"' in line for line in finished)
+        )
+
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:  # the node exports what its workers recorded every second or so
+        text = httpx.get(url, timeout=10).text
+        if exported(text):
+            break
+        time.sleep(1)
+    assert exported(text), [line for line in text.splitlines() if line.startswith("ray_blockpilot_")]
