@@ -673,33 +673,46 @@ def test_raw_text_starts_as_the_models_tokenizer_starts_it(tiny_models):
     assert BatchedDecoder(tiny_models).encode_completion("Count to 3") == plain
 
 
+OPENMP_WORKERS = """
+import time
+from pathlib import Path
+
+import torch
+
+from blockpilot.decoding.compiled import release_openmp_threads
+
+
+def settled():  # the process's thread count once workers that were let go have ended
+    counts = [-1, len(list(Path("/proc/self/task").iterdir()))]
+    while counts[-1] != counts[-2] and len(counts) < 100:
+        time.sleep(0.05)
+        counts.append(len(list(Path("/proc/self/task").iterdir())))
+    return counts[-1]
+
+
+torch.set_num_threads(2)
+x = torch.randn(512, 512)
+before = settled()
+expected = x @ x + torch.exp(x).sum()  # parallel regions: this thread's team of 2 starts
+started = settled()
+released = release_openmp_threads()
+after = settled()
+again = torch.equal(x @ x + torch.exp(x).sum(), expected)  # torch computes on, a team again
+print(before, started, released, after, again)
+"""
+
+
 def test_the_thread_that_built_the_engine_lets_its_openmp_workers_go():
     """Before the engine thread takes over, `start` lets the calling thread's OpenMP workers go: with two threads'
-    teams libgomp stops spinning and a compiled cycle waits on every kernel (log: 0.25 -> 1.5-2 ms)."""
+    teams libgomp stops spinning and a compiled cycle waits on every kernel (log: 0.25 -> 1.5-2 ms). Counted in a
+    process of its own, where no other thread comes or goes."""
+    import subprocess
+    import sys
     from pathlib import Path
 
-    from blockpilot.decoding.compiled import release_openmp_threads
-
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
+    if not Path("/proc/self/task").is_dir():
         pytest.skip("counts the process's threads in /proc")
-    def settled() -> int:  # the thread count once workers that were let go have ended
-        counts = [-1, len(list(tasks.iterdir()))]
-        while counts[-1] != counts[-2] and len(counts) < 100:
-            time.sleep(0.05)
-            counts.append(len(list(tasks.iterdir())))
-        return counts[-1]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        x = torch.randn(512, 512)
-        release_openmp_threads()  # a team an earlier test started
-        before = settled()
-        expected = x @ x + torch.exp(x).sum()  # parallel regions: the calling thread's team of 2 starts
-        assert len(list(tasks.iterdir())) == before + 1, "no OpenMP worker started (torch without libgomp?)"
-        assert release_openmp_threads()
-        assert settled() == before  # the worker went
-        assert torch.equal(x @ x + torch.exp(x).sum(), expected)  # and torch computes on, a team again
-    finally:
-        torch.set_num_threads(threads)
+    out = subprocess.run([sys.executable, "-c", OPENMP_WORKERS], capture_output=True, text=True, check=True).stdout
+    before, started, released, after, again = out.split()
+    assert int(started) == int(before) + 1, "no OpenMP worker started (torch without libgomp?)"
+    assert released == "True" and int(after) == int(before) and again == "True"
