@@ -4,9 +4,10 @@
     # ZOO from `blockpilot zoo build --out ZOO`; the models from `blockpilot demo` or `blockpilot train`
 
 Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one batched engine of --max-batch rows,
-its shapes built up front as `serve` builds them), then, in interleaved rounds, for each concurrency and mode sends
-the same held-out prompts (`ignore_eos`, so every request generates exactly max_tokens): modes `autoregressive`
-(fixed b = 1), `fixed` (b = B) and `adaptive` (the replica's policy, as `serve` resolves it from the models given).
+its shapes built up front as `serve` builds them), then, in interleaved rounds (each starting with another mode), for
+each concurrency and mode sends the same held-out prompts (`ignore_eos`, so every request generates exactly
+max_tokens): modes `autoregressive` (fixed b = 1), `fixed` (b = B) and `adaptive` (the replica's policy, as `serve`
+resolves it from the models given).
 Prints each (concurrency, mode)'s median tokens/s, requests/s and p50/p99 latency over the rounds, the adaptive mode
 against the best other one, and the share of its cycles that ran autoregressive. Before that, the same requests go
 one by one through the library's decoder in this process: the difference of mean latencies at concurrency 1 is the
@@ -114,9 +115,9 @@ def main() -> None:
         with ThreadPoolExecutor(max_workers=max(levels)) as pool:
             list(pool.map(one, [body(p, mode, i) for i, p in enumerate(prompts)]))
     runs: dict[tuple[int, str], list[tuple[float, float, list]]] = {}
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for level in levels:
-            for mode in modes:
+            for mode in modes[round_index % len(modes) :] + modes[: round_index % len(modes)]:  # no mode always first
                 started = time.perf_counter()
                 with ThreadPoolExecutor(max_workers=level) as pool:
                     answers = list(pool.map(one, [body(p, mode, i) for i, p in enumerate(prompts)]))

@@ -402,6 +402,10 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}
+    # Between the smallest and the largest row bucket, one every factor of 4, so that a batch runs on a step of at
+    # most about 4x its rows.
+    by_rows = {rows: Engine(random_models, max_batch=rows).declared_row_buckets() for rows in (8, 16, 64)}
+    assert by_rows == {8: [1, 8], 16: [1, 4, 16], 64: [1, 4, 16, 64]}
     decoder = engine.decoder
     decoder.steps.built[("_cycle", 4, 512, 8, False, False)] = lambda: None  # as if built
     decoder.steps.built[("_cycle", 2, 256, 4, False, False)] = lambda: None

@@ -196,11 +196,11 @@ class Engine(RowScheduler):
         keeps_block_size: bool = True,
         truncate: bool = False,
     ) -> list[tuple]:
-        """The engine's shape set: the smallest and the largest row bucket x the width bucket that holds the widest of
-        `widths` (default: the engine's width) x the first `spans` spans of cache, as chain cycles, and those row
-        buckets at width 1 where `widths` holds autoregression (without the drafter's context, for rows
+        """The engine's shape set: its declared row buckets (`declared_row_buckets`: the smallest, the largest and one
+        every factor of 4 between) x the width bucket that holds the widest of `widths` (default: the engine's width)
+        x the first `spans` spans of cache, as chain cycles, and those row buckets at width 1 where `widths` holds autoregression (without the drafter's context, for rows
         autoregressive for good; also keeping it for rows that may draft again, with the step that writes what was
-        kept, where the policy does not `keeps_block_size` and at the largest row bucket, where a batch may run
+        kept, where the policy does not `keeps_block_size` and at the buckets of several rows, where a batch may run
         autoregressive); with trees, those row buckets x every tree size. With `truncate`
         (rows that sample with a top-k or top-p, as a served model's defaults may ask), each cycle also in its
         truncating variant.
@@ -208,12 +208,12 @@ class Engine(RowScheduler):
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
         width = next(w for w in self.widths if w >= widest)
-        rows_set = sorted({self.buckets[0], self.buckets[-1]})
+        rows_set = self.declared_row_buckets()
         shapes = [("_cycle", rows, span, width, False, False) for rows in rows_set for span in self.spans[:spans]]
         if widths and min(widths) == AUTOREGRESSIVE and width > 1:
             # Rows autoregressive for good (all of a policy that keeps b) keep no drafter context; rows that may
             # draft again keep it for later: under a per-step policy, and in a batch of several rows that drafting
-            # does not pay for (`batch_pricing`), so at the largest row bucket whatever the policy.
+            # does not pay for (`batch_pricing`), so at the buckets of several rows whatever the policy.
             keeping = [rows for rows in rows_set if not keeps_block_size or rows > 1]
             autoregressive = [
                 (kind, rows, span, False)
@@ -233,6 +233,15 @@ class Engine(RowScheduler):
         if truncate:  # the same cycles, sampling cut distributions (the flag is each cycle step's last argument)
             shapes += [(*shape[:-1], True) for shape in shapes if shape[0] != "_flush_context"]
         return shapes
+
+    def declared_row_buckets(self) -> list[int]:
+        """The row buckets a declared shape set builds: the smallest, the largest, and between them one every factor
+        of 4 down from the largest, so that a batch runs on a step of at most about 4x its rows (a batch of 4 on a
+        replica of 16 rows ran the 16-row step: slower than a batch of 1, docs/log.md)."""
+        smallest, rows = self.buckets[0], [self.buckets[-1]]
+        while rows[-1] // 4 > 2 * smallest:
+            rows.append(next(b for b in self.buckets if b >= rows[-1] // 4))
+        return sorted({smallest, *rows})
 
     @torch.inference_mode()
     def compile_shapes(self, shapes: Sequence[tuple]) -> float:
