@@ -11,7 +11,8 @@ resolves it from the models given).
 Prints each (concurrency, mode)'s median tokens/s, requests/s and p50/p99 latency over the rounds, the adaptive mode
 against the best other one, and the share of its cycles that ran autoregressive. Before that, the same requests go
 one by one through the library's decoder in this process: the difference of mean latencies at concurrency 1 is the
-HTTP + Serve overhead per request.
+HTTP + Serve overhead per request. The curve is logged to MLflow (experiment `blockpilot-load`, each mode's tokens/s
+by concurrency; notebook 04 draws the newest), unless --no-track.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from blockpilot.load_curve import LOAD_EXPERIMENT, log_load_curve
+from blockpilot.tracking import start_run
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,6 +52,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=16, help="rows in the replica's engine")
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (its torch threads)")
+    parser.add_argument("--no-track", action="store_true", help=f"do not log the curve to MLflow ({LOAD_EXPERIMENT})")
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
@@ -131,6 +136,8 @@ def main() -> None:
     )
     header = f"{'concurrency':>11} {'mode':<15} {'tokens/s':>9} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8}"
     print(f"{header} {'x best other':>12}")
+    tokens_per_s: dict[str, dict[int, float]] = {mode: {} for mode in modes}
+    p99_ms: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     for level in levels:
         rates = {mode: statistics.median(r[0] for r in runs[(level, mode)]) for mode in modes}
         for mode in modes:
@@ -144,6 +151,7 @@ def main() -> None:
                 if mode == "adaptive"
                 else ""
             )
+            tokens_per_s[mode][level], p99_ms[mode][level] = rates[mode], percentile(latencies, 0.99) * 1000
             print(
                 f"{level:>11} {mode:<15} {rates[mode]:>9.1f} {len(prompts) / median_run[1]:>7.2f} "
                 f"{percentile(latencies, 0.5) * 1000:>8.0f} {percentile(latencies, 0.99) * 1000:>8.0f} {versus:>12}"
@@ -157,6 +165,21 @@ def main() -> None:
     )
     client.close()
     server.shutdown()
+    params = {
+        "zoo": args.zoo.name,
+        "adaptive": adaptive_name,
+        "temperature": args.temperature,
+        "max_batch": args.max_batch,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "num_cpus": args.num_cpus,
+    }
+    with start_run(LOAD_EXPERIMENT, f"{args.zoo.name}-T{args.temperature:g}", enabled=not args.no_track) as tracker:
+        tracker.log_params(params)
+        log_load_curve(tracker, tokens_per_s, p99_ms)
+    if tracker.enabled:
+        print(f"logged to MLflow: experiment {LOAD_EXPERIMENT}, run {tracker.run_id} (tokens/s by concurrency a step)")
 
 
 if __name__ == "__main__":

@@ -248,6 +248,29 @@ def latest_comparison(experiment: str, tag: str = "configuration") -> Comparison
     return None
 
 
+def latest_metric_histories(experiment: str, prefix: str) -> tuple[str, dict[str, dict[int, float]]] | None:
+    """The newest run of `experiment`: its name and, for each metric named `prefix` + a key, the values it logged by
+    step; None when tracking is unavailable or the experiment has no run."""
+    if not mlflow_available():
+        return None
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    found = mlflow.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    runs = mlflow.search_runs([found.experiment_id], order_by=["start_time DESC"], max_results=1, output_format="list")
+    if not runs:
+        return None
+    run, client = runs[0], mlflow.MlflowClient()
+    histories = {
+        key[len(prefix) :]: {int(point.step): point.value for point in client.get_metric_history(run.info.run_id, key)}
+        for key in run.data.metrics
+        if key.startswith(prefix)
+    }
+    return run.info.run_name, histories
+
+
 def log_to_run(
     run_id: str, metrics: Mapping[str, float] | None = None, figures: Mapping[str, Any] | None = None
 ) -> None:
@@ -494,7 +517,9 @@ def _artifact_folder(model_dir: Path, uri: str, artifact: str) -> Path:
 
     folder = None
     for mlmodel in sorted(model_dir.rglob("MLmodel")):
-        artifacts = yaml.safe_load(mlmodel.read_text()).get("flavors", {}).get("python_function", {}).get("artifacts", {})
+        artifacts = (
+            yaml.safe_load(mlmodel.read_text()).get("flavors", {}).get("python_function", {}).get("artifacts", {})
+        )
         if artifact in artifacts:
             folder = mlmodel.parent / artifacts[artifact]["path"]
             break

@@ -85,12 +85,13 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     # rules every module shares: value checks, candidates and B*, files, the home folder, option fields
     ("blockpilot.checks", "blockpilot.blocks", "blockpilot.files", "blockpilot.home", "blockpilot.options"),
-    # data and models: label schema and sources, MLflow calls, the cost curve, the models, the policy contract, the
-    # draft tree's shape (pure: the tables build trees as the engine does)
+    # data and models: label schema and sources, MLflow calls, the cost curve and the load curve, the models, the policy
+    # contract, the draft tree's shape (pure: the tables build trees as the engine does)
     (
         "blockpilot.data",
         "blockpilot.tracking",
         "blockpilot.cost",
+        "blockpilot.load_curve",
         "blockpilot.models",
         "blockpilot.policies",
         "blockpilot.tree",

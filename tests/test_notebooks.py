@@ -22,6 +22,7 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
     import torch
 
     from blockpilot.cost import CycleCost
+    from blockpilot.load_curve import LOAD_EXPERIMENT, log_load_curve
     from blockpilot.predictor import BlockSizePredictor, PredictorConfig
     from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.table import tables_from_row
@@ -54,6 +55,9 @@ def demo_home(tiny_zoo, tiny_models, tiny_labels, tmp_path_factory):
         for name, tau, baselines in (("project", 2.2, {"eval/tau_autoregressive": 1.0}), ("paper", 2.0, {})):
             with start_run("blockpilot-predictor", name, tags={PARENT_RUN_TAG: parent, "configuration": name}) as run:
                 run.log_metrics({"eval/tau_pred": tau, "eval/throughput_pred": tau / 2, "eval/tau_oracle": 2.5, **baselines})
+        # A load curve as bench_serve logs it (notebook 04 draws the newest).
+        with start_run(LOAD_EXPERIMENT, "tiny-T0") as tracker:
+            log_load_curve(tracker, {"autoregressive": {1: 90.0, 4: 200.0}, "adaptive": {1: 100.0, 4: 210.0}})
     return home, uri
 
 
@@ -70,6 +74,21 @@ def test_the_notebook_runs_top_to_bottom(notebook, demo_home, monkeypatch):
     assert not errors
     assert sum(1 for cell in nb.cells if cell.cell_type == "code" and cell.outputs) >= 2
     assert cells_missing_figures(nb) == [], "a cell that draws shows no figure"
+
+
+def test_a_logged_load_curve_reads_back_by_mode_and_concurrency(tmp_path, monkeypatch):
+    from blockpilot.load_curve import LOAD_EXPERIMENT, latest_load_curve, log_load_curve
+    from blockpilot.tracking import start_run
+
+    monkeypatch.setenv("BLOCKPILOT_HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert latest_load_curve() is None
+    older = {"autoregressive": {1: 1.0}}
+    newer = {"autoregressive": {1: 2103.0, 4: 2944.3, 16: 4564.1}, "adaptive": {1: 2031.1, 4: 3045.4, 16: 4734.0}}
+    for name, curves in (("older", older), ("newer", newer)):
+        with start_run(LOAD_EXPERIMENT, name) as tracker:
+            log_load_curve(tracker, curves, p99_ms={"adaptive": {1: 36.0}})
+    assert latest_load_curve() == ("newer", newer)
 
 
 def test_the_committed_notebooks_show_their_figures():
