@@ -222,9 +222,9 @@ class Comparison:
     runs: dict[str, ComparedRun]
 
 
-def latest_comparison(experiment: str, tag: str = "configuration") -> Comparison | None:
-    """The newest parent run of `experiment` that has runs nested under it (the demo's two predictors on the same
-    labels), each child named by its `tag`; None when tracking is unavailable or nothing was compared."""
+def _runs_newest_first(experiment: str, max_results: int | None = None) -> tuple[str, list[Any]] | None:
+    """`experiment`'s id and its runs, newest first; None when tracking is unavailable or there is no such
+    experiment."""
     if not mlflow_available():
         return None
     import mlflow
@@ -233,7 +233,18 @@ def latest_comparison(experiment: str, tag: str = "configuration") -> Comparison
     found = mlflow.get_experiment_by_name(experiment)
     if found is None:
         return None
-    runs = mlflow.search_runs([found.experiment_id], order_by=["start_time DESC"], output_format="list")
+    limit = {} if max_results is None else {"max_results": max_results}
+    runs = mlflow.search_runs([found.experiment_id], order_by=["start_time DESC"], output_format="list", **limit)
+    return found.experiment_id, runs
+
+
+def latest_comparison(experiment: str, tag: str = "configuration") -> Comparison | None:
+    """The newest parent run of `experiment` that has runs nested under it (the demo's two predictors on the same
+    labels), each child named by its `tag`; None when tracking is unavailable or nothing was compared."""
+    found = _runs_newest_first(experiment)
+    if found is None:
+        return None
+    experiment_id, runs = found
     children: dict[str, list[Any]] = {}
     for run in runs:
         if PARENT_RUN_TAG in run.data.tags:
@@ -244,25 +255,19 @@ def latest_comparison(experiment: str, tag: str = "configuration") -> Comparison
                 child.data.tags.get(tag, child.info.run_name): ComparedRun(child.info.run_id, dict(child.data.metrics))
                 for child in reversed(children[run.info.run_id])  # in the order they were trained
             }
-            return Comparison(found.experiment_id, run.info.run_id, nested)
+            return Comparison(experiment_id, run.info.run_id, nested)
     return None
 
 
 def latest_metric_histories(experiment: str, prefix: str) -> tuple[str, dict[str, dict[int, float]]] | None:
     """The newest run of `experiment`: its name and, for each metric named `prefix` + a key, the values it logged by
     step; None when tracking is unavailable or the experiment has no run."""
-    if not mlflow_available():
+    found = _runs_newest_first(experiment, max_results=1)
+    if found is None or not found[1]:
         return None
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri())
-    found = mlflow.get_experiment_by_name(experiment)
-    if found is None:
-        return None
-    runs = mlflow.search_runs([found.experiment_id], order_by=["start_time DESC"], max_results=1, output_format="list")
-    if not runs:
-        return None
-    run, client = runs[0], mlflow.MlflowClient()
+    run, client = found[1][0], mlflow.MlflowClient()
     histories = {
         key[len(prefix) :]: {int(point.step): point.value for point in client.get_metric_history(run.info.run_id, key)}
         for key in run.data.metrics
