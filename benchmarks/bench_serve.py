@@ -7,7 +7,7 @@ Starts an embedded Ray and the Serve endpoint on 127.0.0.1 (one replica, one bat
 its shapes built up front as `serve` builds them), then, in interleaved rounds (each starting with another mode), for
 each concurrency and mode sends the same held-out prompts (`ignore_eos`, so every request generates exactly
 max_tokens): modes `autoregressive` (fixed b = 1), `fixed` (b = B) and `adaptive` (the replica's policy, as `serve`
-resolves it from the models given).
+resolves it from the models given), and `fixed:N` where asked.
 Prints each (concurrency, mode)'s median tokens/s, requests/s and p50/p99 latency over the rounds, the adaptive mode
 against the best other one, and the share of its cycles that ran autoregressive. Before that, the same requests go
 one by one through the library's decoder in this process: the difference of mean latencies at concurrency 1 is the
@@ -38,6 +38,16 @@ def percentile(values: list[float], q: float) -> float:
 MODES = {"autoregressive": {"policy": "fixed", "block_size": 1}, "fixed": {"policy": "fixed"}, "adaptive": {}}
 
 
+def mode_fields(mode: str) -> dict:
+    """A mode's request fields: one of `MODES`, or `fixed:N` (every request forcing b = N)."""
+    if mode in MODES:
+        return MODES[mode]
+    kind, _, size = mode.partition(":")
+    if kind != "fixed" or not size.isdigit() or int(size) < 1:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {list(MODES)} or fixed:N")
+    return {"policy": "fixed", "block_size": int(size)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, required=True)
@@ -47,7 +57,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--requests", type=int, default=32, help="requests per (mode, concurrency, round)")
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)} and fixed:N")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=16, help="rows in the replica's engine")
@@ -55,9 +65,10 @@ def main() -> None:
     parser.add_argument("--no-track", action="store_true", help=f"do not log the curve to MLflow ({LOAD_EXPERIMENT})")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; expected some of {list(MODES)}")
+    try:
+        fields = {mode: mode_fields(mode) for mode in modes}
+    except ValueError as error:
+        parser.error(str(error))
 
     from blockpilot.data.sources import prompt_texts
     from blockpilot.serving import ServeLimits
@@ -101,7 +112,7 @@ def main() -> None:
 
     def body(prompt: str, mode: str, index: int) -> dict:
         sampling = {"temperature": args.temperature, "seed": index}
-        return {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, **sampling, **MODES[mode]}
+        return {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, **sampling, **fields[mode]}
 
     levels = [int(c) for c in args.concurrency.split(",")]
     # One pooled client: `httpx.post` builds a client (and an SSL context) per call, and at concurrency 32 that
