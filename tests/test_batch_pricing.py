@@ -65,7 +65,9 @@ def priced(engine: Engine, autoregressive: float | None, draft: float) -> Engine
 
 
 def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_models):
-    slow_drafts = lambda: priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)  # noqa: E731
+    def slow_drafts() -> Engine:
+        return priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
+
     results = decode(tiny_models, slow_drafts(), [DraftsFour()] * 3)
     # Every cycle of several rows is autoregressive; a row that finishes last alone drafts its own b again.
     for result in results:

@@ -198,12 +198,12 @@ class Engine(RowScheduler):
     ) -> list[tuple]:
         """The engine's shape set: its declared row buckets (`declared_row_buckets`: the smallest, the largest and one
         every factor of 4 between) x the width bucket that holds the widest of `widths` (default: the engine's width)
-        x the first `spans` spans of cache, as chain cycles, and those row buckets at width 1 where `widths` holds autoregression (without the drafter's context, for rows
-        autoregressive for good; also keeping it for rows that may draft again, with the step that writes what was
-        kept, where the policy does not `keeps_block_size` and at the buckets of several rows, where a batch may run
-        autoregressive); with trees, those row buckets x every tree size. With `truncate`
-        (rows that sample with a top-k or top-p, as a served model's defaults may ask), each cycle also in its
-        truncating variant.
+        x the first `spans` spans of cache, as chain cycles, and those row buckets at width 1 where `widths` holds
+        autoregression (without the drafter's context, for rows autoregressive for good; also keeping it for rows
+        that may draft again, with the step that writes what was kept, where the policy does not `keeps_block_size`
+        and at the buckets of several rows, where a batch may run autoregressive); with trees, those row buckets x
+        every tree size. With `truncate` (rows that sample with a top-k or top-p, as a served model's defaults may
+        ask), each cycle also in its truncating variant.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
