@@ -3,8 +3,13 @@ prices any b (interpolated between measured points)."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import random
+
 import pytest
 import torch
+from commands import ROOT, run, user_env
 
 from blockpilot.cost import (
     CycleCost,
@@ -13,6 +18,7 @@ from blockpilot.cost import (
     one_cost_per_bucket,
     round_relative_medians,
 )
+from blockpilot.data.labels import rows_to_table, write_label_file
 from blockpilot.decoding.calibration import calibrate, random_prompts, seconds_per_cycle
 
 
@@ -120,3 +126,49 @@ def test_tree_cycles_have_their_own_prices_that_travel_with_the_curve(tmp_path):
         CycleCost({1: {1: 1.0}}).tree(8)
     with pytest.raises(ValueError, match="the trees' depth"):
         CycleCost({1: {1: 1.0}}, trees={1: {8: 1.0}})
+
+
+def _packed_load_script():
+    spec = importlib.util.spec_from_file_location("eval_packed_load", ROOT / "benchmarks" / "eval_packed_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_packed_pass_is_the_best_assignment_of_block_sizes_within_its_buckets():
+    """`eval_packed_load.packed_choice` against every assignment of b to the rows, on random tau tables."""
+    packed_choice = _packed_load_script().packed_choice
+    rng = random.Random(0)
+    curve = {1: 2.0, 2: 3.0, 4: 5.5}
+    for _ in range(30):
+        taus = [{1: 1.0, 2: 1 + rng.random(), 4: 1 + 3 * rng.random()} for _ in range(3)]
+        rates = []
+        for sizes in itertools.product((1, 2, 4), repeat=3):
+            bucket = next(w for w in sorted(curve) if 3 * w >= sum(sizes))
+            rates.append(sum(t[b] for t, b in zip(taus, sizes, strict=True)) / curve[bucket])
+        best = max(rates)
+        tokens, seconds, _ = packed_choice(taus, curve)
+        assert tokens / seconds == pytest.approx(best)
+
+
+def test_the_packed_load_model_runs_as_a_user_runs_it(tmp_path):
+    """`benchmarks/eval_packed_load.py` on labels and a cost curve: the packed oracle is never below the choices it
+    contains (autoregression, a fixed b, the padded oracle), equals the padded one at one row, and a concurrency
+    without a measured batch is refused."""
+    rows = [
+        {"prompt_id": f"p{i}", "temperature": t, "candidates": [2, 4], "tau": taus, "error": None}
+        for i, taus in enumerate([[1.9, 3.6], [1.1, 1.2], [1.5, 2.0]])
+        for t in (0.0, 1.0)
+    ]
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    write_label_file(rows_to_table(rows), labels / "labels.parquet")
+    CycleCost({1: {1: 1.0, 2: 1.4, 4: 2.0}, 4: {1: 2.0, 2: 4.0, 4: 8.0}}).save(tmp_path / "cost.json")
+    command = f"python benchmarks/eval_packed_load.py --labels {labels} --cost {tmp_path / 'cost.json'} --batches 50"
+    printed = run(f"{command} --concurrency 1,4", user_env(tmp_path / "home"))
+    lines = [line.split() for line in printed.splitlines() if line.strip()[:1].isdigit()]
+    assert [line[0] for line in lines] == ["1", "4", "1", "4"]
+    assert all(float(line[-2]) >= 1.0 for line in lines)
+    assert all(line[-2] == "1.000" for line in lines if line[0] == "1")
+    with pytest.raises(AssertionError, match="concurrency 3 is not a batch size"):
+        run(f"{command} --concurrency 3", user_env(tmp_path / "home"))
