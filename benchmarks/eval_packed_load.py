@@ -14,6 +14,8 @@ at sum(tau) / cycle cost. Priced from the measured c(n, W) (n rows, all at width
   the smallest measured n x W tokens that holds sum(b_i) and priced c(n, W) (total-token buckets at the measured
   widths, and the padded pass's attention: what a packed pass of those buckets would cost at best), the b_i the
   best for the batch (a knapsack per bucket, exact).
+- two widths: the packed oracle with each row at b = 1 or at one b shared by the rows that draft (a pass of an
+  autoregressive group and a drafting group, the first step toward packed rows).
 
 Prints, per temperature and concurrency, tokens a second of each and the packed oracle against the best of the
 others. Where that ratio stays near 1, no per-row choice in a packed pass pays on the device under that load.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -42,33 +44,31 @@ def tau_tables(labels: str) -> dict[float, list[dict[int, float]]]:
     return by_temperature
 
 
-def packed_choice(taus: Sequence[dict[int, float]], curve: dict[int, float]) -> tuple[float, float, int]:
+def packed_choice(
+    taus: Sequence[dict[int, float]], curve: dict[int, float], sizes: Collection[int] | None = None
+) -> tuple[float, float, int]:
     """The best packed pass for a batch: (its tokens, its seconds, its rows at b = 1). A pass of n rows runs at the
-    smallest measured n x W total tokens that holds sum(b_i), at c(n, W); at each such bucket, the b_i maximizing
-    sum(tau_i(b_i)) within it (a knapsack over the rows, exact)."""
+    smallest measured n x W total tokens that holds sum(b_i), at c(n, W); at each such bucket, the b_i (of `sizes`,
+    default any of a row's) maximizing sum(tau_i(b_i)) within it (a knapsack over the rows, exact)."""
     rows = len(taus)
     best = (0.0, 1.0, rows)
     for width, seconds in sorted(curve.items()):
         budget = rows * width
-        # most[k]: the most tokens the rows so far commit with k slots; choice[i][k]: row i's b there
-        most = np.zeros(budget + 1)
-        choices = []
+        most = np.zeros(budget + 1)  # the most tokens the rows so far commit within k slots
+        picks = []  # per row, its b at each k
         for t in taus:
-            options = np.full((len(t), budget + 1), -np.inf)
-            for j, (b, tau) in enumerate(t.items()):
-                if b <= budget:
-                    options[j, b:] = most[: budget + 1 - b] + tau
-            choices.append([b for b in t])
-            picked = options.argmax(axis=0)
-            choices[-1] = [choices[-1][j] for j in picked]
-            most = options.max(axis=0)
-        tokens = most[budget]
-        if tokens / seconds > best[0] / best[1]:
+            options = [(b, tau) for b, tau in t.items() if b <= budget and (sizes is None or b == 1 or b in sizes)]
+            gains = np.full((len(options), budget + 1), -np.inf)
+            for j, (b, tau) in enumerate(options):
+                gains[j, b:] = most[: budget + 1 - b] + tau
+            picks.append([options[j][0] for j in gains.argmax(axis=0)])
+            most = gains.max(axis=0)
+        if most[budget] / seconds > best[0] / best[1]:
             k, ones = budget, 0
-            for chosen in reversed(choices):
-                ones += chosen[k] == 1
-                k -= chosen[k]
-            best = (float(tokens), seconds, ones)
+            for pick in reversed(picks):
+                ones += pick[k] == 1
+                k -= pick[k]
+            best = (float(most[budget]), seconds, ones)
     return best
 
 
@@ -87,13 +87,16 @@ def main() -> None:
     for temperature, prompts in sorted(tau_tables(args.labels).items()):
         widths = sorted(set.intersection(*(set(t) for t in prompts)))
         print(f"\nT = {temperature:g}: {len(prompts)} prompts, b in {widths}")
-        print(f"{'rows':>5} {'AR':>9} {'best fixed':>15} {'padded':>9} {'packed':>9} {'packed x best':>13} b=1 rows")
+        print(
+            f"{'rows':>5} {'AR':>9} {'best fixed':>15} {'padded':>9} {'two widths':>10} {'packed':>9} "
+            f"{'packed x best':>13} b=1 rows"
+        )
         for rows in [int(n) for n in args.concurrency.split(",")]:
             if rows not in cost.seconds:
                 parser.error(f"concurrency {rows} is not a batch size of {args.cost} ({sorted(cost.seconds)})")
             measured = sorted(b for b in cost.seconds[rows] if b in widths)
             c = cost.seconds[rows]
-            tokens = {"padded": 0.0, "packed": 0.0} | dict.fromkeys(measured, 0.0)
+            tokens = {"padded": 0.0, "two widths": 0.0, "packed": 0.0} | dict.fromkeys(measured, 0.0)
             seconds = dict.fromkeys(tokens, 0.0)
             autoregressive_rows = 0
             for _ in range(args.batches):
@@ -106,6 +109,9 @@ def main() -> None:
                 )
                 tokens["padded"] += padded[0] * c[padded[1]]
                 seconds["padded"] += c[padded[1]]
+                two = max((packed_choice(batch, c, {b}) for b in widths if b > 1), key=lambda p: p[0] / p[1])
+                tokens["two widths"] += two[0]
+                seconds["two widths"] += two[1]
                 packed_tokens, packed_seconds, ones = packed_choice(batch, c)
                 tokens["packed"] += packed_tokens
                 seconds["packed"] += packed_seconds
@@ -115,7 +121,7 @@ def main() -> None:
             best_other = max(speed[1], speed[fixed], speed["padded"])
             print(
                 f"{rows:>5} {speed[1]:>9.1f} {speed[fixed]:>9.1f} (b={fixed}) {speed['padded']:>9.1f} "
-                f"{speed['packed']:>9.1f} {speed['packed'] / best_other:>13.3f} "
+                f"{speed['two widths']:>10.1f} {speed['packed']:>9.1f} {speed['packed'] / best_other:>13.3f} "
                 f"{autoregressive_rows / (rows * args.batches):>8.0%}"
             )
 
