@@ -8,20 +8,27 @@ its shapes built up front as `serve` builds them), then, in interleaved rounds (
 each concurrency and mode sends the same held-out prompts (`ignore_eos`, so every request generates exactly
 max_tokens): modes `autoregressive` (fixed b = 1), `fixed` (b = B) and `adaptive` (the replica's policy, as `serve`
 resolves it from the models given), and `fixed:N` where asked.
-Prints each (concurrency, mode)'s median tokens/s, requests/s and p50/p99 latency over the rounds, the adaptive mode
-against the best other one, and the share of its cycles that ran autoregressive. Before that, the same requests go
+Requests stream (`stream: true`, as a chat client reads them): per request the time to its first token (TTFT) and
+per output token after it (TPOT), and from its last event the block size of every cycle it ran. Prints each
+(concurrency, mode)'s median tokens/s over the rounds and, of its median round, requests/s, TTFT and TPOT p50/p99,
+tau (tokens a cycle) and the shapes its cycles ran (the share of each b), and the adaptive mode against the best
+other one. Before that, the same requests go
 one by one through the library's decoder in this process: the difference of mean latencies at concurrency 1 is the
 HTTP + Serve overhead per request. The curve is logged to MLflow (experiment `blockpilot-load`, each mode's tokens/s
-by concurrency; notebook 04 draws the newest), unless --no-track.
+by concurrency, and its latencies and tau; notebook 04 draws the newest), unless --no-track.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
 import time
+from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,6 +40,49 @@ from blockpilot.tracking import start_run
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed request as the client saw it: seconds to its first token and to its end, tokens, and the block
+    size of each of its cycles (its last event's `blockpilot` stats)."""
+
+    first_token_s: float
+    total_s: float
+    tokens: int
+    block_sizes: list[int]
+
+    @property
+    def per_output_token_s(self) -> float:
+        """TPOT: the seconds between tokens after the first."""
+        return (self.total_s - self.first_token_s) / max(self.tokens - 1, 1)
+
+
+def read_stream(lines: Iterable[str], started: float, clock=time.perf_counter) -> Streamed:
+    """A completion's server-sent events (OpenAI's chunks, `stream_options.include_usage`) read to `[DONE]`."""
+    first = stats = usage = None
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            break
+        event = json.loads(line[len("data: ") :])
+        if "error" in event:
+            raise RuntimeError(f"the stream failed: {event['error']['message']}")
+        if first is None and event["choices"][0]["text"]:
+            first = clock() - started
+        if "blockpilot" in event:
+            stats, usage = event["blockpilot"], event["usage"]
+    total = clock() - started
+    if first is None or stats is None:
+        raise RuntimeError("the stream ended without a token or without its final stats")
+    return Streamed(first, total, usage["completion_tokens"], stats["block_sizes"])
+
+
+def shapes(sizes: list[int]) -> str:
+    """The share of cycles at each b, most common first: 'b1 62% b8 38%'."""
+    counts = Counter(sizes)
+    return " ".join(f"b{b} {n / len(sizes):.0%}" for b, n in counts.most_common(3)) if sizes else "-"
 
 
 MODES = {"autoregressive": {"policy": "fixed", "block_size": 1}, "fixed": {"policy": "fixed"}, "adaptive": {}}
@@ -120,17 +170,17 @@ def main() -> None:
     limits_http = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
     client = httpx.Client(timeout=600, limits=limits_http)
 
-    def one(payload: dict) -> tuple[float, int, list[int]]:
+    def one(payload: dict) -> Streamed:
         started = time.perf_counter()
-        response = client.post(url, json=payload)
-        response.raise_for_status()
-        answer = response.json()
-        return time.perf_counter() - started, answer["usage"]["completion_tokens"], answer["blockpilot"]["block_sizes"]
+        payload = payload | {"stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", url, json=payload) as response:
+            response.raise_for_status()
+            return read_stream(response.iter_lines(), started)
 
     for mode in modes:  # warm-up: every mode's first cycles at every batch
         with ThreadPoolExecutor(max_workers=max(levels)) as pool:
             list(pool.map(one, [body(p, mode, i) for i, p in enumerate(prompts)]))
-    runs: dict[tuple[int, str], list[tuple[float, float, list]]] = {}
+    runs: dict[tuple[int, str], list[tuple[float, float, list[Streamed]]]] = {}
     for round_index in range(args.rounds):
         for level in levels:
             for mode in modes[round_index % len(modes) :] + modes[: round_index % len(modes)]:  # no mode always first
@@ -138,38 +188,45 @@ def main() -> None:
                 with ThreadPoolExecutor(max_workers=level) as pool:
                     answers = list(pool.map(one, [body(p, mode, i) for i, p in enumerate(prompts)]))
                 wall = time.perf_counter() - started
-                runs.setdefault((level, mode), []).append((sum(a[1] for a in answers) / wall, wall, answers))
+                runs.setdefault((level, mode), []).append((sum(a.tokens for a in answers) / wall, wall, answers))
 
     print(
         f"requests per run: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T={args.temperature:g}, one "
         f"replica, engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs, {args.rounds} interleaved rounds "
-        f"(medians); adaptive = {adaptive_name}"
+        f"(medians); adaptive = {adaptive_name}; latencies in ms, p50 / p99"
     )
-    header = f"{'concurrency':>11} {'mode':<15} {'tokens/s':>9} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8}"
-    print(f"{header} {'x best other':>12}")
-    tokens_per_s: dict[str, dict[int, float]] = {mode: {} for mode in modes}
-    p99_ms: dict[str, dict[int, float]] = {mode: {} for mode in modes}
+    print(
+        f"{'concurrency':>11} {'mode':<15} {'tokens/s':>9} {'x best other':>12} {'req/s':>6} {'TTFT':>11} "
+        f"{'TPOT':>9} {'tau':>5}  shapes"
+    )
+    curves: dict[str, dict[str, dict[int, float]]] = {}  # metric -> mode -> concurrency -> value
     for level in levels:
         rates = {mode: statistics.median(r[0] for r in runs[(level, mode)]) for mode in modes}
         for mode in modes:
             median_run = sorted(runs[(level, mode)], key=lambda r: r[0])[len(runs[(level, mode)]) // 2]
-            latencies = [a[0] for a in median_run[2]]
+            answers = median_run[2]
             others = [rates[m] for m in modes if m != mode]
             versus = f"{rates[mode] / max(others):.3f}" if others else "-"
-            sizes = [b for a in median_run[2] for b in a[2]]
-            share = (
-                f" ({sum(b == 1 for b in sizes) / max(len(sizes), 1):.0%} of cycles b = 1)"
-                if mode == "adaptive"
-                else ""
-            )
-            tokens_per_s[mode][level], p99_ms[mode][level] = rates[mode], percentile(latencies, 0.99) * 1000
+            sizes = [b for a in answers for b in a.block_sizes]
+            tau = sum(a.tokens - 1 for a in answers) / max(len(sizes), 1)  # the first token comes from the prefill
+            figures = {
+                "tokens_per_s": rates[mode],
+                "p99_ms": percentile([a.total_s for a in answers], 0.99) * 1000,
+                "ttft_p50_ms": percentile([a.first_token_s for a in answers], 0.5) * 1000,
+                "ttft_p99_ms": percentile([a.first_token_s for a in answers], 0.99) * 1000,
+                "tpot_p50_ms": percentile([a.per_output_token_s for a in answers], 0.5) * 1000,
+                "tpot_p99_ms": percentile([a.per_output_token_s for a in answers], 0.99) * 1000,
+                "tau": tau,
+            }
+            for metric, value in figures.items():
+                curves.setdefault(metric, {}).setdefault(mode, {})[level] = value
             print(
-                f"{level:>11} {mode:<15} {rates[mode]:>9.1f} {len(prompts) / median_run[1]:>7.2f} "
-                f"{percentile(latencies, 0.5) * 1000:>8.0f} {percentile(latencies, 0.99) * 1000:>8.0f} {versus:>12}"
-                f"{share}",
+                f"{level:>11} {mode:<15} {rates[mode]:>9.1f} {versus:>12} {len(prompts) / median_run[1]:>6.2f} "
+                f"{figures['ttft_p50_ms']:>5.0f}/{figures['ttft_p99_ms']:<5.0f} "
+                f"{figures['tpot_p50_ms']:>4.1f}/{figures['tpot_p99_ms']:<4.1f} {tau:>5.2f}  {shapes(sizes)}",
                 flush=True,
             )
-    overhead = statistics.fmean(a[0] for a in runs[(levels[0], modes[-1])][0][2]) - statistics.fmean(library)
+    overhead = statistics.fmean(a.total_s for a in runs[(levels[0], modes[-1])][0][2]) - statistics.fmean(library)
     print(
         f"library mean latency {statistics.fmean(library) * 1000:.0f} ms; HTTP + Serve overhead at concurrency "
         f"{levels[0]} ({modes[-1]}): {overhead * 1000:.0f} ms per request"
@@ -188,7 +245,7 @@ def main() -> None:
     }
     with start_run(LOAD_EXPERIMENT, f"{args.zoo.name}-T{args.temperature:g}", enabled=not args.no_track) as tracker:
         tracker.log_params(params)
-        log_load_curve(tracker, tokens_per_s, p99_ms)
+        log_load_curve(tracker, curves.pop("tokens_per_s"), **curves)
     if tracker.enabled:
         print(f"logged to MLflow: experiment {LOAD_EXPERIMENT}, run {tracker.run_id} (tokens/s by concurrency a step)")
 

@@ -11,15 +11,14 @@ from blockpilot.tracking import Tracker, latest_metric_histories
 
 LOAD_EXPERIMENT = "blockpilot-load"
 TOKENS_PER_S = "tokens_per_s/"  # + the mode
-P99_MS = "p99_ms/"
 
 Curves = dict[str, dict[int, float]]  # mode -> concurrency -> value
 
 
-def log_load_curve(tracker: Tracker, tokens_per_s: Curves, p99_ms: Curves | None = None) -> None:
-    """Each mode's tokens/s (and p99 latency in ms) at each concurrency, the concurrency as the metric's step, and the
-    figure (`load_curve_figure`)."""
-    for prefix, curves in ((TOKENS_PER_S, tokens_per_s), (P99_MS, p99_ms or {})):
+def log_load_curve(tracker: Tracker, tokens_per_s: Curves, **others: Curves) -> None:
+    """Each mode's tokens/s at each concurrency, the concurrency as the metric's step, and the figure
+    (`load_curve_figure`); each of `others` (a latency such as `p99_ms`, tau) likewise, as metrics `NAME/MODE`."""
+    for prefix, curves in ((TOKENS_PER_S, tokens_per_s), *((f"{name}/", curves) for name, curves in others.items())):
         for mode, points in curves.items():
             for concurrency, value in sorted(points.items()):
                 tracker.log_metrics({prefix + mode: value}, step=concurrency)

@@ -3,6 +3,7 @@ shown when it fails."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shlex
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 
@@ -44,6 +46,16 @@ def check_quiet(output: str, command: str, noise: tuple[str, ...] = EMBEDDED_UNA
     """Fail on a line of `noise` in a command's output."""
     found = [line for line in output.splitlines() if any(text in line for text in noise)]
     assert not found, f"`{command}` printed lines a user cannot act on:\n" + "\n".join(found[:5])
+
+
+def script_module(relative: str) -> ModuleType:
+    """A script of the repository (`benchmarks/...py`) imported as a module, to test its pieces in process."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(command: str, env: dict[str, str], timeout: float = 300, noise: tuple[str, ...] = EMBEDDED_UNACTIONABLE) -> str:

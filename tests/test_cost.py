@@ -3,13 +3,12 @@ prices any b (interpolated between measured points)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
 
 import pytest
 import torch
-from commands import ROOT, run, user_env
+from commands import run, script_module, user_env
 
 from blockpilot.cost import (
     CycleCost,
@@ -128,16 +127,9 @@ def test_tree_cycles_have_their_own_prices_that_travel_with_the_curve(tmp_path):
         CycleCost({1: {1: 1.0}}, trees={1: {8: 1.0}})
 
 
-def _packed_load_script():
-    spec = importlib.util.spec_from_file_location("eval_packed_load", ROOT / "benchmarks" / "eval_packed_load.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_packed_pass_is_the_best_assignment_of_block_sizes_within_its_buckets():
     """`eval_packed_load.packed_choice` against every assignment of b to the rows, on random tau tables."""
-    packed_choice = _packed_load_script().packed_choice
+    packed_choice = script_module("benchmarks/eval_packed_load.py").packed_choice
     rng = random.Random(0)
     curve = {1: 2.0, 2: 3.0, 4: 5.5}
     for _ in range(30):

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from commands import free_port
+from commands import free_port, script_module
 from test_serving import BAD_REQUESTS
 
 from blockpilot.decoding import GenerationConfig, generate
@@ -143,6 +143,21 @@ def test_streamed_chunks_reassemble_to_the_same_text(endpoint):
             finish = chunk["choices"][0]["finish_reason"] or finish
     assert "".join(pieces) == whole and finish == "length"
     assert len(pieces) > 2
+
+
+def test_the_load_benchmark_reads_what_the_endpoint_streams(endpoint):
+    """`benchmarks/bench_serve.py` times streamed requests: its reader finds the first token, the tokens and every
+    cycle's block size in the endpoint's events, the same cycles a plain request reports."""
+    bench_serve = script_module("benchmarks/bench_serve.py")
+    body = {"prompt": "Count from 3 to 14.", "max_tokens": 24, "temperature": 0, "block_size": 3, "ignore_eos": True}
+    plain = post(endpoint, "/v1/completions", body).json()["blockpilot"]
+    started = time.perf_counter()
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", endpoint + "/v1/completions", json=streamed, timeout=120) as response:
+        read = bench_serve.read_stream(response.iter_lines(), started)
+    assert read.tokens == 24 and read.block_sizes == plain["block_sizes"]
+    assert 0 < read.first_token_s <= read.total_s and read.per_output_token_s > 0
+    assert bench_serve.shapes(read.block_sizes).startswith("b3 ")  # the last cycle cut to the budget
 
 
 def test_the_openai_client_works_unchanged(endpoint, tiny_models, predictor_dir):
