@@ -3,7 +3,7 @@
     python benchmarks/bench_cycle.py [--shape qwen3-4b|llama-3.1-8b|qwen3-30b-a3b] [--drafter-config CONFIG.json] \\
         [--batches 1,8,32,64] [--widths 1,8,16] [--modes graph] [--compile-points 1x1,1x16] \\
         [--tree-nodes 16,17,32,33,64,65,128,129,256,257] [--tree-points 1x16,1x64,8x64] [--capacity 1024] \\
-        [--out results.json]
+        [--out results.json] [--cost-out cost.json]
 
 Builds the target and drafter of --shape (Qwen3-4B's with z-lab's b16 drafter by default: a 36-layer, 2560-wide
 target; Llama-3.1-8B's and Qwen3-30B-A3B's with drafters of the same make), or those a drafter config names,
@@ -24,6 +24,8 @@ random weights, bf16 on a GPU (timing does not depend on weight values), and pri
 7. with --replica-start N, a serving replica's start: an `Engine` of N rows (b up to the drafter's B, compile+graph
    on a GPU) builds its declared shapes (`compile_shapes`: the 1-row and N-row steps, the first span) and the
    seconds are printed, then its frozen cycle at b = B for 1, 2 and N rows (2 rows run on the N-row step);
+   with --cost-out, the static cycle's grid (the first of --modes) as a cost curve c(batch, b): rows x width tokens
+   a pass, what `benchmarks/eval_packed_load.py` prices a load curve from, with any zoo's labels;
 8. the points that compile, last: --compile-points, --sampled-points, --tree-compile-points, --hf-compile. A point
    that fails is printed and skipped; with --time-budget, so is every costly point left once that many seconds
    have passed.
@@ -45,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from blockpilot.cost import CycleCost, nondecreasing_in_block_size
 from blockpilot.decoding.calibration import random_prompts, seconds_per_cycle
 from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.forwards import StaticTarget
@@ -321,6 +324,7 @@ def main() -> None:
     parser.add_argument("--hf-compile", action="store_true", help="also time transformers' compiled static step")
     parser.add_argument("--engine-widths", type=block_size_list, default=(1, 8, 16))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cost-out", type=Path, default=None, help="the static cycle's grid as a cost curve (JSON)")
     args = parser.parse_args()
 
     config_path, family, rope, tied, target_shape = SHAPES[args.shape]
@@ -404,6 +408,16 @@ def main() -> None:
                     f"  {mode:<14} b = {width:<3}" + "".join(cells) + f"   (x floor at batch 1: "
                     f"{RESULTS['static_cycle_s'][mode][width][args.batches[0]] / floor:.2f})"
                 )
+        if args.cost_out is not None and "static_cycle_s" in RESULTS:
+            grid = next(iter(RESULTS["static_cycle_s"].values()))  # width -> batch -> seconds
+            measured = {batch: {width: grid[width][batch] for width in grid} for batch in args.batches}
+            CycleCost(
+                {batch: nondecreasing_in_block_size(by_width) for batch, by_width in measured.items()},
+                device=f"{device} ({args.shape}, random weights)",
+                dtype=str(models.target.dtype).removeprefix("torch."),
+                measured=measured,
+            ).save(args.cost_out)
+            say(f"cost curve c(batch, b) -> {args.cost_out}")
         say("tree verify (one target pass over N nodes a row, CUDA graph), ms")
         for batch in (1, 8) if args.tree_nodes else ():
             cells = []

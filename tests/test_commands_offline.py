@@ -13,6 +13,7 @@ from commands import EMBEDDED_UNACTIONABLE, PROMPT, ROOT, run, user_env
 from support import greedy_reference
 
 from blockpilot.cli import main
+from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
 from blockpilot.decoding.engine import Engine
 
@@ -156,11 +157,14 @@ def test_the_gpu_cycle_benchmark_runs_on_a_small_shape(tmp_path):
         "--device cpu --batches 1,2 "
         f"--widths 1,4 --modes off --tree-nodes 8 --tree-points 2x6 --tree-parts --capacity 128 --cycles 2 --hf-steps 2 "
         "--engine-widths 4 "
-        f"--out {out}",
+        f"--out {out} --cost-out {tmp_path / 'cost.json'}",
         user_env(tmp_path / "home"),
     )
     results = json.loads(out.read_text())
     assert set(results["static_cycle_s"]["off"]) == {"1", "4"} and results["floor_s"] > 0
+    cost = CycleCost.load(tmp_path / "cost.json")  # the grid, as eval_packed_load prices a load curve from it
+    assert set(cost.seconds) == {1, 2} and all(set(by_b) == {1, 4} for by_b in cost.seconds.values())
+    assert cost.measured[2][4] == results["static_cycle_s"]["off"]["4"]["2"] and "llama" in cost.device
     assert results["family"] == "llama" and "random llama" in printed
     assert "static cycle" in printed and "tree verify" in printed and "2x6" in results["tree_cycle_s"]["off"]
     grow, verify = results["tree_parts_s"]["off"]["2x6"]
