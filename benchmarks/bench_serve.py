@@ -112,6 +112,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=16, help="rows in the replica's engine")
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (its torch threads)")
+    parser.add_argument(
+        "--compile-spans",
+        type=int,
+        default=2,
+        help="spans of cache the replica builds (serve's --compile-spans; 2: 256 and 512 slots, which hold the zoos' "
+        "held-out prompts and 64 tokens: a row past the built spans runs eagerly, in every mode)",
+    )
     parser.add_argument("--no-track", action="store_true", help=f"do not log the curve to MLflow ({LOAD_EXPERIMENT})")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -133,6 +140,7 @@ def main() -> None:
         args.predictor,
         step_model=args.step_model,
         policy=args.policy,
+        compile_spans=args.compile_spans,
         limits=limits,
     )
 
@@ -242,6 +250,7 @@ def main() -> None:
         "requests": args.requests,
         "rounds": args.rounds,
         "num_cpus": args.num_cpus,
+        "compile_spans": args.compile_spans,
     }
     with start_run(LOAD_EXPERIMENT, f"{args.zoo.name}-T{args.temperature:g}", enabled=not args.no_track) as tracker:
         tracker.log_params(params)
