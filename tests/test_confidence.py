@@ -23,7 +23,9 @@ from blockpilot.predictor.confidence import (
     FIRST_OR_AUTOREGRESSIVE,
     OUTCOMES,
     REJECTED,
+    PRIOR_DRAFTS,
     ConfidenceRule,
+    DraftRecord,
     cycle_outcome,
     fit_confidence_rule,
     walk_rule,
@@ -87,6 +89,30 @@ def test_a_choice_is_the_best_tokens_per_second_measured_prices_first(tmp_path):
         ConfidenceRule.load(tmp_path / "missing")
     with pytest.raises(ValueError, match="shape"):
         ConfidenceRule(CANDIDATES, (0.0,), np.zeros((1, 2, 3, 2)), np.zeros((1, 2, 3)), {1: 1.0, 4: 1.0})
+
+
+def test_a_request_whose_drafts_accept_less_than_the_table_says_stops_drafting():
+    """The table expects 3 accepted drafts of b = 4 (4 tokens at twice the price: drafting pays). A request whose
+    drafts keep what the table says drafts on; one whose drafts are all rejected stops once its record, shrunk toward
+    the table, says the drafts no longer pay; a cycle cut to the budget or run autoregressive by its batch is not
+    counted."""
+    rule = rule_of({1: 1.0, 4: 4.0}, {1: 1.0, 4: 2.0})
+    good, bad = DraftRecord(), DraftRecord()
+    for _ in range(10):
+        assert rule.choose(0.0, 0.99, FIRST_OR_AUTOREGRESSIVE, record=good) == 4
+        good.settle(4, 4)
+    assert good.scale == 1.0 and good.expected == 30.0
+    sizes = []
+    for _ in range(10):
+        sizes.append(rule.choose(0.0, 0.99, FIRST_OR_AUTOREGRESSIVE, record=bad))
+        bad.settle(sizes[-1], 1)
+    # Drafting pays while 1 + 3 * scale > 2: scale = 8 / (8 + 3k) after k rejected cycles, > 1/3 for k < 16/3.
+    assert sizes == [4] * 6 + [1] * 4 and bad.realized == 0 and bad.expected == 18.0
+    assert bad.scale == PRIOR_DRAFTS / (PRIOR_DRAFTS + 18.0)
+    cut = DraftRecord()
+    rule.choose(0.0, 0.99, FIRST_OR_AUTOREGRESSIVE, record=cut)
+    cut.settle(2, 1)  # the last cycle cut to 2 tokens, or a batch's autoregressive cycle (b = 1): not the choice
+    assert cut.expected == cut.realized == 0 and cut.pending is None
 
 
 def test_switching_by_outcome_is_lossless_and_drafts_as_the_table_says(tiny_models, tmp_path):

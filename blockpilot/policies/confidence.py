@@ -7,12 +7,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState
-from blockpilot.predictor.confidence import FIRST_OR_AUTOREGRESSIVE, ConfidenceRule, cycle_outcome
+from blockpilot.predictor.confidence import FIRST_OR_AUTOREGRESSIVE, ConfidenceRule, DraftRecord, cycle_outcome
+
+DRAFT_RECORD = "confidence_drafts"  # where a request's `DraftRecord` lives in its `PrefillState.derived`
+
+
+def draft_record(prefill: PrefillState | None) -> DraftRecord:
+    """The request's record of its drafts against the rule (a new one where a cycle carries no prefill state)."""
+    return prefill.derived.setdefault(DRAFT_RECORD, DraftRecord()) if prefill is not None else DraftRecord()
 
 
 class ConfidencePolicy(BlockSizePolicy):
     """b before every cycle from `ConfidenceRule.choose`; the first from the prefill's distribution. Priced by the
-    engine's measured cycles where it has them (`measured_prices`), else by the rule's calibrated curve alone."""
+    engine's measured cycles where it has them (`measured_prices`), else by the rule's calibrated curve alone; what
+    the table expects of drafts corrected by the request's own (`DraftRecord`)."""
 
     name = "confidence"
 
@@ -27,7 +35,9 @@ class ConfidencePolicy(BlockSizePolicy):
     def initial_block_size(self, prefill: PrefillState) -> int:
         _, top = prefill.top_k(1)
         prices = prefill.prices if self.measured_prices else None
-        return self.rule.choose(prefill.temperature, float(top[0]), FIRST_OR_AUTOREGRESSIVE, prices)
+        return self.rule.choose(
+            prefill.temperature, float(top[0]), FIRST_OR_AUTOREGRESSIVE, prices, draft_record(prefill)
+        )
 
     def autoregressive_for_good(self, prefill: PrefillState, block_size: int) -> bool:
         """A row that starts autoregressive where the rule, at this temperature and these prices, would stay so
@@ -37,15 +47,14 @@ class ConfidencePolicy(BlockSizePolicy):
         return block_size == 1 and self.rule.never_drafts(prefill.temperature, prices)
 
     def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
-        choose, measured = self.rule.choose, self.measured_prices
-        return [
-            cycle.block_size
-            if cycle.anchor_confidence is None
-            else choose(
-                cycle.temperature,
-                cycle.anchor_confidence,
-                cycle_outcome(cycle.block_size, cycle.acceptance_length),
-                cycle.prices if measured else None,
-            )
-            for cycle in cycles
-        ]
+        choose, measured, sizes = self.rule.choose, self.measured_prices, []
+        for cycle in cycles:
+            record = draft_record(cycle.prefill)
+            record.settle(cycle.block_size, cycle.acceptance_length)
+            if cycle.anchor_confidence is None:
+                sizes.append(cycle.block_size)
+                continue
+            outcome = cycle_outcome(cycle.block_size, cycle.acceptance_length)
+            prices = cycle.prices if measured else None
+            sizes.append(choose(cycle.temperature, cycle.anchor_confidence, outcome, prices, record))
+        return sizes

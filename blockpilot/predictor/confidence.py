@@ -11,7 +11,10 @@ decoded 0.93x autoregression at T = 1 on the mini zoo's held-out tables; conditi
 
 The policy (`blockpilot.policies.confidence`) drafts the b of the best expected tokens per second,
 commits(b) / price(b), with prices from the device: the engine's measured cycles where it has them, else the
-calibrated curve the rule keeps.
+calibrated curve the rule keeps. Each request's own drafts correct the table (`DraftRecord`): the accepted drafts
+the table expects are scaled by those the request's drafted cycles got against what the table expected of them,
+shrunk toward the table by `PRIOR_DRAFTS`, so that a request whose drafts accept less than the labels' (a prompt
+unlike them, a continuation past the end of the answer) stops paying for them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ FIRST_OR_AUTOREGRESSIVE, REJECTED, ALL_ACCEPTED = 0, 1, 2
 OUTCOMES = 3
 MIN_CYCLES = 20  # a cell measured on fewer cycles takes its bucket's mean over every outcome
 RULE_FILE = "confidence.json"
+PRIOR_DRAFTS = 8.0  # accepted drafts of the table's a request's record starts from: about two drafted cycles
 
 
 def cycle_outcome(block_size: int | None, committed: int | None) -> int:
@@ -44,6 +48,28 @@ def cycle_outcome(block_size: int | None, committed: int | None) -> int:
     if not block_size or block_size == 1:
         return FIRST_OR_AUTOREGRESSIVE
     return ALL_ACCEPTED if committed is not None and committed >= block_size else REJECTED
+
+
+@dataclass
+class DraftRecord:
+    """One request's drafted cycles against the rule: the accepted drafts the table expected of them and those they
+    got. `scale` (their ratio, both sides starting from `PRIOR_DRAFTS`) multiplies what the table expects next."""
+
+    expected: float = 0.0
+    realized: float = 0.0
+    pending: tuple[int, float] | None = None  # (b, the accepted drafts the table expected) of the choice in flight
+
+    @property
+    def scale(self) -> float:
+        return (self.realized + PRIOR_DRAFTS) / (self.expected + PRIOR_DRAFTS)
+
+    def settle(self, block_size: int | None, committed: int | None) -> None:
+        """The last cycle ran `block_size` and committed `committed` tokens: counted if it ran the b chosen (not
+        one cut to the budget, nor a batch's autoregressive cycle)."""
+        if self.pending is not None and committed is not None and block_size == self.pending[0]:
+            self.expected += self.pending[1]
+            self.realized += committed - 1
+        self.pending = None
 
 
 @dataclass(frozen=True)
@@ -69,17 +95,27 @@ class ConfidenceRule:
         return self._means[self._group(temperature)][bisect_right(self.edges, confidence)][outcome]
 
     def choose(
-        self, temperature: float, confidence: float, outcome: int, prices: Mapping[int, float] | None = None
+        self,
+        temperature: float,
+        confidence: float,
+        outcome: int,
+        prices: Mapping[int, float] | None = None,
+        record: DraftRecord | None = None,
     ) -> int:
         """The candidate of the most expected tokens per second (the smaller on a tie), each priced by `prices`
-        where it has it (the device's measured cycles), else by the calibrated curve. Plain Python over a few
+        where it has it (the device's measured cycles), else by the calibrated curve; with a request's `record`,
+        the accepted drafts the table expects scaled by it, and the choice kept in it. Plain Python over a few
         candidates: it runs before every cycle."""
         prices, cost = prices or {}, self.cost
-        best, best_rate = self.candidates[0], -1.0
-        for b, tokens in zip(self.candidates, self.expected(temperature, confidence, outcome), strict=True):
-            rate = tokens / (prices.get(b) or cost[b])
+        scale = record.scale if record is not None else 1.0
+        expected = self.expected(temperature, confidence, outcome)
+        best, best_rate, best_tokens = self.candidates[0], -1.0, 1.0
+        for b, tokens in zip(self.candidates, expected, strict=True):
+            rate = (1.0 + (tokens - 1.0) * scale) / (prices.get(b) or cost[b])
             if rate > best_rate:
-                best, best_rate = b, rate
+                best, best_rate, best_tokens = b, rate, tokens
+        if record is not None:
+            record.pending = (best, best_tokens - 1.0) if best > 1 else None
         return best
 
     def never_drafts(self, temperature: float, prices: Mapping[int, float] | None = None) -> bool:
@@ -182,11 +218,13 @@ def fit_confidence_rule(
 
 def walk_rule(rule: ConfidenceRule, table, anchors) -> list[int]:
     """The block sizes of the rule's walk over `table` (priced by its calibrated curve), cycle by cycle, as the
-    engine runs it: the first cycle from the prefill's anchor, each later one from its anchor and the last cycle."""
-    temperature = anchors.temperature
+    engine runs it: the first cycle from the prefill's anchor, each later one from its anchor, the last cycle and
+    the walk's drafts so far (`DraftRecord`)."""
+    temperature, record = anchors.temperature, DraftRecord()
 
     def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
         confidence = float(anchors.top_probs[cursor - 1, 0])
-        return rule.choose(temperature, confidence, cycle_outcome(last_size, last_accepted))
+        record.settle(last_size, last_accepted)
+        return rule.choose(temperature, confidence, cycle_outcome(last_size, last_accepted), record=record)
 
     return table.walk_policy(choose)[0]
