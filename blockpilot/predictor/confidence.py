@@ -39,7 +39,7 @@ FIRST_OR_AUTOREGRESSIVE, REJECTED, ALL_ACCEPTED = 0, 1, 2
 OUTCOMES = 3
 MIN_CYCLES = 20  # a cell measured on fewer cycles takes its bucket's mean over every outcome
 RULE_FILE = "confidence.json"
-PRIOR_DRAFTS = 8.0  # accepted drafts of the table's a request's record starts from: about two drafted cycles
+PRIOR_DRAFTS = 8.0  # accepted drafts both sides of a request's record start from: about two drafted cycles' worth
 
 
 def cycle_outcome(block_size: int | None, committed: int | None) -> int:
