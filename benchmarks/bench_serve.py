@@ -85,6 +85,7 @@ def shapes(sizes: list[int]) -> str:
     return " ".join(f"b{b} {n / len(sizes):.0%}" for b, n in counts.most_common(3)) if sizes else "-"
 
 
+STREAMED = {"stream": True, "stream_options": {"include_usage": True}}  # the fields that make a request stream
 MODES = {"autoregressive": {"policy": "fixed", "block_size": 1}, "fixed": {"policy": "fixed"}, "adaptive": {}}
 
 
@@ -170,7 +171,8 @@ def main() -> None:
 
     def body(prompt: str, mode: str, index: int) -> dict:
         sampling = {"temperature": args.temperature, "seed": index}
-        return {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, **sampling, **fields[mode]}
+        request = {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True}
+        return {**request, **sampling, **fields[mode], **STREAMED}
 
     levels = [int(c) for c in args.concurrency.split(",")]
     # One pooled client: `httpx.post` builds a client (and an SSL context) per call, and at concurrency 32 that
@@ -180,7 +182,6 @@ def main() -> None:
 
     def one(payload: dict) -> Streamed:
         started = time.perf_counter()
-        payload = payload | {"stream": True, "stream_options": {"include_usage": True}}
         with client.stream("POST", url, json=payload) as response:
             response.raise_for_status()
             return read_stream(response.iter_lines(), started)

@@ -18,6 +18,8 @@ from blockpilot.serving import ServeLimits
 pytestmark = pytest.mark.slow
 
 KEY = "test-key"
+# 24 tokens at b = 3, the last cycle cut to the budget
+FIXED_THREE = {"prompt": "Count from 3 to 14.", "max_tokens": 24, "temperature": 0, "block_size": 3, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +151,9 @@ def test_the_load_benchmark_reads_what_the_endpoint_streams(endpoint):
     """`benchmarks/bench_serve.py` times streamed requests: its reader finds the first token, the tokens and every
     cycle's block size in the endpoint's events, the same cycles a plain request reports."""
     bench_serve = script_module("benchmarks/bench_serve.py")
-    body = {"prompt": "Count from 3 to 14.", "max_tokens": 24, "temperature": 0, "block_size": 3, "ignore_eos": True}
-    plain = post(endpoint, "/v1/completions", body).json()["blockpilot"]
+    plain = post(endpoint, "/v1/completions", FIXED_THREE).json()["blockpilot"]
     started = time.perf_counter()
-    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    streamed = FIXED_THREE | bench_serve.STREAMED
     with httpx.stream("POST", endpoint + "/v1/completions", json=streamed, timeout=120) as response:
         read = bench_serve.read_stream(response.iter_lines(), started)
     assert read.tokens == 24 and read.block_sizes == plain["block_sizes"]
@@ -319,8 +320,7 @@ def test_a_client_that_disconnects_frees_its_row(endpoint):
 def test_the_replica_exports_its_metrics_to_prometheus(endpoint, local_ray):
     """The replica's metrics reach the node's Prometheus endpoint (what the Ray dashboard and Grafana scrape): requests
     by policy and finish reason, generated tokens, cycles by block size, tau, queue time, engine steps and load."""
-    body = {"prompt": "Count from 3 to 14.", "max_tokens": 24, "temperature": 0, "block_size": 3, "ignore_eos": True}
-    assert post(endpoint, "/v1/completions", body).status_code == 200
+    assert post(endpoint, "/v1/completions", FIXED_THREE).status_code == 200
     node = next(node for node in local_ray.nodes() if node["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     wanted = {
