@@ -58,9 +58,10 @@ def script_module(relative: str) -> ModuleType:
     return module
 
 
-def run(command: str, env: dict[str, str], timeout: float = 300, noise: tuple[str, ...] = EMBEDDED_UNACTIONABLE) -> str:
+def run(command: str, env: dict[str, str], timeout: float = 600, noise: tuple[str, ...] = EMBEDDED_UNACTIONABLE) -> str:
     """Run `command` (a shell line, as in the README) and return its standard output; fail naming what it printed,
-    and on a line of `noise`, lines a user cannot act on."""
+    and on a line of `noise`, lines a user cannot act on. `timeout` (as `wait_healthy`'s) only guards against a hang:
+    a 2-core machine without AVX-512 ran the suite 2.4x slower than the usual one (docs/log.md, 2026-11-27)."""
     completed = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, (
         f"`{command}` exited with {completed.returncode}\n--- stdout\n{completed.stdout[-4000:]}\n"
@@ -90,7 +91,7 @@ def free_port() -> int:
 
 
 def wait_healthy(
-    url: str, process: subprocess.Popen | None = None, log: Path | None = None, timeout_s: float = 180
+    url: str, process: subprocess.Popen | None = None, log: Path | None = None, timeout_s: float = 600
 ) -> None:
     """Until GET `url` answers 200; fails if `process` (the server's, when the test started it) exits first, with the
     end of its `log`."""

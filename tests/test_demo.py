@@ -148,7 +148,7 @@ def demo_run(tiny_zoo, tmp_path_factory) -> tuple[Path, str]:
     cached.symlink_to(tiny_zoo, target_is_directory=True)
 
     command = f"blockpilot demo --size tiny --compile off --live-prompts 4 --port {free_port()}"
-    return home, run(command, user_env(home), timeout=400)
+    return home, run(command, user_env(home), timeout=900)
 
 
 @pytest.mark.slow
@@ -197,7 +197,7 @@ def test_mlflow_compare_view_shows_both_predictors_after_the_demo(demo_run, tmp_
     env = user_env(home)
     out = tmp_path / "shots"
     script = Path(__file__).parents[1] / "benchmarks" / "mlflow_screenshots.py"
-    run(f"python {script} --out {out} --port {free_port()}", env, timeout=400)
+    run(f"python {script} --out {out} --port {free_port()}", env, timeout=900)
     for name in ("experiment.png", "compare.png", "artifacts.png"):
         assert (out / name).stat().st_size > 20_000, f"{name} looks blank"
     with pytest.MonkeyPatch.context() as patch:

@@ -227,8 +227,9 @@ def test_label_rows_follow_the_schema(labeler, tiny_zoo):
     (table,) = tables_from_row(table.to_pylist()[0])
     assert table.tau() == pytest.approx(row["tau"]) and table.candidates == (1, 2, 3, 4, 5, 6)
     assert len(row["anchor_entropy"]) == table.n - 1 and len(row["anchor_top_probs"][0]) == 4
-    # The same task gives the same row: seeded per (prompt, temperature).
-    assert labeler.label(record, 1.0) == labeler.label(record, 1.0)
+    # The same task gives the same row: seeded per (prompt, temperature). Compared as text: the confidences of a
+    # block cut to the budget are NaN, which equals nothing, itself included.
+    assert repr(labeler.label(record, 1.0)) == repr(labeler.label(record, 1.0))
 
 
 def test_multi_turn_records_continue_the_conversation(labeler):
