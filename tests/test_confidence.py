@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import torch
 from support import context_writes, greedy_reference
+from test_static import Alternating
 from test_step_policy import sweep_anchors
 
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
-from blockpilot.decoding.engine import PRICE_WARM_UP, Engine
-from blockpilot.policies.base import BlockSizePolicy
+from blockpilot.decoding.batch_pricing import PRICE_WARM_UP
+from blockpilot.decoding.engine import Engine
+from blockpilot.policies.base import BlockSizePolicy, PrefillState
 from blockpilot.policies.confidence import ConfidencePolicy
 from blockpilot.policies.fixed import Autoregressive
 from blockpilot.policies.resolve import resolve_policy
@@ -148,11 +150,11 @@ def test_a_row_the_rule_would_never_draft_for_is_autoregressive_for_good(tiny_mo
     again), a row starting autoregressive never drafts: no drafter context is written for it and its per-cycle hook
     is not asked. Where it would draft at some confidence, the row keeps the context. Both greedy."""
     stays = rule_of({1: 1.0, 4: 2.0}, {1: 1.0, 4: 3.0})  # 2 tokens for 3x the price: never worth drafting
-    assert stays.never_drafts(0.0) and not stays.never_drafts(0.0, {1: 1.0, 4: 1.5})  # measured prices first
+    assert stays.drafting_saves(0.0) == 0 and stays.drafting_saves(0.0, {1: 1.0, 4: 1.5}) > 0  # measured prices first
     confident = {FIRST_OR_AUTOREGRESSIVE: {1: 1.0, 4: 2.0}}
     drafts = rule_of({1: 1.0, 4: 1.0}, {1: 1.0, 4: 3.0}, outcomes=confident)
     drafts.commits[0, -1, FIRST_OR_AUTOREGRESSIVE] = [1.0, 4.0]  # at the most confident anchors it drafts
-    assert not drafts.never_drafts(0.0)
+    assert drafts.drafting_saves(0.0) > 0
 
     class Counting(ConfidencePolicy):
         asked = 0
@@ -171,6 +173,45 @@ def test_a_row_the_rule_would_never_draft_for_is_autoregressive_for_good(tiny_mo
     assert Counting.asked == 0 and encoded == []
     (result,) = generate_many(tiny_models, [GenerationRequest(prompt, config, Counting(drafts, False))], engine=engine)
     assert result.token_ids == greedy and Counting.asked > 0 and encoded[0] == len(prompt)
+
+
+def test_a_row_keeps_the_option_to_draft_only_where_its_drafts_save_more_than_the_option_costs():
+    """At the most confident of 8 anchor buckets, met equally often, b = 4 commits 4 tokens for 3x an autoregressive
+    cycle's price: the rule's drafts would save an autoregressive row 1/8 x (1 - 3/4) of its time. A row starting
+    autoregressive keeps the option to draft where that beats what the engine measured the option to cost."""
+    rule = rule_of({1: 1.0, 4: 1.0}, {1: 1.0, 4: 3.0})
+    rule.commits[0, -1, FIRST_OR_AUTOREGRESSIVE] = [1.0, 4.0]
+    assert rule.drafting_saves(0.0) == pytest.approx(0.25 / 8)
+    assert rule.drafting_saves(0.0, {1: 1.0, 4: 4.5}) == 0  # measured prices first: no longer worth a draft
+    policy = ConfidencePolicy(rule, measured_prices=False)
+    prefill = PrefillState(torch.zeros(8), torch.tensor([1]), 0.0, 4)
+    assert not policy.autoregressive_for_good(prefill, 1, option_price=0.03)
+    assert policy.autoregressive_for_good(prefill, 1, option_price=0.04)
+    assert not policy.autoregressive_for_good(prefill, 4, option_price=1.0)  # a row drafting now keeps it
+
+
+def test_the_engine_prices_the_option_to_draft_from_what_it_measured(tiny_models):
+    """A row that switches between drafting and autoregression has its prompt's drafter context written, what its
+    autoregressive cycles kept flushed, and its hook asked: the engine times each (and the tokens the row generated)
+    and hands the next row that joins the option's price, a share of an autoregressive row's time."""
+    seen = []
+
+    class Seeing(ConfidencePolicy):
+        def autoregressive_for_good(self, prefill, block_size, option_price=0.0):
+            seen.append(option_price)
+            return super().autoregressive_for_good(prefill, block_size, option_price)
+
+    engine = Engine(tiny_models, max_batch=1)
+    config = GenerationConfig(max_new_tokens=24)
+    first, second = (tiny_models.encode_prompt(text) for text in ("Count from 1 to 30.", "List four colors."))
+    # One at a time, each a prompt's context: each kind of pass is a price after its warm-up.
+    generate_many(tiny_models, [GenerationRequest(first, config, Alternating(4)) for _ in range(3)], engine=engine)
+    price = engine.option_price
+    assert price.passes["context"] == 3 > PRICE_WARM_UP
+    assert price.context > 0 and price.flush > 0 and price.hook > 0 and price.tokens == 24
+    rule = rule_of({1: 1.0, 4: 1.0}, {1: 1.0, 4: 3.0})
+    generate_many(tiny_models, [GenerationRequest(second, config, Seeing(rule, False))], engine=engine)
+    assert seen[0] > 0  # the autoregressive cycles of the first row priced it
 
 
 def test_live_choices_are_the_rules_walk_of_the_table(tiny_models):

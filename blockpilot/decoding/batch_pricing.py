@@ -1,4 +1,4 @@
-"""Whether a batch's cycle drafts at all.
+"""Whether a batch's cycle drafts at all, and what a row's option to draft later costs.
 
 A cycle computes its widest row's width for every row, so under load one row's draft costs the whole batch. Before
 a chain cycle of several rows where only adaptive policies chose to draft (a fixed b is the request's own choice),
@@ -10,14 +10,29 @@ own choice stands.
 A row's expected tokens at b: its chain's slots are accepted independently at the row's slot acceptance rate a (the
 drafted slots it kept over those tried up to each first rejection, shrunk toward the rate of every row of the engine
 by `PRIOR_SLOTS` slots), so a cycle commits (1 - a^b) / (1 - a) tokens, the target's own included.
+
+A row that starts autoregressive under a policy that may draft later keeps that option at a price
+(`OptionPrice`): its prompt's drafter context at admission, the flushes of the context its autoregressive cycles
+keep, and its per-cycle hook. The engine measures them as it runs and hands their share of the row's
+autoregressive time to the policy, which weighs it against what its drafts would save
+(`BlockSizePolicy.autoregressive_for_good`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PRIOR_SLOTS = 4  # how many drafted slots the engine-wide rate counts for in a row's own
+PRICE_WARM_UP = 2  # a shape's first passes (building it, cold caches) are no price
+PRICE_WEIGHT = 0.1  # the newest measurement's weight in a measured price
+
+
+def moving_price(old: float | None, seconds: float) -> float:
+    """A measured price after one more measurement of `seconds`: a moving average in which one measurement counts
+    at most twice the price (a pause of the process is no price)."""
+    return seconds if old is None else old + PRICE_WEIGHT * (min(seconds, 2 * old) - old)
 
 
 @dataclass
@@ -53,3 +68,38 @@ def drafting_pays(expected: Sequence[float], draft_price: float, autoregressive_
     """Whether a cycle whose rows commit `expected` tokens at `draft_price` seconds commits at least as many tokens a
     second as an autoregressive cycle of the same rows (one token each) at `autoregressive_price`."""
     return sum(expected) * autoregressive_price >= len(expected) * draft_price
+
+
+@dataclass
+class OptionPrice:
+    """What keeping a row's option to draft costs beyond its autoregressive cycles, measured (`moving_price`, after
+    `PRICE_WARM_UP` passes of each kind): seconds of drafter context a prompt token, of flushing what a cycle's rows
+    kept (a batch's, a cycle), and of a row's per-cycle hook; and the tokens a finished row generated (the cycles an
+    autoregressive one runs). None: not measured yet."""
+
+    context: float | None = None
+    flush: float | None = None
+    hook: float | None = None
+    tokens: float | None = None
+    passes: Counter[str] = field(default_factory=Counter, repr=False)
+
+    def observe(self, name: str, seconds: float) -> None:
+        """One more pass of `name` ("context", "flush" or "hook") took `seconds`."""
+        self.passes[name] += 1
+        if self.passes[name] > PRICE_WARM_UP:
+            setattr(self, name, moving_price(getattr(self, name), seconds))
+
+    def finished(self, tokens: int) -> None:
+        """A row finished with `tokens` generated."""
+        self.tokens = tokens if self.tokens is None else self.tokens + PRICE_WEIGHT * (tokens - self.tokens)
+
+    def share(self, prompt_tokens: int, max_new_tokens: int, rows: int, autoregressive_price: float | None) -> float:
+        """The option's price as a share of a row's autoregressive time: a row of `prompt_tokens` that runs as many
+        autoregressive cycles as finished rows generated tokens (at most `max_new_tokens`) among `rows`, each cycle
+        `autoregressive_price` seconds for the batch (its share of it 1 / rows, as of the flushes). 0 until the
+        autoregressive price is measured."""
+        if not autoregressive_price:
+            return 0.0
+        cycles = max(1.0, min(float(max_new_tokens), self.tokens or float(max_new_tokens)))
+        own = (self.context or 0.0) * prompt_tokens / cycles + (self.hook or 0.0)
+        return (rows * own + (self.flush or 0.0)) / autoregressive_price

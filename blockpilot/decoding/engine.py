@@ -36,7 +36,13 @@ import torch
 
 from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import positive_int
-from blockpilot.decoding.batch_pricing import SlotAcceptance, drafting_pays, expected_commits
+from blockpilot.decoding.batch_pricing import (
+    PRICE_WARM_UP,
+    SlotAcceptance,
+    drafting_pays,
+    expected_commits,
+    moving_price,
+)
 from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
@@ -66,8 +72,6 @@ COMPILE_HELP = (
 # Cache slots a row holds by default: its prompt, its budget and one block must fit.
 DEFAULT_CAPACITY = 2048
 CONFIDENCE_UNITS = 1 << 24  # an anchor's top-1 probability rides the cycle's one host copy as an integer of these
-PRICE_WARM_UP = 2  # a shape's first cycles (building it, cold caches) are no price
-PRICE_WEIGHT = 0.1  # the newest cycle's weight in a measured price
 
 
 def keep_compiled_kernels() -> None:
@@ -403,14 +407,20 @@ class Engine(RowScheduler):
                 prices=self._prices(batch_rows),
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
+        autoregressive_price = (self._prices(batch_rows) or {}).get(AUTOREGRESSIVE)
         for row in joining:
-            row.drafter_context = not row.policy.autoregressive_for_good(row.prefill_state, row.block_size)
+            option = self.option_price.share(
+                row.prompt.numel(), row.config.max_new_tokens, batch_rows, autoregressive_price
+            )
+            row.drafter_context = not row.policy.autoregressive_for_good(row.prefill_state, row.block_size, option)
         if features is not None and any(row.drafter_context for row in joining):
             started = time.perf_counter()
             self.decoder.keep_context(first_row, features)
             synchronize(self.device)
+            seconds = time.perf_counter() - started
+            self.option_price.observe("context", seconds / sum(row.prompt.numel() for row in joining))
             for row in joining:
-                row.prefill_time += time.perf_counter() - started
+                row.prefill_time += seconds
         finished = []
         for index, row in enumerate(joining):
             slot = first_row + index
@@ -462,7 +472,10 @@ class Engine(RowScheduler):
             context = "defer" if drafts_later else "skip"
         pending = max((row.pending_context for row in rows if row.drafter_context), default=0)
         if (context == "encode" and pending) or (context == "defer" and pending >= PENDING_CONTEXT):
+            flushing = time.perf_counter()
             self.decoder.flush_context(bucket)
+            synchronize(self.device)
+            self.option_price.observe("flush", (time.perf_counter() - flushing) / pending)  # a kept cycle's
             for row in rows:
                 row.pending_context = 0
         truncate = any(row.config.truncates for row in rows)
@@ -534,16 +547,14 @@ class Engine(RowScheduler):
 
     def _observe_price(self, bucket: int, width: int, seconds: float) -> None:
         """A chain cycle of `bucket` rows at `width` took `seconds`, the drafter's context kept (what a row that may
-        draft again pays): the price of every b of that width bucket at that batch, a moving average in which one
-        cycle counts at most twice the price (a pause of the process is no price)."""
+        draft again pays): the price of every b of that width bucket at that batch (`moving_price`)."""
         key = (bucket, width)
         self._price_cycles[key] += 1
         if self._price_cycles[key] <= PRICE_WARM_UP:
             return
         prices = self._measured_prices.setdefault(bucket, {})
         narrower = max((w for w in self.widths if w < width), default=0)
-        old = prices.get(width)
-        price = seconds if old is None else old + PRICE_WEIGHT * (min(seconds, 2 * old) - old)
+        price = moving_price(prices.get(width), seconds)
         for b in range(narrower + 1, width + 1):
             prices[b] = price
 

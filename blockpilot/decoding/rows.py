@@ -6,6 +6,7 @@ the batch, cancel, the end of a cycle and of a row), the policies' hooks asked o
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from blockpilot.checks import check_fits_context, positive_int
-from blockpilot.decoding.batch_pricing import SlotAcceptance
+from blockpilot.decoding.batch_pricing import OptionPrice, SlotAcceptance
 from blockpilot.decoding.request import (
     RECORD_TOP_K,
     GenerationConfig,
@@ -295,6 +296,7 @@ class RowScheduler:
         self.prefilling: Row | None = None  # the one long prompt being prefilled, in cache row `max_batch`
         self._prefilled = 0  # its prompt tokens already in the caches
         self._ids = itertools.count()
+        self.option_price = OptionPrice()  # what a row's option to draft later costs here (`batch_pricing`)
 
     def _checked_prompt(self, request: GenerationRequest) -> torch.Tensor:
         """The request's prompt as a tensor, or ValueError naming what is wrong with it."""
@@ -375,8 +377,9 @@ class RowScheduler:
         # A policy that keeps b has no per-cycle hook to ask, nor a row autoregressive for good.
         deciding = [done for done in going_on if not done[0].policy.keeps_block_size and done[0].drafter_context]
         if deciding:
-            prices = self._prices(next_batch)
+            started, prices = time.perf_counter(), self._prices(next_batch)
             decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)
+            self.option_price.observe("hook", (time.perf_counter() - started) / len(deciding))
         failed = {index for index, row in enumerate(self.rows) if row.failure is not None}
         for index in sorted(set(finished) | failed, reverse=True):
             self._retire(index, updates)
@@ -384,6 +387,8 @@ class RowScheduler:
     def _retire(self, index: int, updates: list[RowUpdate]) -> None:
         """Finish row `index`: the last active row takes over its cache row; its result joins this step's update."""
         row = self.rows[index]
+        if row.stop_reason in ("stop", "length"):
+            self.option_price.finished(len(row.tokens))
         self._free_row(index, len(self.rows) - 1)
         if index != len(self.rows) - 1:
             self.rows[index] = self.rows[-1]

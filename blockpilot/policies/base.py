@@ -123,9 +123,11 @@ class BlockSizePolicy:
             and kind.next_block_sizes is BlockSizePolicy.next_block_sizes
         )
 
-    def autoregressive_for_good(self, prefill: PrefillState, block_size: int) -> bool:
+    def autoregressive_for_good(self, prefill: PrefillState, block_size: int, option_price: float = 0.0) -> bool:
         """Whether a row that starts at `block_size` never drafts: the engine then writes no drafter context for it
-        and asks its per-cycle hook nothing. By default, a row starting autoregressive under a policy that keeps b."""
+        and asks its per-cycle hook nothing. `option_price`: what keeping the option to draft later would cost, a
+        share of the row's autoregressive time, as the engine measured it (`batch_pricing.OptionPrice`). By
+        default, a row starting autoregressive under a policy that keeps b."""
         return block_size == AUTOREGRESSIVE and self.keeps_block_size
 
     def initial_block_size(self, prefill: PrefillState) -> int:

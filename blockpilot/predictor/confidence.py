@@ -118,12 +118,24 @@ class ConfidenceRule:
             record.pending = (best, best_tokens - 1.0) if best > 1 else None
         return best
 
-    def never_drafts(self, temperature: float, prices: Mapping[int, float] | None = None) -> bool:
-        """Whether a row that starts autoregressive stays so: after an autoregressive cycle the outcome is
-        FIRST_OR_AUTOREGRESSIVE again, so if the rule chooses b = 1 there at every confidence, at these prices, it
-        never drafts."""
-        anchors = (0.0, *self.edges)  # a confidence in each bucket
-        return all(self.choose(temperature, c, FIRST_OR_AUTOREGRESSIVE, prices) == 1 for c in anchors)
+    def drafting_saves(self, temperature: float, prices: Mapping[int, float] | None = None) -> float:
+        """The share of an autoregressive row's time that its drafts would save, at these prices: after an
+        autoregressive cycle the outcome is FIRST_OR_AUTOREGRESSIVE again, and in each anchor bucket, met as often
+        as the labels' autoregressive cycles met it, the rule's choice there takes price(b) / commits(b) a token
+        against price(1). 0 where it chooses b = 1 at every confidence: a row that starts autoregressive never
+        drafts. What keeping the option costs (the drafter's context) is the engine's to weigh against it."""
+        prices, cost = prices or {}, self.cost
+        group = self._group(temperature)
+        met = self.cycles[group, :, FIRST_OR_AUTOREGRESSIVE].astype(np.float64)
+        share = met / met.sum() if met.sum() > 0 else np.full(len(met), 1.0 / len(met))
+        autoregressive = prices.get(1) or cost[1]
+        saves = 0.0
+        for bucket, confidence in enumerate((0.0, *self.edges)):  # a confidence in each bucket
+            b = self.choose(temperature, confidence, FIRST_OR_AUTOREGRESSIVE, prices)
+            if b > 1:
+                tokens = self.expected(temperature, confidence, FIRST_OR_AUTOREGRESSIVE)[self.candidates.index(b)]
+                saves += share[bucket] * (1.0 - (prices.get(b) or cost[b]) / (tokens * autoregressive))
+        return saves
 
     @cached_property
     def _means(self) -> list:
