@@ -77,9 +77,14 @@ def test_the_means_are_those_of_the_fixed_walks_cycles():
 def test_a_choice_is_the_best_tokens_per_second_measured_prices_first(tmp_path):
     rule = rule_of({1: 1.0, 4: 3.0}, {1: 1.0, 4: 2.0})
     assert rule.choose(0.0, 0.5, REJECTED) == 4  # 1.5 tokens a unit against 1
-    assert rule.choose(0.0, 0.5, REJECTED, {4: 4.0}) == 1  # measured: drafting costs 4
-    assert rule.choose(0.0, 0.5, REJECTED, {1: 0.2}) == 1
+    assert rule.choose(0.0, 0.5, REJECTED, {1: 1.0, 4: 4.0}) == 1  # measured: drafting costs 4
+    assert rule.choose(0.0, 0.5, REJECTED, {1: 0.2, 4: 2.0}) == 1
     assert rule.choose(0.0, 0.5, REJECTED, {1: 1.0, 4: 3.0}) == 1  # a tie: the smaller b
+    # What was not measured is the calibrated curve at the level of the nearest measured candidate (a device 2x or
+    # 5x slower than the curve, a batch of many rows): the choice the curve makes, not one of mixed levels.
+    assert rule.priced({4: 4.0}) == [2.0, 4.0] and rule.choose(0.0, 0.5, REJECTED, {4: 4.0}) == 4
+    assert rule.priced({1: 0.2}) == pytest.approx([0.2, 0.4]) and rule.choose(0.0, 0.5, REJECTED, {1: 0.2}) == 4
+    assert rule.priced(None) == rule.priced({3: 9.0}) == [1.0, 2.0]  # no candidate measured: the curve
     assert rule.choose(1.0, 0.5, REJECTED) == 4  # the nearest temperature's table
     loaded = ConfidenceRule.load(rule.save(tmp_path / "rule.json"))
     assert np.array_equal(loaded.commits, rule.commits) and loaded.cost == rule.cost

@@ -102,16 +102,14 @@ class ConfidenceRule:
         prices: Mapping[int, float] | None = None,
         record: DraftRecord | None = None,
     ) -> int:
-        """The candidate of the most expected tokens per second (the smaller on a tie), each priced by `prices`
-        where it has it (the device's measured cycles), else by the calibrated curve; with a request's `record`,
-        the accepted drafts the table expects scaled by it, and the choice kept in it. Plain Python over a few
-        candidates: it runs before every cycle."""
-        prices, cost = prices or {}, self.cost
+        """The candidate of the most expected tokens per second (the smaller on a tie), each priced by `priced`;
+        with a request's `record`, the accepted drafts the table expects scaled by it, and the choice kept in it.
+        Plain Python over a few candidates: it runs before every cycle."""
         scale = record.scale if record is not None else 1.0
         expected = self.expected(temperature, confidence, outcome)
         best, best_rate, best_tokens = self.candidates[0], -1.0, 1.0
-        for b, tokens in zip(self.candidates, expected, strict=True):
-            rate = (1.0 + (tokens - 1.0) * scale) / (prices.get(b) or cost[b])
+        for b, tokens, price in zip(self.candidates, expected, self.priced(prices), strict=True):
+            rate = (1.0 + (tokens - 1.0) * scale) / price
             if rate > best_rate:
                 best, best_rate, best_tokens = b, rate, tokens
         if record is not None:
@@ -124,22 +122,49 @@ class ConfidenceRule:
         as the labels' autoregressive cycles met it, the rule's choice there takes price(b) / commits(b) a token
         against price(1). 0 where it chooses b = 1 at every confidence: a row that starts autoregressive never
         drafts. What keeping the option costs (the drafter's context) is the engine's to weigh against it."""
-        prices, cost = prices or {}, self.cost
         group = self._group(temperature)
         met = self.cycles[group, :, FIRST_OR_AUTOREGRESSIVE].astype(np.float64)
         share = met / met.sum() if met.sum() > 0 else np.full(len(met), 1.0 / len(met))
-        autoregressive = prices.get(1) or cost[1]
+        priced = self.priced(prices)
+        autoregressive = priced[self.candidates.index(1)] if 1 in self.candidates else self.cost[1]
         saves = 0.0
         for bucket, confidence in enumerate((0.0, *self.edges)):  # a confidence in each bucket
             b = self.choose(temperature, confidence, FIRST_OR_AUTOREGRESSIVE, prices)
             if b > 1:
-                tokens = self.expected(temperature, confidence, FIRST_OR_AUTOREGRESSIVE)[self.candidates.index(b)]
-                saves += share[bucket] * (1.0 - (prices.get(b) or cost[b]) / (tokens * autoregressive))
+                index = self.candidates.index(b)
+                tokens = self.expected(temperature, confidence, FIRST_OR_AUTOREGRESSIVE)[index]
+                saves += share[bucket] * (1.0 - priced[index] / (tokens * autoregressive))
         return saves
+
+    def priced(self, prices: Mapping[int, float] | None = None) -> list[float]:
+        """Each candidate's price: measured where `prices` (the engine's, at the batch the row runs in) has it, else
+        the calibrated curve scaled to the measured price of the nearest candidate that has one, so that what was
+        measured and what was not compare at the device's level now (the curve may be of one row, the batch of
+        sixteen). Without prices, the calibrated curve."""
+        if not prices:
+            return self._calibrated
+        key = tuple(prices)
+        if key not in self._nearest:
+            measured = [b for b in self.candidates if b in prices]
+            self._nearest[key] = []
+            if measured:
+                nearest = [min(measured, key=lambda m, b=b: (abs(m - b), m)) for b in self.candidates]
+                pairs = zip(self.candidates, nearest, strict=True)
+                self._nearest[key] = [(m, self.cost[b] / self.cost[m]) for b, m in pairs]
+        scaled = self._nearest[key]
+        return [prices[m] * ratio for m, ratio in scaled] if scaled else self._calibrated
 
     @cached_property
     def _means(self) -> list:
         return self.commits.tolist()
+
+    @cached_property
+    def _calibrated(self) -> list[float]:
+        return [self.cost[b] for b in self.candidates]
+
+    @cached_property
+    def _nearest(self) -> dict[tuple, list[tuple[int, float]]]:
+        return {}  # the measured candidates' set -> each candidate's nearest measured one and its calibrated ratio
 
     def _group(self, temperature: float) -> int:
         group = self._groups.get(temperature)
