@@ -125,8 +125,10 @@ class ConfidenceRule:
         group = self._group(temperature)
         met = self.cycles[group, :, FIRST_OR_AUTOREGRESSIVE].astype(np.float64)
         share = met / met.sum() if met.sum() > 0 else np.full(len(met), 1.0 / len(met))
+        if 1 not in self.candidates:  # a rule of older labels, without autoregression: it always drafts
+            return float("inf")
         priced = self.priced(prices)
-        autoregressive = priced[self.candidates.index(1)] if 1 in self.candidates else self.cost[1]
+        autoregressive = priced[self.candidates.index(1)]
         saves = 0.0
         for bucket, confidence in enumerate((0.0, *self.edges)):  # a confidence in each bucket
             b = self.choose(temperature, confidence, FIRST_OR_AUTOREGRESSIVE, prices)
