@@ -122,11 +122,9 @@ class ConfidenceRule:
         as the labels' autoregressive cycles met it, the rule's choice there takes price(b) / commits(b) a token
         against price(1). 0 where it chooses b = 1 at every confidence: a row that starts autoregressive never
         drafts. What keeping the option costs (the drafter's context) is the engine's to weigh against it."""
-        group = self._group(temperature)
-        met = self.cycles[group, :, FIRST_OR_AUTOREGRESSIVE].astype(np.float64)
-        share = met / met.sum() if met.sum() > 0 else np.full(len(met), 1.0 / len(met))
         if 1 not in self.candidates:  # a rule of older labels, without autoregression: it always drafts
             return float("inf")
+        share = self._autoregressive_share[self._group(temperature)]
         priced = self.priced(prices)
         autoregressive = priced[self.candidates.index(1)]
         saves = 0.0
@@ -159,6 +157,13 @@ class ConfidenceRule:
     @cached_property
     def _means(self) -> list:
         return self.commits.tolist()
+
+    @cached_property
+    def _autoregressive_share(self) -> list[list[float]]:
+        """Per temperature group, how often the labels' cycles after an autoregressive one met each anchor bucket."""
+        met = self.cycles[:, :, FIRST_OR_AUTOREGRESSIVE].astype(np.float64)
+        total = met.sum(axis=1, keepdims=True)
+        return np.where(total > 0, met / np.maximum(total, 1.0), 1.0 / met.shape[1]).tolist()
 
     @cached_property
     def _calibrated(self) -> list[float]:
