@@ -1,6 +1,6 @@
-"""Batch pricing: a cycle of several rows whose adaptive policies chose to draft runs autoregressive where the
-engine's measured prices say drafting does not pay for the batch; never a fixed b's row, never a lone row; the output
-is greedy decoding's either way. Properties for any weights."""
+"""Batch pricing: a cycle of several rows where no fixed b drafts runs the measured width (autoregression included)
+at which its rows, each adaptive one drafting all of it, commit the most expected tokens a second; never a fixed b's
+row, never a lone row; the output is greedy decoding's either way. Properties for any weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from support import greedy_reference
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.batch_pricing import PRIOR_SLOTS, SlotAcceptance, drafting_pays, expected_commits
+from blockpilot.decoding.batch_pricing import PRIOR_SLOTS, SlotAcceptance, batch_width, expected_commits
 from blockpilot.decoding.engine import Engine
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import FixedBlockSize
@@ -26,18 +26,22 @@ def test_a_rows_rate_and_what_a_chain_commits_at_it():
     assert counts.rate(0.0) == pytest.approx(4 / (5 + PRIOR_SLOTS))
     assert expected_commits(0.0, 8) == 1.0 and expected_commits(1.0, 8) == 8.0 and expected_commits(0.7, 1) == 1.0
     assert expected_commits(0.5, 3) == pytest.approx(1 + 0.5 + 0.25)
-    assert drafting_pays([2.0, 2.0], draft_price=2.0, autoregressive_price=1.0)  # a tie drafts
-    assert not drafting_pays([2.0, 1.5], draft_price=2.0, autoregressive_price=1.0)
+    # Two rows at rate 1/2: 1.5 tokens each at width 2, 1.875 at 4; a width's tokens a second decide, ties narrower.
+    assert batch_width([0.5, 0.5], {1: 1.0, 2: 1.4, 4: 2.0}) == 2 and batch_width([0.5, 0.5], {1: 1.0, 2: 1.5}) == 1
+    assert batch_width([0.5, 0.5], {1: 1.0, 2: 1.6, 4: 1.8}) == 4
+    assert batch_width([0.5, 0.5], {1: 1.0, 2: 2.0, 4: 3.0}) == 1
+    assert batch_width([0.5, None], {1: 1.0, 2: 1.2}) == 2 and batch_width([0.5, None], {1: 1.0, 2: 1.3}) == 1
 
 
 @dataclass(frozen=True)
-class DraftsFour(BlockSizePolicy):
-    """An adaptive policy (its b its own choice) that always drafts 4."""
+class Drafts(BlockSizePolicy):
+    """An adaptive policy (its b its own choice) that always drafts `block_size`."""
 
-    name: str = field(default="drafts-four", init=False)
+    block_size: int
+    name: str = field(default="drafts", init=False)
 
     def initial_block_size(self, prefill) -> int:
-        return 4
+        return self.block_size
 
 
 TEXTS = ["Count from 1 to 30.", "List four colors.", "Spell cat."]
@@ -68,20 +72,20 @@ def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_mod
     def slow_drafts() -> Engine:
         return priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
 
-    results = decode(tiny_models, slow_drafts(), [DraftsFour()] * 3)
+    results = decode(tiny_models, slow_drafts(), [Drafts(4)] * 3)
     # Every cycle of several rows is autoregressive; a row that finishes last alone drafts its own b again.
     for result in results:
         assert set(result.block_sizes) <= {1, 4} and result.block_sizes[0] == 1 and 1 in result.block_sizes
     # A fixed b is the request's own choice: its batch drafts whatever it costs.
-    fixed = decode(tiny_models, slow_drafts(), [DraftsFour(), FixedBlockSize(4)])
+    fixed = decode(tiny_models, slow_drafts(), [Drafts(4), FixedBlockSize(4)])
     assert all(b > 1 for result in fixed for b in result.block_sizes[:-1])
     # A lone row: the policy's choice stands.
-    (alone,) = decode(tiny_models, slow_drafts(), [DraftsFour()])
+    (alone,) = decode(tiny_models, slow_drafts(), [Drafts(4)])
     assert set(alone.block_sizes[:-1]) == {4}
     # Drafting that pays is kept.
     cheap_drafts = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1.0, draft=1.0)
     assert all(
-        b > 1 for result in decode(tiny_models, cheap_drafts, [DraftsFour()] * 3) for b in result.block_sizes[:-1]
+        b > 1 for result in decode(tiny_models, cheap_drafts, [Drafts(4)] * 3) for b in result.block_sizes[:-1]
     )
 
 
@@ -89,6 +93,50 @@ def test_an_autoregressive_price_not_measured_is_measured_first(tiny_models):
     """Where a row bucket's drafting price is known and its autoregressive one is not, the batch runs autoregressive
     until that price is measured, then chooses by both."""
     engine = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=None, draft=1e-6)
-    results = decode(tiny_models, engine, [DraftsFour()] * 2)
+    results = decode(tiny_models, engine, [Drafts(4)] * 2)
     assert results[0].block_sizes[0] == 1 and 1 in engine._measured_prices[2]
     assert 4 in results[0].block_sizes  # once measured, drafts at a millionth of its price pay
+
+
+def test_a_row_whose_policy_adapts_drafts_every_slot_its_cycle_computes(tiny_models):
+    """A cycle of several rows computes its width bucket for every row: an adaptive row drafts all of it (lossless,
+    at no cost), a fixed b stays the request's own, a lone row runs its policy's b; without batch pricing every row
+    runs its policy's b."""
+
+    def engine(**options) -> Engine:  # drafting pays at any price, so no cycle of several rows runs autoregressive
+        return priced(Engine(tiny_models, max_batch=4, width=4, **options), autoregressive=1.0, draft=1.0)
+
+    def ran(result) -> set[int]:  # the b of every cycle but the last (cut to the budget)
+        return set(result.block_sizes[:-1])
+
+    # Beside a fixed 2 (width 4 for both), a row that chose 3 drafts 4; alone (once the other finished), its 3.
+    widened, fixed = decode(tiny_models, engine(), [Drafts(3), FixedBlockSize(2)])
+    assert widened.block_sizes[0] == 4 and ran(widened) <= {3, 4} and ran(fixed) == {2}
+    # Beside a fixed 3, a row that chose 2 drafts 4; alone, its 2 (width 2).
+    widened, fixed = decode(tiny_models, engine(), [Drafts(2), FixedBlockSize(3)])
+    assert widened.block_sizes[0] == 4 and ran(widened) <= {2, 4} and ran(fixed) == {3}
+    own = decode(tiny_models, engine(batch_pricing=False), [Drafts(3), FixedBlockSize(2)])
+    assert [ran(result) for result in own] == [{3}, {2}]
+
+
+class ChoosesAutoregression(BlockSizePolicy):
+    """An adaptive per-step policy that chooses b = 1 every cycle: its rows keep the drafter's context."""
+
+    name = "chooses-autoregression"
+
+    def initial_block_size(self, prefill) -> int:
+        return 1
+
+    def next_block_size(self, cycle) -> int:
+        return 1
+
+
+def test_a_batch_drafts_where_it_pays_whatever_its_adaptive_rows_chose(tiny_models):
+    """Rows whose policy chose autoregression draft the measured width where that commits more tokens a second for
+    the batch (here drafts cost what autoregression does); a lone row runs its policy's b."""
+    engine = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1.0, draft=1.0)
+    results = decode(tiny_models, engine, [ChoosesAutoregression()] * 3)
+    for result in results:
+        assert result.block_sizes[0] == 4 and set(result.block_sizes[:-1]) <= {1, 4}  # the last cut to the budget
+    slow = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
+    assert {b for result in decode(tiny_models, slow, [ChoosesAutoregression()] * 3) for b in result.block_sizes} == {1}

@@ -102,7 +102,7 @@ def test_a_request_whose_drafts_accept_less_than_the_table_says_stops_drafting()
     """The table expects 3 accepted drafts of b = 4 (4 tokens at twice the price: drafting pays). A request whose
     drafts keep what the table says drafts on; one whose drafts are all rejected stops once its record, shrunk toward
     the table, says the drafts no longer pay; a cycle cut to the budget or run autoregressive by its batch is not
-    counted."""
+    counted; one the batch widened counts as the chosen b's prefix."""
     rule = rule_of({1: 1.0, 4: 4.0}, {1: 1.0, 4: 2.0})
     good, bad = DraftRecord(), DraftRecord()
     for _ in range(10):
@@ -120,6 +120,13 @@ def test_a_request_whose_drafts_accept_less_than_the_table_says_stops_drafting()
     rule.choose(0.0, 0.99, FIRST_OR_AUTOREGRESSIVE, record=cut)
     cut.settle(2, 1)  # the last cycle cut to 2 tokens, or a batch's autoregressive cycle (b = 1): not the choice
     assert cut.expected == cut.realized == 0 and cut.pending is None
+    wide = DraftRecord()
+    rule.choose(0.0, 0.99, FIRST_OR_AUTOREGRESSIVE, record=wide)
+    wide.settle(8, 6)  # the batch widened the chain to 8: its first 3 drafts are the 4's, all kept
+    assert (wide.expected, wide.realized) == (3.0, 3.0)
+    rule.choose(0.0, 0.99, FIRST_OR_AUTOREGRESSIVE, record=wide)
+    wide.settle(8, 2)  # one draft kept, then rejected: the 4 would have kept one too
+    assert (wide.expected, wide.realized) == (6.0, 4.0)
 
 
 def test_switching_by_outcome_is_lossless_and_drafts_as_the_table_says(tiny_models, tmp_path):

@@ -1,11 +1,11 @@
 """Whether a batch's cycle drafts at all, and what a row's option to draft later costs.
 
-A cycle computes its widest row's width for every row, so under load one row's draft costs the whole batch. Before
-a chain cycle of several rows where only adaptive policies chose to draft (a fixed b is the request's own choice),
-the engine compares the batch's expected tokens a second at the chosen width with an autoregressive cycle's, each
-priced by the engine's measured cycles at that row bucket (`Engine._measured_prices`); where autoregression wins,
-every row runs b = 1 this cycle (lossless: any b is), and its policy chooses again after it. At one row the policy's
-own choice stands.
+A cycle computes its widest row's width for every row, so under load one row's draft costs the whole batch, and
+every adaptive row drafts the whole width (`Engine._widened`). Before a chain cycle of several rows where only
+adaptive policies chose to draft (a fixed b is the request's own choice), the engine compares the batch's expected
+tokens a second at that width with an autoregressive cycle's, each priced by the engine's measured cycles at that row
+bucket (`Engine._measured_prices`); where autoregression wins, every row runs b = 1 this cycle (lossless: any b is),
+and its policy chooses again after it. At one row the policy's own choice stands.
 
 A row's expected tokens at b: its chain's slots are accepted independently at the row's slot acceptance rate a (the
 drafted slots it kept over those tried up to each first rejection, shrunk toward the rate of every row of the engine
@@ -21,8 +21,10 @@ autoregressive time to the policy, which weighs it against what its drafts would
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from blockpilot.blocks import AUTOREGRESSIVE
 
 PRIOR_SLOTS = 4  # how many drafted slots the engine-wide rate counts for in a row's own
 PRICE_WARM_UP = 2  # a shape's first passes (building it, cold caches) are no price
@@ -64,10 +66,16 @@ def expected_commits(rate: float, block_size: int) -> float:
     return (1.0 - rate**block_size) / (1.0 - rate)
 
 
-def drafting_pays(expected: Sequence[float], draft_price: float, autoregressive_price: float) -> bool:
-    """Whether a cycle whose rows commit `expected` tokens at `draft_price` seconds commits at least as many tokens a
-    second as an autoregressive cycle of the same rows (one token each) at `autoregressive_price`."""
-    return sum(expected) * autoregressive_price >= len(expected) * draft_price
+def batch_width(rates: Sequence[float | None], prices: Mapping[int, float]) -> int:
+    """The width of a chain cycle whose rows draft all of it that commits the most expected tokens a second: each
+    row's chain at its slot acceptance rate (None: a row that cannot draft, one token a cycle), among the widths
+    `prices` holds (width -> seconds of the batch's cycle; 1, autoregression, included). Ties to the narrower."""
+    best, value = AUTOREGRESSIVE, -1.0
+    for width in sorted(prices):
+        tokens = sum(1.0 if rate is None else expected_commits(rate, width) for rate in rates)
+        if tokens / prices[width] > value:
+            best, value = width, tokens / prices[width]
+    return best
 
 
 @dataclass

@@ -10,7 +10,8 @@ one device-to-host copy of what the rows committed -> stop tokens, budgets, per-
 finished rows leave, the last row moving into the hole.
 
 - every row of a cycle computes the cycle's width bucket (a row's b <= width is where its acceptance stops), so a
-  policy's b is capped at the engine's width;
+  policy's b is capped at the engine's width, and in a cycle of several rows an adaptive row drafts the whole width
+  (`Engine._widened`);
 - sampling is counter-based (`sampling.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch);
 - rows at T > 0 with a top-k or top-p sample their cut distributions (`sampling.truncate`) in a cycle variant of
@@ -39,8 +40,7 @@ from blockpilot.checks import positive_int
 from blockpilot.decoding.batch_pricing import (
     PRICE_WARM_UP,
     SlotAcceptance,
-    drafting_pays,
-    expected_commits,
+    batch_width,
     moving_price,
 )
 from blockpilot.decoding.compiled import compile_mode
@@ -455,14 +455,14 @@ class Engine(RowScheduler):
         chosen = [min(row.block_size, self.width) for row in rows]
         bucket = next(b for b in self.buckets if b >= n)
         chains = all(row.tree_budget is None for row in rows)
-        batch_drafts = self.batch_pricing and chains and n > 1 and max(chosen) > 1
-        if batch_drafts and self._autoregression_pays(rows, chosen, bucket):
-            chosen = [AUTOREGRESSIVE] * n
-        sizes = [min(b, row.config.max_new_tokens - len(row.tokens)) for b, row in zip(chosen, rows, strict=True)]
-        self.decoder.set_block_sizes(sizes)
         # The cycle's width: the bucket of the widest chosen b (not cut to the rows' budgets, which only stop
         # acceptance: a generation's last cycles need no narrower shape compiled).
         width = next(w for w in self.widths if w >= max(chosen))
+        if self.batch_pricing and chains and n > 1:  # a lone row runs its policy's b
+            width = self._batch_width(rows, chosen, bucket, width)
+            chosen = self._widened(rows, chosen, width) if width > 1 else [AUTOREGRESSIVE] * n
+        sizes = [min(b, row.config.max_new_tokens - len(row.tokens)) for b, row in zip(chosen, rows, strict=True)]
+        self.decoder.set_block_sizes(sizes)
         span = span_bucket(max(row.length for row in rows) + self.reach, self.capacity)
         # An autoregressive cycle keeps the drafter's context for later (`defer`) where a row may draft again, and
         # skips it where none will; a drafting cycle first writes what autoregressive ones kept.
@@ -530,22 +530,35 @@ class Engine(RowScheduler):
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)
 
-    def _autoregression_pays(self, rows: list[Row], chosen: list[int], bucket: int) -> bool:
-        """Whether this cycle of several rows, where only adaptive policies chose to draft, runs autoregressive
-        instead (`batch_pricing`): the rows' expected tokens a second at the chosen width against one token each a
-        cycle, at this row bucket's measured prices. An autoregressive price not measured yet is measured first;
-        without a drafting price or any drafted slot, the rows draft."""
+    @staticmethod
+    def _widened(rows: list[Row], chosen: list[int], width: int) -> list[int]:
+        """The b each row drafts in a chain cycle of several rows at `width`: every row computes the width's slots,
+        so a row whose policy adapts and that keeps the drafter's context drafts all of them (a longer chain commits
+        at least what its prefix would, at no cost: lossless, as any b is); a fixed b is the request's own, and a
+        row autoregressive for good has no drafter context to draft from. (A lone row's b is its policy's: what the
+        acceptance tables' walks of that policy run.)"""
+        return [
+            width if row.policy.adapts and row.drafter_context else b for row, b in zip(rows, chosen, strict=True)
+        ]
+
+    def _batch_width(self, rows: list[Row], chosen: list[int], bucket: int, width: int) -> int:
+        """The width of this chain cycle of several rows (`batch_pricing`): where a fixed b drafts, the chosen width
+        (the request's own); else the measured width at this row bucket, autoregression included, at which the rows
+        commit the most expected tokens a second, each adaptive row drafting all of it (`_widened`) at its slot
+        acceptance rate, whatever its policy chose. A chosen width not priced yet, or no drafted slot seen, runs as
+        chosen (it gets measured); an autoregressive price not measured yet is measured first."""
         if any(b > 1 and not row.policy.adapts for row, b in zip(rows, chosen, strict=True)):
-            return False
+            return width
         prices = self._measured_prices.get(bucket, {})
-        draft_price = prices.get(max(chosen))
-        if draft_price is None or not self.acceptance.tried:
-            return False
+        if width not in prices or not self.acceptance.tried:
+            return width
         if AUTOREGRESSIVE not in prices:
-            return True
+            return AUTOREGRESSIVE
         prior = self.acceptance.accepted / self.acceptance.tried
-        expected = [expected_commits(row.acceptance.rate(prior), b) for row, b in zip(rows, chosen, strict=True)]
-        return not drafting_pays(expected, draft_price, prices[AUTOREGRESSIVE])
+        rates = [row.acceptance.rate(prior) if row.policy.adapts and row.drafter_context else None for row in rows]
+        if all(rate is None for rate in rates):
+            return width
+        return batch_width(rates, {w: prices[w] for w in self.widths if w in prices})
 
     def _observe_price(self, bucket: int, width: int, seconds: float) -> None:
         """A chain cycle of `bucket` rows at `width` took `seconds` (a flush of kept context not counted: that is

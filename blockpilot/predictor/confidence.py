@@ -64,11 +64,14 @@ class DraftRecord:
         return (self.realized + PRIOR_DRAFTS) / (self.expected + PRIOR_DRAFTS)
 
     def settle(self, block_size: int | None, committed: int | None) -> None:
-        """The last cycle ran `block_size` and committed `committed` tokens: counted if it ran the b chosen (not
-        one cut to the budget, nor a batch's autoregressive cycle)."""
-        if self.pending is not None and committed is not None and block_size == self.pending[0]:
-            self.expected += self.pending[1]
-            self.realized += committed - 1
+        """The last cycle ran `block_size` and committed `committed` tokens: counted if it ran at least the b
+        chosen (not one cut to the budget, nor a batch's autoregressive cycle), as the drafts of that b it kept (a
+        wider chain's first b - 1 slots are that b's: a cycle the batch widened, `Engine._widened`)."""
+        if self.pending is not None and committed is not None and block_size is not None:
+            chosen = self.pending[0]
+            if block_size >= chosen:
+                self.expected += self.pending[1]
+                self.realized += min(committed, chosen) - 1
         self.pending = None
 
 
