@@ -15,7 +15,7 @@ from test_step_policy import growing_step_model, random_step_model, vocab_of
 
 from blockpilot.decoding import GenerationConfig, GenerationRequest, forwards, generate_many
 from blockpilot.decoding.compiled import COMPILE_MODES, compiled_replay, inductor_calls, inductor_options
-from blockpilot.decoding.engine import Engine, power_buckets, tree_buckets
+from blockpilot.decoding.engine import Engine, engine_for, power_buckets, tree_buckets
 from blockpilot.decoding.forwards import StaticTarget
 from blockpilot.decoding.static import StaticDecoder, span_bucket
 from blockpilot.policies.base import BlockSizePolicy
@@ -173,8 +173,11 @@ def test_per_step_policies_choose_on_the_static_engine_what_they_choose_on_the_e
         StepPolicy(random_step_model(4, vocab=vocab)),
     ]
     requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=32), q) for p, q in zip(prompts, policies)]
-    static = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=4))
-    eager = generate_many(tiny_models, requests)
+    # Every cycle the policies' b: a batch's own width follows the prices it measures, which vary run to run.
+    static = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=4, batch_pricing=False))
+    shaped = engine_for(tiny_models, requests)
+    shaped.batch_pricing = False
+    eager = generate_many(tiny_models, requests, engine=shaped)
     assert [r.token_ids for r in static] == [r.token_ids for r in eager] == expected
     assert [r.block_sizes for r in static] == [r.block_sizes for r in eager]
     assert [r.acceptance_lengths for r in static] == [r.acceptance_lengths for r in eager]
@@ -420,8 +423,6 @@ def test_a_compiled_engine_for_requests_rounds_its_capacity_so_other_lengths_sha
     """`engine_for` (what `generate` builds): compiled, the cache rounds up to a power of two (at least 256 slots), so
     a generation of another prompt length or budget runs the same compiled steps (their shapes hold the capacity);
     eager, it is exactly what the requests need (an eager cycle reads up to the capacity)."""
-    from blockpilot.decoding.engine import engine_for
-
     def capacity(prompt: int, budget: int, compile: str) -> int:
         request = GenerationRequest([1] * prompt, GenerationConfig(max_new_tokens=budget), FixedBlockSize(2))
         return engine_for(random_models, [request], compile=compile).capacity
