@@ -27,10 +27,16 @@ def test_a_rows_rate_and_what_a_chain_commits_at_it():
     assert expected_commits(0.0, 8) == 1.0 and expected_commits(1.0, 8) == 8.0 and expected_commits(0.7, 1) == 1.0
     assert expected_commits(0.5, 3) == pytest.approx(1 + 0.5 + 0.25)
     # Two rows at rate 1/2: 1.5 tokens each at width 2, 1.875 at 4; a width's tokens a second decide, ties narrower.
-    assert batch_width([0.5, 0.5], {1: 1.0, 2: 1.4, 4: 2.0}) == 2 and batch_width([0.5, 0.5], {1: 1.0, 2: 1.5}) == 1
-    assert batch_width([0.5, 0.5], {1: 1.0, 2: 1.6, 4: 1.8}) == 4
-    assert batch_width([0.5, 0.5], {1: 1.0, 2: 2.0, 4: 3.0}) == 1
-    assert batch_width([0.5, None], {1: 1.0, 2: 1.2}) == 2 and batch_width([0.5, None], {1: 1.0, 2: 1.3}) == 1
+    assert batch_width([0.5, 0.5], 0.5, {1: 1.0, 2: 1.4, 4: 2.0}) == 2
+    assert batch_width([0.5, 0.5], 0.5, {1: 1.0, 2: 1.5}) == 1
+    assert batch_width([0.5, 0.5], 0.5, {1: 1.0, 2: 1.6, 4: 1.8}) == 4
+    assert batch_width([0.5, 0.5], 0.5, {1: 1.0, 2: 2.0, 4: 3.0}) == 1
+    assert batch_width([0.5, None], 0.5, {1: 1.0, 2: 1.2}) == 2 and batch_width([0.5, None], 0.5, {1: 1.0, 2: 1.3}) == 1
+    # Linear in the rows' rates: rows of rates 0.9 and 0.1 are worth two of 0.5 (a chain at 0.9 alone would commit
+    # 3.44 of 4, and buy the wide cycle); a batch that never drafted (engine rate 0) commits one token a row.
+    prices = {1: 1.0, 2: 1.6, 4: 1.8}
+    assert batch_width([0.9, 0.1], 0.5, prices) == batch_width([0.5, 0.5], 0.5, prices) == 4
+    assert batch_width([0.9, 0.1], 0.5, {1: 1.0, 4: 2.0}) == 1 and batch_width([0.0, 0.0], 0.0, prices) == 1
 
 
 @dataclass(frozen=True)

@@ -66,13 +66,17 @@ def expected_commits(rate: float, block_size: int) -> float:
     return (1.0 - rate**block_size) / (1.0 - rate)
 
 
-def batch_width(rates: Sequence[float | None], prices: Mapping[int, float]) -> int:
-    """The width of a chain cycle whose rows draft all of it that commits the most expected tokens a second: each
-    row's chain at its slot acceptance rate (None: a row that cannot draft, one token a cycle), among the widths
-    `prices` holds (width -> seconds of the batch's cycle; 1, autoregression, included). Ties to the narrower."""
+def batch_width(rates: Sequence[float | None], engine_rate: float, prices: Mapping[int, float]) -> int:
+    """The width of a chain cycle whose rows draft all of it that commits the most expected tokens a second, among
+    the widths `prices` holds (width -> seconds of the batch's cycle; 1, autoregression, included). A chain commits
+    what one at the engine's slot acceptance rate `engine_rate` does, its accepted drafts scaled by the row's rate over
+    the engine's (None: a row that cannot draft, one token a cycle): linear in each row's rate, so a few rows' noisy
+    rates do not buy a wide cycle (a chain's tokens grow faster than linearly in its rate). Ties to the narrower."""
     best, value = AUTOREGRESSIVE, -1.0
     for width in sorted(prices):
-        tokens = sum(1.0 if rate is None else expected_commits(rate, width) for rate in rates)
+        drafts = expected_commits(engine_rate, width) - 1.0
+        shares = sum(rate / engine_rate for rate in rates if rate is not None) if engine_rate > 0 else 0.0
+        tokens = len(rates) + drafts * shares
         if tokens / prices[width] > value:
             best, value = width, tokens / prices[width]
     return best

@@ -558,7 +558,7 @@ class Engine(RowScheduler):
         rates = [row.acceptance.rate(prior) if row.policy.adapts and row.drafter_context else None for row in rows]
         if all(rate is None for rate in rates):
             return width
-        return batch_width(rates, {w: prices[w] for w in self.widths if w in prices})
+        return batch_width(rates, prior, {w: prices[w] for w in self.widths if w in prices})
 
     def _observe_price(self, bucket: int, width: int, seconds: float) -> None:
         """A chain cycle of `bucket` rows at `width` took `seconds` (a flush of kept context not counted: that is
