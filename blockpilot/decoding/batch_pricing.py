@@ -1,15 +1,16 @@
-"""Whether a batch's cycle drafts at all, and what a row's option to draft later costs.
+"""The width a batch's cycle drafts (autoregression included), and what a row's option to draft later costs.
 
 A cycle computes its widest row's width for every row, so under load one row's draft costs the whole batch, and
-every adaptive row drafts the whole width (`Engine._widened`). Before a chain cycle of several rows where only
-adaptive policies chose to draft (a fixed b is the request's own choice), the engine compares the batch's expected
-tokens a second at that width with an autoregressive cycle's, each priced by the engine's measured cycles at that row
-bucket (`Engine._measured_prices`); where autoregression wins, every row runs b = 1 this cycle (lossless: any b is),
-and its policy chooses again after it. At one row the policy's own choice stands.
+every adaptive row drafts the whole width (`Engine._widened`). A chain cycle of several rows where no fixed b drafts
+(a fixed b is the request's own choice) runs the width, among those the engine measured at that row bucket
+(`Engine._measured_prices`), autoregression included, at which its rows commit the most expected tokens a second
+(`batch_width`); lossless, as any b is, and each policy chooses again after it. At one row the policy's own choice
+stands.
 
-A row's expected tokens at b: its chain's slots are accepted independently at the row's slot acceptance rate a (the
-drafted slots it kept over those tried up to each first rejection, shrunk toward the rate of every row of the engine
-by `PRIOR_SLOTS` slots), so a cycle commits (1 - a^b) / (1 - a) tokens, the target's own included.
+A chain's expected tokens at b: its slots accepted independently at a slot acceptance rate a (drafted slots kept over
+those tried up to each first rejection) commit (1 - a^b) / (1 - a) tokens, the target's own included. A row's: the
+chain at the engine's rate, its accepted drafts scaled by the row's rate (shrunk toward the engine's by
+`PRIOR_SLOTS` slots) over the engine's.
 
 A row that starts autoregressive under a policy that may draft later keeps that option at a price
 (`OptionPrice`): its prompt's drafter context at admission, the flushes of the context its autoregressive cycles
@@ -72,11 +73,10 @@ def batch_width(rates: Sequence[float | None], engine_rate: float, prices: Mappi
     what one at the engine's slot acceptance rate `engine_rate` does, its accepted drafts scaled by the row's rate over
     the engine's (None: a row that cannot draft, one token a cycle): linear in each row's rate, so a few rows' noisy
     rates do not buy a wide cycle (a chain's tokens grow faster than linearly in its rate). Ties to the narrower."""
+    shares = sum(rate / engine_rate for rate in rates if rate is not None) if engine_rate > 0 else 0.0
     best, value = AUTOREGRESSIVE, -1.0
     for width in sorted(prices):
-        drafts = expected_commits(engine_rate, width) - 1.0
-        shares = sum(rate / engine_rate for rate in rates if rate is not None) if engine_rate > 0 else 0.0
-        tokens = len(rates) + drafts * shares
+        tokens = len(rates) + (expected_commits(engine_rate, width) - 1.0) * shares
         if tokens / prices[width] > value:
             best, value = width, tokens / prices[width]
     return best

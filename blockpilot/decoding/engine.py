@@ -124,9 +124,10 @@ class Engine(RowScheduler):
     many nodes (`tree.py`; a row without a tree policy as the chain of its b), branching into each slot's `top_k`
     tokens (at least the engine's widest chain: a chain of b is the tree of b - 1 nodes). `row_buckets`: the row
     counts a cycle runs at (default: powers of two up to `max_batch`; a cycle of fewer rows runs at the next, its
-    free rows committing nothing), so many compiled shapes a span. `batch_pricing`: a cycle of several rows whose
-    adaptive policies chose to draft runs autoregressive where the measured prices say drafting does not pay for the
-    batch (`batch_pricing.py`; off: every row runs its policy's b, as when measuring a policy's own choices).
+    free rows committing nothing), so many compiled shapes a span. `batch_pricing`: a cycle of several rows where no
+    fixed b drafts runs the measured width (autoregression included) of the most expected tokens a second, every
+    adaptive row drafting all of it (`batch_pricing.py`; off: every row runs its policy's b, as when measuring a
+    policy's own choices).
     """
 
     def __init__(
@@ -544,8 +545,8 @@ class Engine(RowScheduler):
     def _batch_width(self, rows: list[Row], chosen: list[int], bucket: int, width: int) -> int:
         """The width of this chain cycle of several rows (`batch_pricing`): where a fixed b drafts, the chosen width
         (the request's own); else the measured width at this row bucket, autoregression included, at which the rows
-        commit the most expected tokens a second, each adaptive row drafting all of it (`_widened`) at its slot
-        acceptance rate, whatever its policy chose. A chosen width not priced yet, or no drafted slot seen, runs as
+        commit the most expected tokens a second (`batch_width`), each adaptive row drafting all of it (`_widened`),
+        whatever its policy chose. A chosen width not priced yet, or no drafted slot seen, runs as
         chosen (it gets measured); an autoregressive price not measured yet is measured first."""
         if any(b > 1 and not row.policy.adapts for row, b in zip(rows, chosen, strict=True)):
             return width

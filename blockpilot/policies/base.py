@@ -104,8 +104,9 @@ class BlockSizePolicy:
     # (`initial_tree_budgets`) names its largest, and the depth of its trees (`tree_depth`).
     tree_nodes: int | None = None
     tree_depth: int | None = None
-    # Whether the policy chooses b itself (from the prompt or the cycles), so that a batch may run its row narrower
-    # where drafting does not pay for the batch (`decoding.batch_pricing`); a fixed b is the request's own choice.
+    # Whether the policy chooses b itself (from the prompt or the cycles), so that in a cycle of several rows the
+    # batch chooses its row's b, the cycle's width or autoregression (`decoding.batch_pricing`); a fixed b is the
+    # request's own choice.
     adapts = True
 
     @property
