@@ -538,9 +538,7 @@ class Engine(RowScheduler):
         at least what its prefix would, at no cost: lossless, as any b is); a fixed b is the request's own, and a
         row autoregressive for good has no drafter context to draft from. (A lone row's b is its policy's: what the
         acceptance tables' walks of that policy run.)"""
-        return [
-            width if row.policy.adapts and row.drafter_context else b for row, b in zip(rows, chosen, strict=True)
-        ]
+        return [width if row.batch_chooses else b for row, b in zip(rows, chosen, strict=True)]
 
     def _batch_width(self, rows: list[Row], chosen: list[int], bucket: int, width: int) -> int:
         """The width of this chain cycle of several rows (`batch_pricing`): where a fixed b drafts, the chosen width
@@ -556,7 +554,7 @@ class Engine(RowScheduler):
         if AUTOREGRESSIVE not in prices:
             return AUTOREGRESSIVE
         prior = self.acceptance.accepted / self.acceptance.tried
-        rates = [row.acceptance.rate(prior) if row.policy.adapts and row.drafter_context else None for row in rows]
+        rates = [row.acceptance.rate(prior) if row.batch_chooses else None for row in rows]
         if all(rate is None for rate in rates):
             return width
         return batch_width(rates, prior, {w: prices[w] for w in self.widths if w in prices})

@@ -93,6 +93,12 @@ class Row:
     failure: BaseException | None = None  # why the row ended with stop reason "error"
     record: dict[str, list[torch.Tensor]] | None = None
 
+    @property
+    def batch_chooses(self) -> bool:
+        """Whether, in a cycle of several rows, the batch chooses this row's b (`Engine._batch_width`): its policy
+        adapts (a fixed b is the request's own) and it keeps the drafter's context to draft from."""
+        return self.policy.adapts and self.drafter_context
+
     def fail(self, error: BaseException) -> None:
         """End this row with `error`; a failure of the device is raised instead (`is_device_failure`)."""
         if is_device_failure(error):
