@@ -9,8 +9,16 @@ from dataclasses import dataclass, field
 import pytest
 from support import greedy_reference
 
-from blockpilot.decoding import GenerationConfig, GenerationRequest, generate_many
-from blockpilot.decoding.batch_pricing import PRIOR_SLOTS, SlotAcceptance, batch_width, expected_commits
+from blockpilot.decoding import GenerationConfig, GenerationRequest, batch_pricing, generate_many
+from blockpilot.decoding.batch_pricing import (
+    EXPLORE_EVERY,
+    PRIOR_SLOTS,
+    SAVINGS_CYCLES,
+    DraftSavings,
+    SlotAcceptance,
+    batch_width,
+    expected_commits,
+)
 from blockpilot.decoding.engine import Engine
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import FixedBlockSize
@@ -146,3 +154,63 @@ def test_a_batch_drafts_where_it_pays_whatever_its_adaptive_rows_chose(tiny_mode
         assert result.block_sizes[0] == 4 and set(result.block_sizes[:-1]) <= {1, 4}  # the last cut to the budget
     slow = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
     assert {b for result in decode(tiny_models, slow, [ChoosesAutoregression()] * 3) for b in result.block_sizes} == {1}
+
+
+def test_what_drafts_saved_a_row_is_its_drafting_cycles_tokens_at_the_autoregressive_price_less_their_time():
+    savings = DraftSavings()
+    savings.add(1, 1, 0.9, 1.0)  # an autoregressive cycle saves nothing, whatever it took
+    savings.add(4, 3, 2.0, 1.0)  # 3 tokens in 2 s against 3 autoregressive seconds
+    savings.add(4, 1, 2.0, 1.0)  # 1 token in 2 s
+    assert (savings.saved, savings.autoregressive) == (pytest.approx(0.0), pytest.approx(5.0))
+    assert savings.share is None  # too few cycles to decide on
+    for _ in range(SAVINGS_CYCLES):
+        savings.add(4, 4, 2.0, 1.0)
+    assert savings.share == pytest.approx(2.0 * SAVINGS_CYCLES / (5.0 + 4.0 * SAVINGS_CYCLES))
+    assert [savings.explores() for _ in range(2 * EXPLORE_EVERY)].count(True) == 2
+
+
+class NeverDrafts(BlockSizePolicy):
+    """Starts autoregressive and answers b = 1 before every cycle: a per-cycle hook whose drafts save nothing."""
+
+    name = "never-drafts"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def initial_block_size(self, prefill) -> int:
+        return 1
+
+    def next_block_sizes(self, cycles) -> list[int]:
+        self.asked += len(cycles)
+        return [1] * len(cycles)
+
+
+def test_a_lone_row_keeps_the_option_to_draft_while_its_policys_drafts_are_measured_to_pay_for_it(
+    tiny_models, monkeypatch
+):
+    """Rows that start autoregressive under a policy that may draft later keep the option (the drafter's context,
+    the hook asked every cycle) until the engine has measured what that policy's drafts save rows run alone; where
+    they save no more than the option costs, a row joining alone is autoregressive for good, but every
+    `EXPLORE_EVERY`-th keeps measuring; where they save more, the option is kept. Greedy either way."""
+    monkeypatch.setattr(batch_pricing, "SAVINGS_CYCLES", 40)
+    monkeypatch.setattr(batch_pricing, "EXPLORE_EVERY", 3)
+    policy, engine = NeverDrafts(), Engine(tiny_models, max_batch=1)
+    prompt = tiny_models.encode_prompt(TEXTS[0])
+    config = GenerationConfig(max_new_tokens=32)
+    greedy = greedy_reference(tiny_models.target, prompt, 32)
+    savings = engine.draft_savings(policy)
+
+    def keeps_option() -> bool:
+        asked = policy.asked
+        (result,) = generate_many(tiny_models, [GenerationRequest(prompt, config, policy)], engine=engine)
+        assert result.token_ids == greedy and set(result.block_sizes) == {1}
+        return policy.asked > asked
+
+    for _ in range(4):
+        if savings.share is not None:
+            break
+        assert keeps_option()
+    assert savings.share == 0.0  # measured: it never drafted
+    assert [keeps_option() for _ in range(3)] == [False, False, True]
+    savings.saved = 10 * savings.autoregressive  # as if its drafts had saved far more than any option's price
+    assert keeps_option()

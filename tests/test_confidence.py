@@ -209,9 +209,9 @@ def test_the_engine_prices_the_option_to_draft_from_what_it_measured(tiny_models
     seen = []
 
     class Seeing(ConfidencePolicy):
-        def autoregressive_for_good(self, prefill, block_size, option_price=0.0):
+        def autoregressive_for_good(self, prefill, block_size, option_price=0.0, saves=None):
             seen.append(option_price)
-            return super().autoregressive_for_good(prefill, block_size, option_price)
+            return super().autoregressive_for_good(prefill, block_size, option_price, saves)
 
     engine = Engine(tiny_models, max_batch=1)
     config = GenerationConfig(max_new_tokens=24)

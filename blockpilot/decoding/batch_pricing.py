@@ -16,7 +16,8 @@ A row that starts autoregressive under a policy that may draft later keeps that 
 (`OptionPrice`): its prompt's drafter context at admission, the flushes of the context its autoregressive cycles
 keep, and its per-cycle hook. The engine measures them as it runs and hands their share of the row's
 autoregressive time to the policy, which weighs it against what its drafts would save
-(`BlockSizePolicy.autoregressive_for_good`).
+(`BlockSizePolicy.autoregressive_for_good`). What they save the engine measures too, per policy, in the cycles such
+rows run alone (`DraftSavings`): a row that joins alone weighs that, where it was measured, against the price.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from blockpilot.blocks import AUTOREGRESSIVE
 PRIOR_SLOTS = 4  # how many drafted slots the engine-wide rate counts for in a row's own
 PRICE_WARM_UP = 2  # a shape's first passes (building it, cold caches) are no price
 PRICE_WEIGHT = 0.1  # the newest measurement's weight in a measured price
+SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
+EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
 
 
 def moving_price(old: float | None, seconds: float) -> float:
@@ -115,3 +118,37 @@ class OptionPrice:
         cycles = max(1.0, min(float(max_new_tokens), self.tokens or float(max_new_tokens)))
         own = (self.context or 0.0) * prompt_tokens / cycles + (self.hook or 0.0)
         return (rows * own + (self.flush or 0.0)) / autoregressive_price
+
+
+@dataclass
+class DraftSavings:
+    """What one policy's drafts saved the rows that started autoregressive and kept the option to draft, in the
+    cycles they ran alone: each drafting cycle's committed tokens at the measured autoregressive price, less the
+    cycle's own seconds (the option's costs are `OptionPrice`'s), as a share of the autoregressive seconds of every
+    token those cycles committed. The option's value as the engine measured it, which a row joining alone weighs
+    against its price (`BlockSizePolicy.autoregressive_for_good`)."""
+
+    saved: float = 0.0
+    autoregressive: float = 0.0
+    cycles: int = 0
+    declined: int = 0  # rows the measured saving sent autoregressive for good
+
+    def add(self, block_size: int, committed: int, seconds: float, autoregressive_price: float) -> None:
+        """A lone cycle of `block_size` that committed `committed` tokens in `seconds`."""
+        self.cycles += 1
+        self.autoregressive += committed * autoregressive_price
+        if block_size > AUTOREGRESSIVE:
+            self.saved += committed * autoregressive_price - seconds
+
+    @property
+    def share(self) -> float | None:
+        """The saving, a share of the rows' autoregressive time; None before `SAVINGS_CYCLES` cycles."""
+        if self.cycles < SAVINGS_CYCLES or self.autoregressive <= 0:
+            return None
+        return self.saved / self.autoregressive
+
+    def explores(self) -> bool:
+        """Whether a row the measured saving would send autoregressive for good keeps the option anyway (every
+        `EXPLORE_EVERY`-th), so that the saving stays measured as the requests change."""
+        self.declined += 1
+        return self.declined % EXPLORE_EVERY == 0

@@ -413,7 +413,7 @@ class Engine(RowScheduler):
             option = self.option_price.share(
                 row.prompt.numel(), row.config.max_new_tokens, batch_rows, autoregressive_price
             )
-            row.drafter_context = not row.policy.autoregressive_for_good(row.prefill_state, row.block_size, option)
+            row.drafter_context = not self._autoregressive_for_good(row, option, batch_rows)
         if features is not None and any(row.drafter_context for row in joining):
             started = time.perf_counter()
             self.decoder.keep_context(first_row, features)
@@ -447,6 +447,18 @@ class Engine(RowScheduler):
                 finished.append(slot)
         for slot in reversed(finished):
             self._retire(slot, updates)
+
+    def _autoregressive_for_good(self, row: Row, option: float, batch_rows: int) -> bool:
+        """The row's policy's answer (`autoregressive_for_good`), given what its drafts saved the rows that kept the
+        option in lone cycles where the row joins alone (`DraftSavings`; under load the batch chooses the rows'
+        width); every `EXPLORE_EVERY`-th row that only the measured saving sends autoregressive keeps the option."""
+        policy, state = row.policy, row.prefill_state
+        savings = self.draft_savings(policy) if batch_rows == 1 else None
+        saves = savings.share if savings is not None else None
+        if not policy.autoregressive_for_good(state, row.block_size, option, saves):
+            return False
+        measured_alone = saves is not None and not policy.autoregressive_for_good(state, row.block_size, option)
+        return not (measured_alone and savings.explores())
 
     # ---------------------------------------------------------------- one cycle for the whole batch
 
@@ -500,6 +512,8 @@ class Engine(RowScheduler):
         elapsed = time.perf_counter() - started
         if chains:  # a width's price at this bucket; what keeping the drafter's context adds is the option's
             self._observe_price(bucket, width, elapsed - flushed)
+        if n == 1:
+            self._observe_savings(rows[0], sizes[0], host[0][-3], elapsed - flushed)
         finished, going_on = [], []
         for index, (row, size, out) in enumerate(zip(rows, sizes, host, strict=True)):
             *_, count, usable, quantized = out
@@ -573,6 +587,16 @@ class Engine(RowScheduler):
         price = moving_price(prices.get(width), seconds)
         for b in range(narrower + 1, width + 1):
             prices[b] = price
+
+    def _observe_savings(self, row: Row, size: int, committed: int, seconds: float) -> None:
+        """A lone cycle of a row that started autoregressive and keeps the option to draft: what its policy's drafts
+        save (`DraftSavings`), against the measured autoregressive price of a lone row."""
+        if row.chosen_block_size != AUTOREGRESSIVE or not row.drafter_context:
+            return
+        price = (self._prices(1) or {}).get(AUTOREGRESSIVE)
+        savings = self.draft_savings(row.policy)
+        if price and savings is not None:
+            savings.add(size, committed, seconds, price)
 
     def _prices(self, batch_rows: int) -> dict[int, float] | None:
         return self._measured_prices.get(next(b for b in self.buckets if b >= batch_rows))

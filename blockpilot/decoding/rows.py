@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from blockpilot.checks import check_fits_context, positive_int
-from blockpilot.decoding.batch_pricing import OptionPrice, SlotAcceptance
+from blockpilot.decoding.batch_pricing import DraftSavings, OptionPrice, SlotAcceptance
 from blockpilot.decoding.request import (
     RECORD_TOP_K,
     GenerationConfig,
@@ -303,6 +304,15 @@ class RowScheduler:
         self._prefilled = 0  # its prompt tokens already in the caches
         self._ids = itertools.count()
         self.option_price = OptionPrice()  # what a row's option to draft later costs here (`batch_pricing`)
+        self._draft_savings: weakref.WeakKeyDictionary[BlockSizePolicy, DraftSavings] = weakref.WeakKeyDictionary()
+
+    def draft_savings(self, policy: BlockSizePolicy) -> DraftSavings | None:
+        """What `policy`'s drafts saved its rows that kept the option to draft here (None: a policy that cannot be
+        told apart from another, unhashable)."""
+        try:
+            return self._draft_savings.setdefault(policy, DraftSavings())
+        except TypeError:
+            return None
 
     def _checked_prompt(self, request: GenerationRequest) -> torch.Tensor:
         """The request's prompt as a tensor, or ValueError naming what is wrong with it."""

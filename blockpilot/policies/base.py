@@ -124,12 +124,18 @@ class BlockSizePolicy:
             and kind.next_block_sizes is BlockSizePolicy.next_block_sizes
         )
 
-    def autoregressive_for_good(self, prefill: PrefillState, block_size: int, option_price: float = 0.0) -> bool:
+    def autoregressive_for_good(
+        self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
+    ) -> bool:
         """Whether a row that starts at `block_size` never drafts: the engine then writes no drafter context for it
         and asks its per-cycle hook nothing. `option_price`: what keeping the option to draft later would cost, a
-        share of the row's autoregressive time, as the engine measured it (`batch_pricing.OptionPrice`). By
-        default, a row starting autoregressive under a policy that keeps b."""
-        return block_size == AUTOREGRESSIVE and self.keeps_block_size
+        share of the row's autoregressive time; `saves`: what this policy's drafts saved the rows that kept it, a
+        share of the same time (None: not measured); both as the engine measured them
+        (`batch_pricing.OptionPrice`, `batch_pricing.DraftSavings`). By default, a row starting autoregressive
+        under a policy that keeps b, or whose drafts were measured to save no more than the option costs."""
+        if block_size != AUTOREGRESSIVE:
+            return False
+        return self.keeps_block_size or (saves is not None and saves <= option_price)
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")

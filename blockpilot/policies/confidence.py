@@ -39,12 +39,18 @@ class ConfidencePolicy(BlockSizePolicy):
             prefill.temperature, float(top[0]), FIRST_OR_AUTOREGRESSIVE, prices, draft_record(prefill)
         )
 
-    def autoregressive_for_good(self, prefill: PrefillState, block_size: int, option_price: float = 0.0) -> bool:
-        """A row that starts autoregressive where what the rule's drafts would save it, at this temperature and
-        these prices, does not pay for keeping the option (`ConfidenceRule.drafting_saves`: at T = 1 on the mini zoo
-        the rule drafted none of 425 cycles and paid 12% for the option)."""
-        prices = prefill.prices if self.measured_prices else None
-        return block_size == 1 and self.rule.drafting_saves(prefill.temperature, prices) <= option_price
+    def autoregressive_for_good(
+        self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
+    ) -> bool:
+        """A row that starts autoregressive where what the rule's drafts save, as the engine measured it (`saves`),
+        else as the labels tell at this temperature and these prices (`ConfidenceRule.drafting_saves`: at T = 1 on
+        the mini zoo the rule drafted none of 425 cycles and paid 12% for the option), does not pay for keeping the
+        option."""
+        if block_size != 1:
+            return False
+        if saves is None:
+            saves = self.rule.drafting_saves(prefill.temperature, prefill.prices if self.measured_prices else None)
+        return saves <= option_price
 
     def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
         choose, measured, sizes = self.rule.choose, self.measured_prices, []
