@@ -214,3 +214,34 @@ def test_a_lone_row_keeps_the_option_to_draft_while_its_policys_drafts_are_measu
     assert [keeps_option() for _ in range(3)] == [False, False, True]
     savings.saved = 10 * savings.autoregressive  # as if its drafts had saved far more than any option's price
     assert keeps_option()
+
+
+class Asked(BlockSizePolicy):
+    """Drafts 4 every cycle and records the rows of every cycle its hook was asked before."""
+
+    name = "asked"
+
+    def __init__(self, adapts: bool) -> None:
+        self.adapts, self.batch_rows = adapts, []
+
+    def initial_block_size(self, prefill) -> int:
+        return 4
+
+    def next_block_sizes(self, cycles) -> list[int]:
+        self.batch_rows += [cycle.batch_rows for cycle in cycles]
+        return [4] * len(cycles)
+
+
+def test_the_batch_chooses_unasked_for_a_row_whose_policy_adapts(tiny_models):
+    """In a cycle of several rows the batch chooses the b of a row whose policy adapts, so that policy's per-cycle
+    hook is asked only before the cycles its row runs alone; a policy whose b is the request's own is asked before
+    every cycle. Rows of 8 and 24 tokens: the batch thins to one row. Greedy either way."""
+    for adapts in (True, False):
+        policy = Asked(adapts)
+        prompts = [tiny_models.encode_prompt(text) for text in TEXTS[:2]]
+        requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=n), policy) for p, n in zip(prompts, (8, 24))]
+        results = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=2))
+        for request, result in zip(requests, results, strict=True):
+            n = request.config.max_new_tokens
+            assert result.token_ids == greedy_reference(tiny_models.target, request.prompt_ids, n)
+        assert set(policy.batch_rows) == ({1} if adapts else {1, 2})

@@ -18,9 +18,11 @@ FAULTY = 1  # the index of the faulty request among PROMPTS
 
 
 class Poisoned(BlockSizePolicy):
-    """b = 3, shared by every row; for the row whose prompt is `poison` it fails at its second cycle."""
+    """b = 3, shared by every row, the request's own (asked before every cycle, lone or not); for the row whose
+    prompt is `poison` it fails at its second cycle."""
 
     name = "poisoned"
+    adapts = False
 
     def __init__(self, poison, fault: str) -> None:
         self.poison, self.fault = tuple(poison), fault

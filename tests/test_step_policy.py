@@ -603,7 +603,8 @@ def test_load_aware_training_cycles_are_every_cycle_once_per_load_priced_at_that
 
 def test_a_load_aware_policy_reads_the_live_batch_and_stays_lossless(tiny_models):
     """The engine tells the hooks how many rows the next cycle runs: the joining batch, then the rows going on
-    and the waiting ones that fit. Rows of one batch go to one head; the output is greedy whatever it picks."""
+    and the waiting ones that fit. Rows of one batch go to one head; the output is greedy whatever it picks. (With
+    batch pricing, the default, the batch chooses the b of rows in a cycle of several, unasked.)"""
     seen = []
 
     class Recording(StepPolicy):
@@ -622,7 +623,7 @@ def test_a_load_aware_policy_reads_the_live_batch_and_stays_lossless(tiny_models
         GenerationRequest(tiny_models.encode_prompt(text), GenerationConfig(max_new_tokens=n), policy)
         for text, n in zip(texts, lengths, strict=True)
     ]
-    results = generate_many(tiny_models, requests, max_batch=2)
+    results = generate_many(tiny_models, requests, engine=Engine(tiny_models, max_batch=2, batch_pricing=False))
     for request, result in zip(requests, results, strict=True):
         expected = greedy_reference(tiny_models.target, request.prompt_ids, request.config.max_new_tokens)
         assert result.token_ids == expected

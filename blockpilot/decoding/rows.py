@@ -390,8 +390,15 @@ class RowScheduler:
         top-1 probability), priced at the batch the next cycle runs (those rows and the waiting ones that will join
         them); then the finished rows and any row that failed meanwhile (its policy's hook) leave."""
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
-        # A policy that keeps b has no per-cycle hook to ask, nor a row autoregressive for good.
-        deciding = [done for done in going_on if not done[0].policy.keeps_block_size and done[0].drafter_context]
+        # A policy that keeps b has no per-cycle hook to ask, nor a row autoregressive for good, nor a row whose next
+        # b the batch chooses.
+        deciding = [
+            done
+            for done in going_on
+            if not done[0].policy.keeps_block_size
+            and done[0].drafter_context
+            and not self._chosen_by_batch(done[0], next_batch)
+        ]
         if deciding:
             started, prices = time.perf_counter(), self._prices(next_batch)
             decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)
@@ -419,6 +426,11 @@ class RowScheduler:
     def _prices(self, batch_rows: int) -> Mapping[int, float] | None:
         """b -> measured seconds of a cycle at `batch_rows` rows (None: none measured)."""
         return None
+
+    def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
+        """Whether the batch, not the row's policy, chooses the row's b in a cycle of `batch_rows` rows (then its
+        per-cycle hook is not asked before it)."""
+        return False
 
     def _free_row(self, index: int, last: int) -> None:
         """Cache row `index` is left: move cache row `last` (an active row's) into it, or free it if it is last."""
