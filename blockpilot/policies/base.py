@@ -105,8 +105,8 @@ class BlockSizePolicy:
     tree_nodes: int | None = None
     tree_depth: int | None = None
     # Whether the policy chooses b itself (from the prompt or the cycles), so that in a cycle of several rows the
-    # batch chooses its row's b, the cycle's width or autoregression (`decoding.batch_pricing`); a fixed b is the
-    # request's own choice.
+    # batch chooses its row's b, the cycle's width or autoregression (`decoding.batch_pricing`), and its per-cycle
+    # hook is asked only before the cycles its row runs alone; a fixed b is the request's own choice.
     adapts = True
 
     @property
