@@ -15,6 +15,7 @@ from blockpilot.decoding.batch_pricing import (
     PRIOR_SLOTS,
     SAVINGS_CYCLES,
     DraftSavings,
+    OptionPrice,
     SlotAcceptance,
     batch_width,
     expected_commits,
@@ -167,6 +168,12 @@ def test_what_drafts_saved_a_row_is_its_drafting_cycles_tokens_at_the_autoregres
         savings.add(4, 4, 2.0, 1.0)
     assert savings.share == pytest.approx(2.0 * SAVINGS_CYCLES / (5.0 + 4.0 * SAVINGS_CYCLES))
     assert [savings.explores() for _ in range(2 * EXPLORE_EVERY)].count(True) == 2
+
+
+def test_a_row_whose_b_the_batch_chooses_pays_no_hook_for_its_option():
+    price = OptionPrice(context=0.0, flush=0.0, hook=0.5, tokens=10)
+    assert price.share(4, 10, 2, 1.0) == pytest.approx(1.0)  # two rows' hooks a cycle, against the batch's price
+    assert price.share(4, 10, 2, 1.0, asks_hook=False) == 0.0
 
 
 class NeverDrafts(BlockSizePolicy):

@@ -108,15 +108,22 @@ class OptionPrice:
         """A row finished with `tokens` generated."""
         self.tokens = tokens if self.tokens is None else self.tokens + PRICE_WEIGHT * (tokens - self.tokens)
 
-    def share(self, prompt_tokens: int, max_new_tokens: int, rows: int, autoregressive_price: float | None) -> float:
+    def share(
+        self,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        rows: int,
+        autoregressive_price: float | None,
+        asks_hook: bool = True,
+    ) -> float:
         """The option's price as a share of a row's autoregressive time: a row of `prompt_tokens` that runs as many
         autoregressive cycles as finished rows generated tokens (at most `max_new_tokens`) among `rows`, each cycle
-        `autoregressive_price` seconds for the batch (its share of it 1 / rows, as of the flushes). 0 until the
-        autoregressive price is measured."""
+        `autoregressive_price` seconds for the batch (its share of it 1 / rows, as of the flushes), its hook asked
+        every cycle where `asks_hook`. 0 until the autoregressive price is measured."""
         if not autoregressive_price:
             return 0.0
         cycles = max(1.0, min(float(max_new_tokens), self.tokens or float(max_new_tokens)))
-        own = (self.context or 0.0) * prompt_tokens / cycles + (self.hook or 0.0)
+        own = (self.context or 0.0) * prompt_tokens / cycles + ((self.hook or 0.0) if asks_hook else 0.0)
         return (rows * own + (self.flush or 0.0)) / autoregressive_price
 
 

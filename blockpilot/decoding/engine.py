@@ -410,8 +410,9 @@ class Engine(RowScheduler):
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         autoregressive_price = (self._prices(batch_rows) or {}).get(AUTOREGRESSIVE)
         for row in joining:
+            asks_hook = not self._chosen_by_batch(row, batch_rows)  # under load the batch chooses, unasked
             option = self.option_price.share(
-                row.prompt.numel(), row.config.max_new_tokens, batch_rows, autoregressive_price
+                row.prompt.numel(), row.config.max_new_tokens, batch_rows, autoregressive_price, asks_hook
             )
             row.drafter_context = not self._autoregressive_for_good(row, option, batch_rows)
         if features is not None and any(row.drafter_context for row in joining):
