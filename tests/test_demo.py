@@ -156,7 +156,10 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(demo_run):
     home, printed = demo_run
     cached = zoo_cache_dir(RECIPES["tiny"], 0, home)
     assert f"[zoo] reusing {cached}" in printed and "=== 7/7 the endpoint" in printed and "stage times: zoo" in printed
-    assert "the endpoint's adaptive policy: learned" in printed
+    # The endpoint serves the adaptive policy that decoded fastest live: any of them, as this machine's timing goes.
+    served = printed.split("the endpoint's adaptive policy: ", 1)[1].split(", the faster", 1)[0]
+    adaptive = ("learned (per request)", "learned (the paper's predictor)", "learned+step", "confidence rule")
+    assert served.startswith(adaptive), f"the endpoint serves {served!r}, not an adaptive policy of the live table"
     # The paper's predictor and the project's, on the same labels: side by side, and nested under one MLflow run
     # with their held-out and live figures under the same names.
     assert PROJECT_PREDICTOR in printed and PAPER_PREDICTOR in printed and "learned (the paper's predictor)" in printed
