@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,8 @@ import urllib.request
 from pathlib import Path
 
 MODEL_TRAINING = "machine_learning"
+RENDER_TIMEOUT_S = 150.0
+RENDER_TRIES = 3
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -62,17 +66,32 @@ def start_server(uri: str, port: int) -> subprocess.Popen:
 def render(url: str, *, screenshot: Path | None = None, dom: Path | None = None, wait_ms: int = 8_000) -> None:
     """One page in a fresh headless Chromium profile, after `wait_ms` of (virtual) time for the app's scripts: its
     screenshot, or its rendered DOM (the compare view's metrics table scrolls in a box of its own, so the DOM holds its
-    first rows, whatever the window's height)."""
-    with tempfile.TemporaryDirectory() as profile:
-        command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}"]
-        command += ["--window-size=1600,1000"]
-        if screenshot is not None:
-            command += [f"--screenshot={screenshot}"]
+    first rows, whatever the window's height). Chromium's virtual time budget now and then never expires (a run of
+    the suite's hung 180 s on one page that renders in seconds), so a load that outlasts `RENDER_TIMEOUT_S` is
+    killed with its processes and tried again, up to `RENDER_TRIES` loads."""
+    for attempt in range(1, RENDER_TRIES + 1):
+        with tempfile.TemporaryDirectory() as profile:
+            command = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={wait_ms}"]
+            command += ["--window-size=1600,1000"]
+            if screenshot is not None:
+                command += [f"--screenshot={screenshot}"]
+            if dom is not None:
+                command += ["--dump-dom"]
+            # A session of its own, so that a hung load is killed with its renderer and GPU processes.
+            browser = subprocess.Popen(
+                [*command, url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+            )
+            try:
+                page, _ = browser.communicate(timeout=RENDER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(browser.pid, signal.SIGKILL)
+                browser.communicate()
+                print(f"chromium: {url} hung {RENDER_TIMEOUT_S} s (load {attempt} of {RENDER_TRIES})", file=sys.stderr)
+                continue
         if dom is not None:
-            command += ["--dump-dom"]
-        result = subprocess.run([*command, url], capture_output=True, text=True, timeout=180)
-        if dom is not None:
-            dom.write_text(result.stdout)
+            dom.write_text(page)
+        return
+    raise TimeoutError(f"chromium did not render {url} in {RENDER_TRIES} loads of {RENDER_TIMEOUT_S} s each")
 
 
 def take_screenshots(out: Path, experiment: str, port: int) -> list[Path]:
