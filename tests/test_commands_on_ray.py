@@ -57,7 +57,9 @@ def test_label_train_generate_and_serve(tiny_zoo, tiny_models, tmp_path, local_r
     started: list[psutil.Process] = []
     try:
         _train_and_generate_beside_the_server(tiny_zoo, tiny_models, models, labels, tmp_path, env, capsys)
-        wait_healthy(f"http://127.0.0.1:{port}/health", server, log)
+        # The replica's cold build is this test's longest step: 379 s alone on a 2-core CPU without AVX-512, more
+        # beside the other test worker; the guard is against a hang only.
+        wait_healthy(f"http://127.0.0.1:{port}/health", server, log, timeout_s=900)
         started = psutil.Process(server.pid).children(recursive=True)  # Ray's processes: GCS, raylet, workers
         assert started
         check_endpoint(f"http://127.0.0.1:{port}", "blockpilot")
