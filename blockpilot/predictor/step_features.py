@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import torch
 
 from blockpilot.data.labels import ANCHOR_TOP_K
 
@@ -67,18 +68,43 @@ def _needs(value: object, what: str) -> object:
     return value
 
 
-def _accepted_share(view: CycleView) -> np.ndarray:
-    accepted = np.asarray(view.last_accepted, dtype=np.float32)
-    size = np.asarray(view.last_block_size, dtype=np.float32)
-    return np.where(size > 0, accepted / np.maximum(size, 1.0), 0.0)
+class _Numpy:
+    """The array operations a column is computed with, on the host (`StepFeatures.build`)."""
+
+    log, log1p, where, maximum = np.log, np.log1p, np.where, np.maximum
+
+    @staticmethod
+    def floats(value: object) -> np.ndarray:
+        return np.asarray(value, dtype=np.float32)
 
 
-Column = Callable[[CycleView], object]
+class _Torch:
+    """The same operations on tensors, on the device and inside a compiled cycle (`StepFeatures.build_tensor`)."""
+
+    log, log1p, where = torch.log, torch.log1p, torch.where
+
+    @staticmethod
+    def maximum(value: torch.Tensor, floor: float) -> torch.Tensor:
+        return value.clamp(min=floor)
+
+    @staticmethod
+    def floats(value: object) -> torch.Tensor:
+        return torch.as_tensor(value).float()
+
+
+def _accepted_share(view: CycleView, xp: type = _Numpy) -> object:
+    accepted, size = xp.floats(view.last_accepted), xp.floats(view.last_block_size)
+    return xp.where(size > 0, accepted / xp.maximum(size, 1.0), 0.0 * size)
+
+
+Column = Callable[[CycleView, type], object]
 
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """The step model's input columns, in order, and how each is computed from a `CycleView`."""
+    """The step model's input columns, in order, and how each is computed from a `CycleView`: the same formulas on
+    numpy arrays (`build`: training, table walks, the host's hook) and on tensors (`build_tensor`: the decision
+    inside the compiled cycle)."""
 
     candidates: tuple[int, ...]
     prior: bool = False  # reads the per-request predictor's b0 and probabilities
@@ -87,22 +113,22 @@ class StepFeatures:
     @cached_property
     def groups(self) -> tuple[tuple[tuple[str, ...], Column], ...]:
         groups: list[tuple[tuple[str, ...], Column]] = [
-            (("entropy",), lambda v: v.entropy),
-            (tuple(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), lambda v: np.asarray(v.top_probs)[:, :ANCHOR_TOP_K]),
-            (("temperature",), lambda v: v.temperature),
-            (("log_cursor",), lambda v: np.log1p(np.asarray(v.cursor, dtype=np.float32))),
-            (("log1p_last_accepted",), lambda v: np.log1p(np.asarray(v.last_accepted, dtype=np.float32))),
+            (("entropy",), lambda v, xp: v.entropy),
+            (tuple(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), lambda v, xp: xp.floats(v.top_probs)[:, :ANCHOR_TOP_K]),
+            (("temperature",), lambda v, xp: v.temperature),
+            (("log_cursor",), lambda v, xp: xp.log1p(xp.floats(v.cursor))),
+            (("log1p_last_accepted",), lambda v, xp: xp.log1p(xp.floats(v.last_accepted))),
             (("last_accepted_share",), _accepted_share),
-            (TOKEN_FEATURES, lambda v: _needs(v.tokens, "the block's first tokens")),
+            (TOKEN_FEATURES, lambda v, xp: _needs(v.tokens, "the block's first tokens")),
         ]
         if self.prior:
             prior = "the per-request predictor's choice"
-            groups.append((("log_prior_b",), lambda v: np.log(np.asarray(_needs(v.prior_block_size, prior), float))))
+            groups.append((("log_prior_b",), lambda v, xp: xp.log(xp.floats(_needs(v.prior_block_size, prior)))))
             groups.append(
-                (tuple(f"prior_p_b{b}" for b in self.candidates), lambda v: _needs(v.prior_probabilities, prior))
+                (tuple(f"prior_p_b{b}" for b in self.candidates), lambda v, xp: _needs(v.prior_probabilities, prior))
             )
         if self.load:
-            groups.append((("log_batch_rows",), lambda v: np.log(np.asarray(v.batch_rows, dtype=np.float32))))
+            groups.append((("log_batch_rows",), lambda v, xp: xp.log(xp.floats(v.batch_rows))))
         return tuple(groups)
 
     @cached_property
@@ -125,9 +151,19 @@ class StepFeatures:
         out = np.empty((n, len(self.names)), dtype=np.float32)
         start = 0
         for names, column in self.groups:
-            value = np.asarray(column(view), dtype=np.float32)
+            value = np.asarray(column(view, _Numpy), dtype=np.float32)
             if len(names) == 1 and value.ndim == 1:
                 value = value[:, None]  # (N,) -> (N, 1); a scalar or a (K,) row broadcasts as it is
             out[:, start : start + len(names)] = value
             start += len(names)
         return out
+
+    def build_tensor(self, view: CycleView) -> torch.Tensor:
+        """`build` on the device: (N, len(names)) float32 from a `CycleView` of tensors (each (N,) or (N, k); a
+        Python number holds for every cycle). Traces into a compiled cycle: no host copy."""
+        n = view.entropy.shape[0]
+        parts = []
+        for names, column in self.groups:
+            value = _Torch.floats(column(view, _Torch)).to(view.entropy.device)
+            parts.append(value.reshape(n, len(names)) if value.dim() else value.expand(n, len(names)))
+        return torch.cat(parts, dim=1)

@@ -157,9 +157,21 @@ class StepModel(nn.Module):
         ids = np.rint(features[:, self._tokens]).astype(np.int64)
         return np.where((ids >= 0) & (ids < vocab), ids, vocab)
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, features: torch.Tensor) -> torch.Tensor:
+        """The MLP's input: the numeric features standardized, then the token columns' embeddings."""
         x = ((features - self.feature_mean) / self.feature_scale)[:, self._numeric]
-        x = torch.cat([x, self.token_embedding(self._token_ids(features)).flatten(1)], dim=1)
+        return torch.cat([x, self.token_embedding(self._token_ids(features)).flatten(1)], dim=1)
+
+    def scores_at(self, features: torch.Tensor, batch_rows: int) -> torch.Tensor:
+        """`forward` for rows that all run in batches of `batch_rows` (a load-aware model's head of that load), in
+        torch ops alone: what a compiled cycle traces."""
+        if not self.config.loads:
+            return self.net(self._inputs(features))
+        head = self.heads[self.config.loads.index(nearest_batch_size(self.config.loads, batch_rows))]
+        return head(self._inputs(features))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self._inputs(features)
         if not self.config.loads:
             return self.net(x)
         heads = torch.as_tensor(self._heads_of_rows(features.detach().cpu().numpy()), device=features.device)
