@@ -78,11 +78,11 @@ def sweep_anchors(sweep) -> Anchors:
     return Anchors(np.asarray(sweep.anchor_entropy), np.asarray(sweep.anchor_top_probs), 0.0)
 
 
-def growing_step_model(vocab: int) -> StepModel:
+def growing_step_model(vocab: int, candidates=CANDIDATES, prior: bool = False) -> StepModel:
     """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's entropy and top
     probability and by the last cycle, so the choices change within one generation whatever the target's
-    weights (the tokens are left out: a zero embedding)."""
-    model = StepModel(step_config(vocab=vocab, hidden_size=3))
+    weights (the tokens are left out: a zero embedding; with `prior`, its columns are read with weight 0)."""
+    model = StepModel(step_config(candidates, vocab=vocab, hidden_size=3, prior=prior))
     first, out = model.net[0], model.net[2]
     with torch.no_grad():
         model.token_embedding.weight.zero_()
@@ -90,9 +90,9 @@ def growing_step_model(vocab: int) -> StepModel:
         for name, weight in (("log_cursor", 1.0), ("entropy", 0.05), ("top1", 0.05), ("log1p_last_accepted", 0.4)):
             first.weight[:, mlp_input(model, name)] = weight
         first.bias.copy_(-torch.log1p(torch.tensor([2.0, 6.0, 14.0])))
-        k = torch.arange(len(CANDIDATES), dtype=torch.float32)
+        k = torch.arange(len(candidates), dtype=torch.float32)
         out.weight.copy_(k[:, None].expand(-1, 3))  # logit_k = k * H - 0.3 k^2: argmax grows with H
-        out.bias.copy_(-0.3 * k**2)
+        out.bias.copy_(-0.3 * (len(CANDIDATES) - 1) / (len(candidates) - 1) * k**2)  # fewer candidates: later steps
     return model.eval()
 
 
@@ -155,6 +155,66 @@ def test_the_live_choices_are_the_table_walk_of_the_same_model(tiny_models):
     )).any(), "the model reads the last cycle"
     sizes = check_live_equals_walk(tiny_models, model, StepPolicy(model))
     assert len(set(sizes)) > 1, "a model that never changes b would not test the per-step hook"
+
+
+def test_the_features_on_the_device_are_the_hosts():
+    """`StepFeatures.build_tensor` (the decision inside a compiled cycle) computes every column as `build` does."""
+    for features in (step_config(prior=True).features, step_config(loads=(1, 4)).features):
+        view = random_views(12, last_accepted=np.arange(12) % 5, last_block_size=np.arange(12) % 3, batch_rows=4)
+        if features.prior:
+            probabilities = np.random.default_rng(1).dirichlet(np.ones(len(CANDIDATES)), size=12)
+            view = replace(view, prior_block_size=np.full(12, 3), prior_probabilities=probabilities)
+        tensors = {
+            name: torch.as_tensor(value) if isinstance(value, np.ndarray) else value
+            for name, value in vars(view).items()
+        }
+        on_device = features.build_tensor(CycleView(**tensors))
+        assert on_device.dtype == torch.float32
+        assert np.allclose(on_device.numpy(), features.build(view), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("compile", "prior", "candidates"),
+    [
+        ("off", False, CANDIDATES),
+        ("off", True, CANDIDATES),
+        pytest.param("compile", True, (1, 4), marks=pytest.mark.slow),  # two candidates: fewer widths to build
+    ],
+)
+def test_a_lone_rows_choice_inside_the_cycle_is_the_hooks_and_asks_no_hook(tiny_models, compile, prior, candidates):
+    """The step model run inside the cycle of a lone row (`Engine.decide_in_cycle`) chooses the b the hook on the
+    host would, cycle by cycle (the table walk of the same model: its tokens, cursor, last cycle and, with a
+    per-request prior, the prior's b0 and probabilities), and the hook is not asked; the output is greedy decoding.
+    Compiled, the decision is part of the cycle's graph."""
+    vocab = vocab_of(tiny_models)
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(candidates, max_new_tokens=40))
+    (table,) = sweep.tables
+    # Eager with a prior: random weights that read every column; else weights whose b grows along the generation.
+    random_weights = prior and compile == "off"
+    grown = growing_step_model(vocab, candidates, prior)
+    model = random_prior_step_model(14, candidates, vocab) if random_weights else grown
+    if prior:
+        first = LearnedPolicy(random_predictor(candidates, vocab, 5))
+        policy = PriorStepPolicy(model, first)
+        known = (first.initial_block_size(sweep.prefill), first.probabilities(sweep.prefill))
+    else:
+        policy, known = StepPolicy(model), ()
+    sizes, lengths = walk_step_model(model, table, sweep_anchors(sweep), *known)
+    asked = []
+    choose = model.choose  # what the hook on the host asks (the walk too)
+    model.choose = lambda features: asked.append(len(features)) or choose(features)
+    engine = Engine(tiny_models, width=max(candidates), compile=compile, sampling=False, batch_pricing=False)
+    (live,) = generate_many(
+        tiny_models, [GenerationRequest(prompt, GenerationConfig(max_new_tokens=40), policy)], engine=engine
+    )
+    # Asked on the host only for the first b (from the prefill, where no per-request prior chooses it).
+    assert engine.decide_in_cycle(policy) and asked == ([] if prior else [1])
+    assert live.token_ids == sweep.token_ids == greedy_reference(tiny_models.target, prompt, 40)
+    cursors = np.cumsum([1, *lengths[:-1]])
+    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
+    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    assert random_weights or len(set(sizes)) > 1, "a model that never changes b would not test the choice"
 
 
 def test_regret_is_zero_at_the_per_step_oracle_and_evaluation_orders_policies(tiny_labels):

@@ -180,6 +180,7 @@ class Engine(RowScheduler):
         self._measured_prices: dict[int, dict[int, float]] = {}
         self._price_cycles: Counter[tuple[int, int]] = Counter()
         self.batch_pricing = batch_pricing
+        self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
 
     @property
@@ -193,6 +194,21 @@ class Engine(RowScheduler):
         while spans[-1] < self.capacity:
             spans.append(span_bucket(spans[-1] + 1, self.capacity))
         return spans
+
+    def decide_in_cycle(self, policy: BlockSizePolicy) -> bool:
+        """Whether `policy`'s per-step choice is computed inside the compiled cycle of a lone row (no hook on the host
+        between its cycles): set up now where the policy has such a form (`cycle_decision`) and no step is built yet
+        (a built step replays what it traced; `serve` sets it before it builds its shapes). One policy an engine; the
+        others' rows, and this one's in cycles of several rows, ask their hooks."""
+        if self._cycle_policy is not None or self.decoder.steps.built:
+            return self._cycle_policy is policy
+        make = getattr(policy, "cycle_decision", None)
+        decision = make(self.device) if make is not None and self.decoder.drafter is not None else None
+        if decision is None:
+            return False
+        self.decoder.set_decision(decision, decision.inputs)
+        self._cycle_policy = policy
+        return True
 
     def declared_shapes(
         self,
@@ -408,6 +424,9 @@ class Engine(RowScheduler):
                 prices=self._prices(batch_rows),
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
+        for row in joining:
+            if not row.policy.keeps_block_size:
+                self.decide_in_cycle(row.policy)
         autoregressive_price = (self._prices(batch_rows) or {}).get(AUTOREGRESSIVE)
         for row in joining:
             asks_hook = not self._chosen_by_batch(row, batch_rows)  # under load the batch chooses, unasked
@@ -437,6 +456,7 @@ class Engine(RowScheduler):
                 rejection=row.config.verify == "rejection",
                 top_k=row.config.top_k,
                 top_p=row.config.top_p,
+                decision_inputs=self._decision_inputs(row),
             )
             if row.failure is None:
                 if firsts[index] in row.config.stop_token_ids:
@@ -448,6 +468,12 @@ class Engine(RowScheduler):
                 finished.append(slot)
         for slot in reversed(finished):
             self._retire(slot, updates)
+
+    def _decision_inputs(self, row: Row) -> list[float]:
+        """What the cycle's decision reads of this row's request, where its policy decides in the cycle."""
+        if row.policy is not self._cycle_policy or row.failure is not None or not row.drafter_context:
+            return []
+        return self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
 
     def _autoregressive_for_good(self, row: Row, option: float, batch_rows: int) -> bool:
         """The row's policy's answer (`autoregressive_for_good`), given what its drafts saved the rows that kept the
@@ -509,15 +535,17 @@ class Engine(RowScheduler):
         # One device-to-host copy for the batch: each row's tokens, count, whether its logits were finite and its
         # anchor's top-1 probability (in units of 2^-24, float32's precision).
         confidence = (self.decoder.anchor_confidence[:n, None] * CONFIDENCE_UNITS).round().long()
-        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long(), confidence], dim=1).tolist()
+        # and the next b a lone row's policy chose inside the cycle (0: not chosen there)
+        decided = self.decoder.decided[:n, None]
+        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long(), confidence, decided], dim=1).tolist()
         elapsed = time.perf_counter() - started
         if chains:  # a width's price at this bucket; what keeping the drafter's context adds is the option's
             self._observe_price(bucket, width, elapsed - flushed)
         if n == 1:
-            self._observe_savings(rows[0], sizes[0], host[0][-3], elapsed - flushed)
+            self._observe_savings(rows[0], sizes[0], host[0][-4], elapsed - flushed)
         finished, going_on = [], []
         for index, (row, size, out) in enumerate(zip(rows, sizes, host, strict=True)):
-            *_, count, usable, quantized = out
+            *_, count, usable, quantized, decided = out
             if not usable:
                 row.fail(NonFiniteLogits("the target's distribution over this request's block is not finite"))
                 finished.append(index)
@@ -541,7 +569,8 @@ class Engine(RowScheduler):
                 row.stop_reason = "length"
             if row.stop_reason is None:
                 anchor = self.decoder.anchor_logits[index]
-                going_on.append((row, len(new_tokens), anchor, quantized / CONFIDENCE_UNITS))
+                chose = decided if chains and row.policy is self._cycle_policy and decided > 0 else None
+                going_on.append((row, len(new_tokens), anchor, quantized / CONFIDENCE_UNITS, chose))
             else:
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)

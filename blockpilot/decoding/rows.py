@@ -382,23 +382,26 @@ class RowScheduler:
 
     def _end_cycle(
         self,
-        going_on: list[tuple[Row, int, torch.Tensor, float]],
+        going_on: list[tuple[Row, int, torch.Tensor, float, int | None]],
         finished: list[int],
         updates: list[RowUpdate],
     ) -> None:
         """After a cycle: the next b of every row going on (row, tokens it committed, its anchor's logits and their
-        top-1 probability), priced at the batch the next cycle runs (those rows and the waiting ones that will join
-        them); then the finished rows and any row that failed meanwhile (its policy's hook) leave."""
+        top-1 probability, and the b its policy chose inside the cycle, if it did), priced at the batch the next
+        cycle runs (those rows and the waiting ones that will join them); then the finished rows and any row that
+        failed meanwhile (its policy's hook) leave."""
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
         # A policy that keeps b has no per-cycle hook to ask, nor a row autoregressive for good, nor a row whose next
-        # b the batch chooses.
-        deciding = [
-            done
-            for done in going_on
-            if not done[0].policy.keeps_block_size
-            and done[0].drafter_context
-            and not self._chosen_by_batch(done[0], next_batch)
-        ]
+        # b the batch chooses; a lone row's policy that chose inside the cycle (for a batch of one) has answered.
+        deciding = []
+        for row, committed, anchor, confidence, decided in going_on:
+            if row.policy.keeps_block_size or not row.drafter_context or self._chosen_by_batch(row, next_batch):
+                continue
+            if decided is not None and next_batch == 1:
+                row.block_size = decided
+                self.option_price.observe("hook", 0.0)
+            else:
+                deciding.append((row, committed, anchor, confidence))
         if deciding:
             started, prices = time.perf_counter(), self._prices(next_batch)
             decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)

@@ -151,6 +151,12 @@ class StaticDecoder:
         self.finite = torch.ones(rows, dtype=torch.bool, device=self.device)
         self.anchor_logits = torch.zeros(rows, self.target.head.shape[0], dtype=torch.float32, device=self.device)
         self.anchor_confidence = torch.zeros(rows, dtype=torch.float32, device=self.device)  # its top-1 probability
+        # A per-step policy's choice of the next b, inside the cycle of a lone row (`set_decision`): the row's
+        # per-request inputs, the slot before its first generated token (its cursor is length - origin), and b.
+        self.decision: Callable[..., torch.Tensor] | None = None
+        self.decision_inputs = torch.zeros(rows, 0, dtype=torch.float32, device=self.device)
+        self.origins = torch.zeros(rows, **long)
+        self.decided = torch.zeros(rows, **long)
         if drafting:  # autoregressive cycles' features, kept for the drafter's context (`defer`)
             feature_size = models.target.config.get_text_config().hidden_size * len(layer_ids)
             dtype = self.target.embed.dtype
@@ -217,6 +223,16 @@ class StaticDecoder:
         shapes: `Steps.build`)."""
         self.steps.build(name, *shape)
 
+    def set_decision(self, decision: Callable[..., torch.Tensor], inputs: int) -> None:
+        """Every chain cycle of one row that may draft again computes `decision` (`StepPolicy.cycle_decision`: the
+        row's next b from what the cycle holds, (1,) long) into `decided`, which the engine reads with the cycle's
+        tokens; `inputs`: the per-request numbers it reads (`place`). Set before any step is built: a built step
+        replays what it traced."""
+        if self.steps.built:
+            raise ValueError(f"set the cycle's decision before building steps; {len(self.steps.built)} are built")
+        self.decision = decision
+        self.decision_inputs = torch.zeros(self.rows, inputs, dtype=torch.float32, device=self.device)
+
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
     def _cycle(
@@ -258,7 +274,7 @@ class StaticDecoder:
         elif self.drafter is not None and context == "defer":  # width 1: one position a row, kept for later
             self._defer_context(n, features[:, 0], positions[:, 0])
         self._record(n, logits, features, offsets.expand(n, -1))
-        self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None])
+        self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None], decide=context != "skip")
 
     def _plain_cycle(self, n: int, span: int, truncate: bool = False) -> None:
         """An autoregressive cycle for rows that never draft again: no drafter context kept."""
@@ -323,6 +339,7 @@ class StaticDecoder:
         accepted: torch.Tensor,  # (n,) accepted drafts
         last_index: torch.Tensor,  # (n,) where in `logits` the new last token was picked
         unused: torch.Tensor,  # (n, S) bool: entries of `logits` that verify nothing (padding)
+        decide: bool = False,  # a chain cycle of rows that may draft again: `decision` too, where set, for one row
     ) -> None:
         """What every cycle ends with: the rows' outputs, their new last tokens and lengths (free rows stay at 0).
         A row's block is usable when every distribution it verifies has a finite largest logit (NaN and +inf
@@ -330,9 +347,28 @@ class StaticDecoder:
         self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1))
         self.tokens[:n, : out.shape[1]].copy_(out)
         self.counts[:n].copy_(accepted + 1)
-        self._keep_anchor(n, logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0])
+        anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+        self._keep_anchor(n, anchor)
+        decides = decide and n == 1 and self.decision is not None
+        if decides:  # the token before the new last one: the last accepted draft, else the block's first token
+            last_draft = out.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]
+            before = torch.where(accepted > 0, last_draft, self.last_token[:n])
         self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
         self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
+        if decides:
+            tokens = torch.stack([self.last_token[:n], before], dim=1)
+            cursor = self.length[:n] - self.origins[:n]  # the tokens generated, the prefill's one included
+            self.decided[:n].copy_(
+                self.decision(
+                    anchor.float(),
+                    tokens,
+                    self.temperatures[:n],
+                    cursor,
+                    accepted + 1,
+                    self.block_sizes[:n],
+                    self.decision_inputs[:n],
+                )
+            )
 
     def _keep_anchor(self, n: int, anchor: torch.Tensor) -> None:
         """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability: softmax's largest
@@ -452,6 +488,8 @@ class StaticDecoder:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
         if context not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
+        if self.decision is not None:  # 0 unless this cycle's step chooses (one row, chains, a row that may draft)
+            self.decided[:n].zero_()
         step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span, truncate)
         if width == 1 and context != "encode" and self.drafter is not None and self.steps.can_run(step):
             self.steps.run(*step)
@@ -622,12 +660,20 @@ class StaticDecoder:
         rejection: bool = False,
         top_k: int = 0,
         top_p: float = 1.0,
+        decision_inputs: Sequence[float] = (),
     ) -> None:
         """Row `row`, whose cache holds `length` positions, decodes from `last_token` (at position `length`),
         verifying by `rejection` (at T > 0, in cycles run with `rejection=True`) or by matching, and sampling its
-        distributions cut to `top_k` tokens (0: all) and `top_p` of their mass in cycles run with `truncate=True`."""
+        distributions cut to `top_k` tokens (0: all) and `top_p` of their mass in cycles run with `truncate=True`.
+        `decision_inputs`: the request's numbers the cycle's decision reads (`set_decision`), where it has one."""
         if temperature > 0 and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
+        if len(decision_inputs) not in (0, self.decision_inputs.shape[1]):
+            expected = self.decision_inputs.shape[1]
+            raise ValueError(f"the cycle's decision reads {expected} inputs, got {list(decision_inputs)}")
+        if len(decision_inputs):
+            self.decision_inputs[row] = torch.as_tensor(list(decision_inputs), dtype=torch.float32)
+        self.origins[row] = length - 1  # `last_token` is the first generated token
         self.length[row], self.last_token[row] = length, last_token
         self.temperatures[row], self.seeds[row], self.rejection[row] = temperature, seed, rejection
         self.top_ks[row], self.top_ps[row] = top_k, top_p
@@ -662,6 +708,8 @@ class StaticDecoder:
             self.rejection,
             self.top_ks,
             self.top_ps,
+            self.origins,
+            self.decision_inputs,
         )
         if self.drafter is not None:
             states += (self.pending_features, self.pending_positions, self.pending_count)

@@ -3,10 +3,12 @@ the policy in one model call, from what the last verify pass already computed.""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from blockpilot.data.labels import ANCHOR_TOP_K
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, distribution_summary
@@ -57,6 +59,13 @@ class StepPolicy(BlockSizePolicy):
             **known,
         )
         return [self.candidates[int(k)] for k in self.model.choose(self.model.config.features.build(view))]
+
+    def cycle_decision(self, device: torch.device) -> CycleDecision | None:
+        """This policy's choice as a module a compiled cycle runs on `device` (`Engine.decide_in_cycle`); None where a
+        subclass answers the per-cycle hook its own way (the hook is then asked)."""
+        if type(self).next_block_sizes is not StepPolicy.next_block_sizes:
+            return None
+        return CycleDecision(self).to(device)
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self.initial_block_sizes([prefill])[0]
@@ -112,3 +121,51 @@ class PriorStepPolicy(StepPolicy):
 
     def __init__(self, model: StepModel, prior: BlockSizePolicy) -> None:
         super().__init__(model, prior)
+
+
+class CycleDecision(nn.Module):
+    """A step policy's next b computed inside the compiled cycle of a lone row (`StaticDecoder.set_decision`): the
+    features of `StepFeatures.build_tensor` from what the cycle holds (the anchor's logits, the last two tokens, the
+    cursor, the last acceptance) and the request's per-request inputs (`row_inputs`), then the model's best
+    candidate, for a batch of one. No host round trip: the engine reads b with the cycle's tokens."""
+
+    def __init__(self, policy: StepPolicy) -> None:
+        super().__init__()
+        self.prior = policy.prior if policy.model.config.prior else None
+        self.model = copy.deepcopy(policy.model).eval()  # the host's hook keeps its own (on the CPU, folded)
+        self.features = policy.model.config.features
+        self.register_buffer("candidates", torch.tensor(policy.candidates, dtype=torch.long))
+        self.inputs = 1 + len(policy.candidates) if self.prior is not None else 0
+
+    def row_inputs(self, prefill: PrefillState, first_block_size: int) -> list[float]:
+        """The request's numbers the decision reads at every cycle: with a prior, b0 and the prior's probability of
+        each candidate (as the hook reads them)."""
+        if self.prior is None:
+            return []
+        return [float(first_block_size), *map(float, self.prior.probabilities(prefill))]
+
+    def forward(
+        self,
+        anchor_logits: torch.Tensor,  # (N, V) the target's logits at each row's new last token
+        tokens: torch.Tensor,  # (N, 2) that token and the one before it
+        temperature: torch.Tensor,  # (N,)
+        cursor: torch.Tensor,  # (N,) tokens generated, the prefill's one included
+        last_accepted: torch.Tensor,  # (N,) tokens the cycle committed
+        last_block_size: torch.Tensor,  # (N,) its b
+        inputs: torch.Tensor,  # (N, `inputs`) `row_inputs`
+    ) -> torch.Tensor:
+        """(N,) long: each row's next b."""
+        entropy, _, top_probs = distribution_summary(anchor_logits, ANCHOR_TOP_K)
+        view = CycleView(
+            entropy,
+            top_probs,
+            temperature=temperature,
+            cursor=cursor,
+            tokens=tokens,
+            last_accepted=last_accepted,
+            last_block_size=last_block_size,
+            prior_block_size=inputs[:, 0] if self.prior is not None else None,
+            prior_probabilities=inputs[:, 1:] if self.prior is not None else None,
+        )
+        scores = self.model.scores_at(self.features.build_tensor(view), batch_rows=1)
+        return self.candidates[scores.argmax(dim=1)]
