@@ -479,6 +479,7 @@ class BatchedDecoder:
             started = time.perf_counter()
             adaptive = self.adaptive
             defaults = self.sampling_defaults
+            self._engine.decide_in_cycle(adaptive)  # a per-step policy's choice inside the lone row's cycle
             shapes = self._engine.declared_shapes(
                 adaptive.block_size_choices,
                 spans=self.compile_spans,

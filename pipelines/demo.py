@@ -420,11 +420,14 @@ def run_demo(job: DemoJob) -> int:
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
     # The engine, as the cost curve measured it: one for the chains (every b up to the widest candidate), one for
-    # the trees.
+    # the trees, and one whose lone cycles compute the step model's choice (`decide_in_cycle`), as the endpoint's
+    # replica does for its adaptive policy (the other policies' cycles do not pay for it here).
     engine = Engine(models, width=depth, compile=job.compile, sampling=False)
     trees = tree_nodes and Engine(models, width=depth, compile=job.compile, sampling=False, tree_nodes=tree_nodes)
     runs = {key: resolve_policy(spec, models) for key, (spec, _) in specs.items() if spec is not None}
-    engines = {key: trees if key == "best_tree" else engine for key in runs}
+    stepping = Engine(models, width=depth, compile=job.compile, sampling=False)
+    stepping = stepping if stepping.decide_in_cycle(runs["step"]) else engine
+    engines = {key: trees if key == "best_tree" else stepping if key == "step" else engine for key in runs}
     for key, policy in runs.items():  # a first pass compiles every shape the generations meet (not timed)
         measure_speed(models, prompts_ids, policy, config, engine=engines[key])
     # Rounds over every decoder, the plain loop included, so that the machine's drift falls on all of them alike
