@@ -1,18 +1,23 @@
-"""What the confidence rule's decision adds to a cycle at batch 1: the anchor's top-1 probability computed inside the
-compiled cycle, and the rule's choice on the host, against the cycle without them.
+"""What a per-step decision adds to a cycle at batch 1: the confidence rule's (the anchor's top-1 probability computed
+inside the compiled cycle, the rule's choice on the host) and, with --step-model, the step model's computed inside the
+compiled cycle (`Engine.decide_in_cycle`) against its hook on the host; each against the cycle without them.
 
-    python benchmarks/bench_decision.py --zoo $ZOO [--rule $STEP_FOLDER] [--rounds 7]
+    python benchmarks/bench_decision.py --zoo $ZOO [--rule $STEP_FOLDER] [--step-model $STEP_MODEL
+        [--predictor $PREDICTOR]] [--rounds 7]
 
-Two decoders over the same models, one whose cycle skips the top-1 probability, compiled alike; in interleaved rounds
-each runs --cycles cycles of one row at width 1 (autoregressive, the drafter's context kept for later) and at the
-drafter's widest b; the median cycle of each, and the median time of one choice of the rule (`ConfidencePolicy`'s
-hook for one row, an untrained rule over b in {1, B-2..B+2} unless --rule is given) against the hook of a policy
-that keeps b. Prints the decision's share of each cycle.
+Decoders over the same models, compiled alike: one whose cycle skips the top-1 probability, the cycle as it is, and
+with --step-model one whose cycle also chooses the step model's next b; in interleaved rounds each runs --cycles
+cycles of one row at width 1 (autoregressive, the drafter's context kept for later) and at the drafter's widest b;
+the median cycle of each, and the median time of one choice on the host: the rule's (`ConfidencePolicy`'s hook for
+one row, an untrained rule over b in {1, B-2..B+2} unless --rule is given) and the step model's hook, each against
+the hook of a policy that keeps b. Prints each decision's share of each cycle. A step model trained beside a
+per-request predictor (`learned+step`) needs it: --predictor.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 import types
@@ -24,9 +29,13 @@ import torch
 from blockpilot.blocks import label_candidates
 from blockpilot.decoding.static import StaticDecoder, span_bucket
 from blockpilot.models import load_models
-from blockpilot.policies.base import BlockSizePolicy, CycleState
+from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState
 from blockpilot.policies.confidence import ConfidencePolicy
+from blockpilot.policies.learned import LearnedPolicy
+from blockpilot.policies.step import PriorStepPolicy, StepPolicy
 from blockpilot.predictor.confidence import EDGES, OUTCOMES, ConfidenceRule
+from blockpilot.predictor.step_model import load_step_model
+from blockpilot.predictor.store import load_predictor
 
 
 def without_confidence(decoder: StaticDecoder) -> StaticDecoder:
@@ -54,6 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, required=True, help="a zoo folder (target/ and drafter/)")
     parser.add_argument("--rule", default=None, help="a confidence rule (its JSON, or a step model's folder)")
+    parser.add_argument("--step-model", default=None, help="a step model (folder or models:/ URI)")
+    parser.add_argument("--predictor", default=None, help="the per-request predictor a --step-model reads")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cycles", type=int, default=200)
     args = parser.parse_args()
@@ -64,13 +75,25 @@ def main() -> None:
     models = load_models(args.zoo / "target", args.zoo / "drafter")
     candidates = label_candidates(models.train_block_size)
     widest = max(candidates)
+    step = None
+    if args.step_model:
+        model = load_step_model(args.step_model)
+        if model.config.prior and not args.predictor:
+            parser.error("this step model reads a per-request predictor's choice: give it with --predictor")
+        step = PriorStepPolicy(model, LearnedPolicy(load_predictor(args.predictor))) if model.config.prior else None
+        step = step or StepPolicy(model)
+    prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
     decoders = {}
-    for name in ("without", "with"):
+    for name in ("without", "with", "step")[: 3 if step else 2]:
         decoder = StaticDecoder(models, rows=2, width=widest, capacity=512, compile="compile")
         decoders[name] = without_confidence(decoder) if name == "without" else decoder
-        prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
+        inputs = []
+        if name == "step":
+            decision = step.cycle_decision(models.device)
+            decoder.set_decision(decision, decision.inputs)
+            inputs = [float(widest), *([1 / len(step.candidates)] * len(step.candidates))][: decision.inputs]
         decoder.prefill(0, [prompt])
-        decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0)
+        decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0, decision_inputs=inputs)
     if args.rule:
         rule = ConfidenceRule.load(args.rule)
     else:
@@ -79,7 +102,11 @@ def main() -> None:
         rule = ConfidenceRule(candidates, (0.0,), commits, np.full(commits.shape[:-1], 100), cost)
     policy, keeper = ConfidencePolicy(rule), BlockSizePolicy()
     logits = decoders["with"].anchor_logits[0]
-    state = CycleState(3, widest, 2, 10, 64, 0.0, logits, anchor_confidence=0.93, prices={1: 3e-4, widest: 1e-3})
+    prefill = PrefillState(logits, prompt, 0.0, models.train_block_size, first_token=int(prompt[-1]))
+    prices = {1: 3e-4, widest: 1e-3}
+    state = CycleState(3, widest, 2, 10, 64, 0.0, logits, widest, recent_tokens=(5, 7), prefill=prefill)
+    state = dataclasses.replace(state, anchor_confidence=0.93, prices=prices)
+    hooks = {"rule": policy, "keeps b": keeper} | ({"step": step} if step else {})
 
     def hook_seconds(hooked: BlockSizePolicy) -> float:
         times = []
@@ -97,7 +124,7 @@ def main() -> None:
                 seconds = timed_cycles(decoder, width, context, args.cycles)
                 if round_:
                     rounds.setdefault((width, name), []).append(seconds)
-        for name, hooked in (("rule", policy), ("keeps b", keeper)):
+        for name, hooked in hooks.items():
             seconds = hook_seconds(hooked)
             if round_:
                 rounds.setdefault(("hook", name), []).append(seconds)
@@ -113,6 +140,15 @@ def main() -> None:
             f"  width {width} ({context}): cycle {bare * 1e3:.3f} ms without the decision, {full * 1e3:.3f} ms with "
             f"the top-1 probability in the cycle; with the choice too: +{added * 1e6:.1f} us = {added / bare:+.1%}"
         )
+    if step:
+        host = median[("hook", "step")] - median[("hook", "keeps b")]
+        print(f"  the step model's choice on the host: {host * 1e6:.1f} us a row more than a policy that keeps b")
+        for width, context in shapes:
+            full, inside = median[(width, "with")], median[(width, "step")]
+            print(
+                f"  width {width} ({context}): cycle {full * 1e3:.3f} ms, {inside * 1e3:.3f} ms with the step model's "
+                f"choice inside it: {inside / full - 1:+.1%} (its hook on the host: {host / full:+.1%})"
+            )
 
 
 if __name__ == "__main__":
