@@ -17,7 +17,6 @@ per-request predictor (`learned+step`) needs it: --predictor.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 import types
@@ -80,8 +79,8 @@ def main() -> None:
         model = load_step_model(args.step_model)
         if model.config.prior and not args.predictor:
             parser.error("this step model reads a per-request predictor's choice: give it with --predictor")
-        step = PriorStepPolicy(model, LearnedPolicy(load_predictor(args.predictor))) if model.config.prior else None
-        step = step or StepPolicy(model)
+        prior = model.config.prior
+        step = PriorStepPolicy(model, LearnedPolicy(load_predictor(args.predictor))) if prior else StepPolicy(model)
     prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
     decoders = {}
     for name in ("without", "with", "step")[: 3 if step else 2]:
@@ -91,7 +90,8 @@ def main() -> None:
         if name == "step":
             decision = step.cycle_decision(models.device)
             decoder.set_decision(decision, decision.inputs)
-            inputs = [float(widest), *([1 / len(step.candidates)] * len(step.candidates))][: decision.inputs]
+            if decision.inputs:  # a prior's b0 and its (here uniform) probabilities
+                inputs = [float(widest), *[1 / len(step.candidates)] * len(step.candidates)]
         decoder.prefill(0, [prompt])
         decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0, decision_inputs=inputs)
     if args.rule:
@@ -103,9 +103,20 @@ def main() -> None:
     policy, keeper = ConfidencePolicy(rule), BlockSizePolicy()
     logits = decoders["with"].anchor_logits[0]
     prefill = PrefillState(logits, prompt, 0.0, models.train_block_size, first_token=int(prompt[-1]))
-    prices = {1: 3e-4, widest: 1e-3}
-    state = CycleState(3, widest, 2, 10, 64, 0.0, logits, widest, recent_tokens=(5, 7), prefill=prefill)
-    state = dataclasses.replace(state, anchor_confidence=0.93, prices=prices)
+    state = CycleState(
+        cycle=3,
+        block_size=widest,
+        acceptance_length=2,
+        new_tokens=10,
+        max_new_tokens=64,
+        temperature=0.0,
+        anchor_logits=logits,
+        first_block_size=widest,
+        recent_tokens=(5, 7),
+        prefill=prefill,
+        anchor_confidence=0.93,
+        prices={1: 3e-4, widest: 1e-3},
+    )
     hooks = {"rule": policy, "keeps b": keeper} | ({"step": step} if step else {})
 
     def hook_seconds(hooked: BlockSizePolicy) -> float:
