@@ -56,7 +56,7 @@ def oracle_drafts(
         logits[position - 1] = logits[other]
     logits = logits * sharpness
 
-    def draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
+    def draft_logits(self, n: int, span: int, width: int, packing=None) -> torch.Tensor:
         positions = self.length[:n, None] + self.offsets[1:width]  # the drafted slots' positions
         return logits[(positions - 1).clamp(0, len(reference) - 1)]
 
@@ -84,9 +84,9 @@ def context_writes(engine) -> list[int]:
     drafter, written = engine.decoder.drafter, []
     write = drafter.encode
 
-    def encode(features, positions, slots, rows):
+    def encode(features, positions, slots, rows, packing=None):
         written.append(features.shape[1])
-        write(features, positions, slots, rows)
+        write(features, positions, slots, rows, packing)
 
     drafter.encode = encode
     return written

@@ -73,6 +73,63 @@ def test_a_cycle_runs_at_the_width_bucket_of_its_widest_block(tiny_models):
     assert set(widths) <= {1, 2, 4} and 4 in widths  # 2 or 1 once the wider rows have left
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_unequal_blocks_run_packed_and_decode_what_padded_rows_do(tiny_models, temperature):
+    """Rows at b = 1, 2, 5 and 8 in one engine of width 8: cycles that mix them compute their b summed, rounded up to
+    a power of two (`_packed_cycle`: 16 entries, not 4 rows x 8), and every row commits what it commits padded, a row
+    that verifies by `rejection` and one that cuts its distributions (top-k) included; at T = 0 the target's greedy
+    output. No stop tokens: every row runs its budget, whatever the weights."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:4]]
+    configs = [
+        GenerationConfig(max_new_tokens=20, temperature=temperature, seed=7 + i, verify=rule, top_k=5 * (i == 3))
+        for i, rule in enumerate(["match", "rejection", "match", "match"])
+    ]
+    policies = [FixedBlockSize(b) for b in (1, 2, 5, 8)]
+    outputs, packed = {}, []
+    for pack in (True, False):
+        engine = Engine(tiny_models, max_batch=4, width=8, batch_pricing=False)
+        engine.decoder.pack_rows = pack
+        run = engine.decoder.steps.run
+
+        def counted(name, *shape, run=run):
+            if name == "_packed_cycle":
+                packed.append(shape)
+            run(name, *shape)
+
+        engine.decoder.steps.run = counted
+        requests = [GenerationRequest(p, c, q) for p, c, q in zip(prompts, configs, policies, strict=True)]
+        outputs[pack] = [r.token_ids for r in generate_many(tiny_models, requests, engine=engine)]
+    assert outputs[True] == outputs[False]
+    if temperature == 0:
+        assert outputs[True] == [greedy_reference(tiny_models.target, p, 20) for p in prompts]
+    assert packed and (4, 256, 8, 16, temperature > 0, temperature > 0) in packed
+
+
+@pytest.mark.slow
+def test_a_compiled_packed_cycle_commits_what_the_compiled_padded_one_does(tiny_models):
+    """Compiled, cycle by cycle: four rows at b = 1, 2, 5 and 8 (width 8) commit the same tokens packed into 16
+    entries as padded into 32 (the same state after every cycle, then)."""
+    prompts = [tiny_models.encode_prompt(text) for text in PROMPTS[:4]]
+    decoders = [StaticDecoder(tiny_models, rows=4, width=8, capacity=256, compile="compile") for _ in range(2)]
+    for decoder, pack in zip(decoders, (True, False), strict=True):
+        decoder.pack_rows = pack
+        for row, prompt in enumerate(prompts):
+            decoder.prefill(row, [torch.tensor(prompt[:-1])])
+            decoder.place(row, length=len(prompt) - 1, last_token=prompt[-1], temperature=0.0, seed=row)
+        decoder.set_block_sizes([1, 2, 5, 8])
+    packed, padded = decoders
+    drafted = 0
+    for _ in range(6):
+        outputs = [[t.clone() for t in decoder.cycle(4, 256, 8)] for decoder in decoders]
+        assert packed.packed == 16 and padded.packed == 0
+        (tokens, counts, _), (expected_tokens, expected_counts, _) = outputs
+        assert torch.equal(counts, expected_counts)
+        for row, count in enumerate(counts.tolist()):
+            assert torch.equal(tokens[row, :count], expected_tokens[row, :count])
+        drafted += int((counts > 1).sum())
+    assert drafted, "no draft accepted: the test would not tell a wrong draft from a right one"
+
+
 def test_autoregressive_and_a_target_without_drafter(tiny_models):
     prompts, expected = references(tiny_models, 24, PROMPTS[:3])
     engine = Engine(tiny_models, max_batch=2)
@@ -417,6 +474,12 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert decoder.steps.holding("_cycle", (1, 1024, 2, False, False)) is None
     assert decoder.steps.holding("_cycle", (1, 256, 2, True, False)) is None  # another rule: not held
     assert decoder.steps.holding("_cycle", (1, 256, 2, False, True)) is None  # truncating: not held either
+    # A packed step holds a cycle of fewer rows when its entries hold their blocks and one for each free row.
+    decoder.steps.built[("_packed_cycle", 4, 256, 8, 16, False, False)] = lambda: None
+    held = ("_packed_cycle", 4, 256, 8, 16, False, False)
+    assert decoder.steps.holding("_packed_cycle", (3, 256, 8, 15, False, False)) == held
+    assert decoder.steps.holding("_packed_cycle", (3, 256, 8, 16, False, False)) is None  # 16 + 1 free row > 16
+    assert decoder.steps.holding("_packed_cycle", (4, 256, 8, 16, True, False)) is None
 
 
 def test_a_compiled_engine_for_requests_rounds_its_capacity_so_other_lengths_share_its_steps(random_models):

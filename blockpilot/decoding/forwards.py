@@ -99,6 +99,36 @@ def stacked(weights: Sequence[nn.Parameter]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Packing:
+    """The entries of a block of n rows x W slots that a packed pass computes: a row's first b slots (its own block
+    size), then padding up to a static token count T. Projections, MLPs and heads run over the T packed entries, in a
+    (T, C) layout; attention runs over the block padded, each row reading its own cache, so a row pays for its own
+    slots, not for the widest row's. `index` (T,): positions in the flattened (n * W) block, every used entry first
+    (a permutation's prefix: no entry twice, so a padded entry computes something unread)."""
+
+    index: torch.Tensor  # (T,)
+    rows: int
+    width: int
+
+    @staticmethod
+    def of(sizes: torch.Tensor, width: int, tokens: int) -> Packing:
+        """The packing of blocks whose rows use their first `sizes` (n,) slots of `width`, in `tokens` entries
+        (at least sizes' sum: the caller's bucket)."""
+        used = torch.arange(width, device=sizes.device) < sizes[:, None]  # (n, W)
+        index = torch.argsort((~used).flatten().int(), stable=True)[:tokens]
+        return Packing(index, sizes.shape[0], width)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(n, W, ...) -> (T, ...)."""
+        return t.reshape(self.rows * self.width, *t.shape[2:])[self.index]
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(T, ...) -> (n, W, ...), zeros where nothing was computed."""
+        flat = t.new_zeros(self.rows * self.width, *t.shape[1:]).index_copy(0, self.index, t)
+        return flat.reshape(self.rows, self.width, *t.shape[1:])
+
+
+@dataclass(frozen=True)
 class _Attention:
     """One layer's attention weights (views of the model's own parameters); what a family lacks is None."""
 
@@ -208,19 +238,31 @@ class _Layers(nn.Module):
                 self.register_buffer(f"{kind}_{index}", cache, persistent=False)
 
     def project(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, queries: bool = True
+        self,
+        index: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        queries: bool = True,
+        packing: Packing | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """x (n, S, hidden) -> queries (n, heads, S, d) (None without `queries`: the drafter's context) and keys
-        (n, kv_heads, S, d), both normed (where the family norms them) and rotated, and values (n, kv_heads, S, d):
-        one matmul."""
+        """x (n, S, hidden), or (T, hidden) packed by `packing` -> queries (n, heads, S, d) (None without `queries`:
+        the drafter's context) and keys (n, kv_heads, S, d), both normed (where the family norms them) and rotated,
+        and values (n, kv_heads, S, d): one matmul."""
         a = self.attention[index]
-        n, s, _ = x.shape
         query_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         if queries:
-            q, k, v = linear(x, a.qkv, a.qkv_bias).split([query_size, kv_size, kv_size], dim=-1)
+            projected = linear(x, a.qkv, a.qkv_bias)
         else:
             bias = a.qkv_bias[query_size:] if a.qkv_bias is not None else None
-            q, (k, v) = None, linear(x, a.qkv[query_size:], bias).split([kv_size, kv_size], dim=-1)
+            projected = linear(x, a.qkv[query_size:], bias)
+        if packing is not None:
+            projected = packing.unpack(projected)
+        n, s, _ = projected.shape
+        if queries:
+            q, k, v = projected.split([query_size, kv_size, kv_size], dim=-1)
+        else:
+            q, (k, v) = None, projected.split([kv_size, kv_size], dim=-1)
 
         def rotated(t: torch.Tensor, heads: int, norm: torch.Tensor | None) -> torch.Tensor:
             t = t.reshape(n, s, heads, self.head_dim)
@@ -243,13 +285,17 @@ class _Layers(nn.Module):
         keys, values = getattr(self, f"keys_{index}"), getattr(self, f"values_{index}")
         return keys[rows, :span].transpose(1, 2), values[rows, :span].transpose(1, 2)
 
-    def layer(self, index: int, x: torch.Tensor, cos, sin, rows: slice, slots, mask) -> torch.Tensor:
+    def layer(
+        self, index: int, x: torch.Tensor, cos, sin, rows: slice, slots, mask, packing: Packing | None = None
+    ) -> torch.Tensor:
         """One whole decoder layer: its block's keys and values written at `slots`, then attention over the
         cache's first `span` slots (mask (n, 1, S, span), True = seen) and the MLP. With no mask the block is a
-        whole prompt from slot 0: it attends to itself causally, without reading the cache back."""
+        whole prompt from slot 0: it attends to itself causally, without reading the cache back. With `packing`, x
+        is (T, hidden) packed, and so is the output; attention runs padded (what padding writes lies past each
+        row's block, where no query reads)."""
         first, second = self.norms[index]
-        n, s, _ = x.shape
-        q, keys, values = self.project(index, rms_norm(x, first, self.eps), cos, sin)
+        q, keys, values = self.project(index, rms_norm(x, first, self.eps), cos, sin, packing=packing)
+        n, s = keys.shape[0], keys.shape[2]
         self.write(index, rows, slots, keys, values)
         gqa = self.heads != self.kv_heads
         if mask is None:
@@ -258,7 +304,10 @@ class _Layers(nn.Module):
             keys, values = self.cached(index, rows, mask.shape[-1])
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         attention = self.attention[index]
-        x = x + linear(out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim), attention.o, attention.o_bias)
+        out = out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim)
+        if packing is not None:
+            out = packing.pack(out)
+        x = x + linear(out, attention.o, attention.o_bias)
         mlp, h = self.mlp[index], rms_norm(x, second, self.eps)
         if isinstance(mlp, _Experts):
             return x + mlp(h)
@@ -305,15 +354,16 @@ class StaticTarget(nn.Module):
         # too); None: the tokens are whole prompts from slot 0, each seeing the ones before it
         rows: slice | None = None,  # the n cache rows (default: the first n)
         logits_at: torch.Tensor | None = None,  # (n,) the one entry of each row whose logits are wanted
+        packing: Packing | None = None,  # computes only the packed entries (the others' logits and features are 0)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (n, S, V) in fp32, or (n, 1, V) at `logits_at`, and features (n, S, len(layer_ids) * hidden) or
         None."""
         rows = rows if rows is not None else slice(0, ids.shape[0])
         cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.embed.dtype, self.rope_scaling)
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids if packing is None else packing.pack(ids), self.embed)
         taps = {}
         for index in range(len(self.body.attention)):
-            x = self.body.layer(index, x, cos, sin, rows, slots, mask)
+            x = self.body.layer(index, x, cos, sin, rows, slots, mask, packing)
             if index in self.layer_ids and index != self.last:
                 taps[index] = x
         x = rms_norm(x, self.norm, self.eps)
@@ -322,7 +372,10 @@ class StaticTarget(nn.Module):
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at][:, None]
-        return linear(x, self.head).float(), features
+        logits = linear(x, self.head).float()
+        if packing is not None:
+            logits, features = packing.unpack(logits), packing.unpack(features) if features is not None else None
+        return logits, features
 
 
 class StaticDrafter(nn.Module):
@@ -338,23 +391,38 @@ class StaticDrafter(nn.Module):
         self.eps = config.rms_norm_eps
         self.inverse_frequencies = default_inverse_frequencies(config.head_dim, config.rope_theta, self.fc.device)
 
-    def encode(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: slice) -> None:
+    def encode(
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: slice,
+        packing: Packing | None = None,
+    ) -> None:
         """The context keys and values of target features (n, S, F) at `positions`, written at `slots` (n, S) of
-        cache rows `rows`."""
+        cache rows `rows` (with `packing`, of its entries only: the others' are written as zeros)."""
+        features = features if packing is None else packing.pack(features)
         context = rms_norm(linear(features.to(self.fc.dtype), self.fc), self.hidden_norm, self.eps)
         cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.fc.dtype)
         for index in range(len(self.body.attention)):
-            _, keys, values = self.body.project(index, context, cos, sin, queries=False)
+            _, keys, values = self.body.project(index, context, cos, sin, queries=False, packing=packing)
             self.body.write(index, rows, slots, keys, values)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        rows: slice,
+        packing: Packing | None = None,
+    ) -> torch.Tensor:
         """Hidden states (n, W, hidden) of blocks (embeds (n, W, hidden)) at `positions` (n, W), written at those
         slots of cache rows `rows`; mask (n, 1, 1 or W, span) True = seen (the context before the anchor and the
-        block's own slots)."""
+        block's own slots). With `packing`, embeds and hidden states are its entries' (T, hidden)."""
         cos, sin = rotary_cos_sin(positions, self.inverse_frequencies, self.fc.dtype)
         x = embeds.to(self.fc.dtype)
         for index in range(len(self.body.attention)):
-            x = self.body.layer(index, x, cos, sin, rows, positions, mask)
+            x = self.body.layer(index, x, cos, sin, rows, positions, mask, packing)
         return rms_norm(x, self.norm, self.eps)
 
 

@@ -47,7 +47,14 @@ import torch
 import torch.nn.functional as F
 
 from blockpilot.decoding.compiled import compile_mode, inductor_options
-from blockpilot.decoding.forwards import StaticDrafter, StaticTarget, check_exact_target, linear, measure_few_rows
+from blockpilot.decoding.forwards import (
+    Packing,
+    StaticDrafter,
+    StaticTarget,
+    check_exact_target,
+    linear,
+    measure_few_rows,
+)
 from blockpilot.decoding.request import RECORD_TOP_K
 from blockpilot.decoding.sampling import (
     DRAFT_STREAM,
@@ -184,6 +191,9 @@ class StaticDecoder:
             self.record_entropy = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
             self.record_top_ids = torch.zeros(rows, width, RECORD_TOP_K, **long)
             self.record_top_probs = torch.zeros(rows, width, RECORD_TOP_K, dtype=torch.float32, device=self.device)
+        # A chain cycle of rows of unequal b computes each row's own slots (`_packed_cycle`), not the widest row's.
+        self.pack_rows = True
+        self.packed = 0  # the entries the last cycle packed its rows' blocks into (0: it ran padded)
         self.steps = Steps(self, compile, self.device, self._moved_by_a_build)
         # Whole prompts' prefill compiled too, by `compile_prefill` (a long-lived engine's start), on a CPU.
         self._prefill_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
@@ -236,16 +246,24 @@ class StaticDecoder:
     # ------------------------------------------------------------------ the cycle, on device buffers only
 
     def _cycle(
-        self, n: int, span: int, width: int, rejection: bool = False, truncate: bool = False, context: str = "encode"
+        self,
+        n: int,
+        span: int,
+        width: int,
+        rejection: bool = False,
+        truncate: bool = False,
+        context: str = "encode",
+        tokens: int = 0,
     ) -> None:
         length, last, sizes = self.length[:n], self.last_token[:n], self.block_sizes[:n]
+        packing = Packing.of(sizes, width, tokens) if tokens else None  # each row's own b slots, not the width's
         rows, window, offsets = slice(0, n), self.slot_range[:span], self.offsets[:width]
         temperatures, seeds = self.temperatures[:n], self.seeds[:n]
         cut = (self.top_ks[:n], self.top_ps[:n]) if truncate else ()  # each row's top-k and top-p, where asked
         positions = length[:, None] + offsets  # (n, W)
         ids = last[:, None].expand(-1, width)
         if width > 1:
-            draft_logits = self._draft_logits(n, span, width)  # (n, W - 1, V)
+            draft_logits = self._draft_logits(n, span, width, packing)  # (n, W - 1, V)
             drafts = draft_logits.argmax(dim=-1)
             if rejection:  # rows that verify by `rejection` draft samples of the drafter at their temperature
                 rejecting = self.rejection[:n] & (temperatures > 0)
@@ -256,7 +274,7 @@ class StaticDecoder:
                 drafts = torch.where(rejecting[:, None], sampled, drafts)
             ids = torch.cat([ids[:, :1], drafts], dim=1)
         mask = (window[None, None, :] <= positions[:, :, None])[:, None]  # (n, 1, W, span)
-        logits, features = self.target(ids, positions, positions, mask, rows)
+        logits, features = self.target(ids, positions, positions, mask, rows, packing=packing)
         # the picks' and the test's distributions
         target_probs = row_probs(logits, temperatures, *cut) if rejection or truncate else None
         out = self._pick(logits, positions + 1, rows, target_probs)  # (n, W)
@@ -270,11 +288,19 @@ class StaticDecoder:
         else:
             accepted = torch.zeros_like(length)
         if self.drafter is not None and context == "encode":  # the drafter's context grows at every width
-            self.drafter.encode(features, positions, positions, rows)
+            self.drafter.encode(features, positions, positions, rows, packing)
         elif self.drafter is not None and context == "defer":  # width 1: one position a row, kept for later
             self._defer_context(n, features[:, 0], positions[:, 0])
         self._record(n, logits, features, offsets.expand(n, -1))
         self._commit(n, logits, out, accepted, accepted, offsets >= sizes[:, None], decide=context != "skip")
+
+    def _packed_cycle(
+        self, n: int, span: int, width: int, tokens: int, rejection: bool = False, truncate: bool = False
+    ) -> None:
+        """A chain cycle whose projections, MLPs and heads compute each row's own b slots, packed into `tokens`
+        entries (at least the rows' b summed, free rows' 1 included), not n x width: a narrow row beside a wide
+        one pays for its own draft (`forwards.Packing`). The same tokens as `_cycle`'s."""
+        self._cycle(n, span, width, rejection, truncate, "encode", tokens)
 
     def _plain_cycle(self, n: int, span: int, truncate: bool = False) -> None:
         """An autoregressive cycle for rows that never draft again: no drafter context kept."""
@@ -302,15 +328,19 @@ class StaticDecoder:
         self.drafter.encode(self.pending_features[:n], positions, slots, slice(0, n))
         count.zero_()
 
-    def _draft_logits(self, n: int, span: int, width: int) -> torch.Tensor:
+    def _draft_logits(self, n: int, span: int, width: int, packing: Packing | None = None) -> torch.Tensor:
         """The drafter over rows 0 .. n - 1's blocks [last token, MASK x (width - 1)] at their next positions, each
-        seeing its context and its own first b slots: the target head's logits of the drafted slots (n, W - 1, V)."""
+        seeing its context and its own first b slots: the target head's logits of the drafted slots (n, W - 1, V)
+        (with `packing`, of each row's first b - 1; the others' are 0)."""
         length, sizes, offsets = self.length[:n], self.block_sizes[:n], self.offsets[:width]
         ids = self.last_token[:n, None].expand(-1, width)
         block = torch.where(offsets == 0, ids, torch.full_like(ids, self.mask_token_id))
         sees = (self.slot_range[:span] < (length + sizes)[:, None])[:, None, None, :]  # (n, 1, 1, span)
-        hidden = self.drafter(F.embedding(block, self.target.embed), length[:, None] + offsets, sees, slice(0, n))
-        return linear(hidden[:, 1:], self.target.head)
+        embeds = F.embedding(block if packing is None else packing.pack(block), self.target.embed)
+        hidden = self.drafter(embeds, length[:, None] + offsets, sees, slice(0, n), packing)
+        if packing is None:
+            return linear(hidden[:, 1:], self.target.head)
+        return packing.unpack(linear(hidden, self.target.head))[:, 1:]
 
     def _record(
         self,
@@ -478,7 +508,8 @@ class StaticDecoder:
         `truncate`, rows sample their distributions cut to their top-k and top-p (`place`; a variant too, run only
         where a row cuts: a batch without one pays no sort). `context` (`CONTEXT_MODES`) is how a cycle of width 1
         keeps the drafter's context (on a frozen decoder, where that step was built; else it encodes); a wider cycle
-        encodes."""
+        encodes, packed where its rows' b summed need fewer entries than n x width (`packed_tokens`; on a frozen
+        decoder, where such a step was built)."""
         width = width or self.width
         if not 1 <= width <= self.width:
             raise ValueError(f"a cycle of width {width}: expected 1 .. {self.width}")
@@ -490,12 +521,28 @@ class StaticDecoder:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
         if self.decision is not None:  # 0 unless this cycle's step chooses (one row, chains, a row that may draft)
             self.decided[:n].zero_()
+        self.packed = 0
         step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span, truncate)
+        packed = ("_packed_cycle", n, span, width, self.packed_tokens(n, width), rejection, truncate)
         if width == 1 and context != "encode" and self.drafter is not None and self.steps.can_run(step):
             self.steps.run(*step)
+        elif packed[4] and self.steps.can_run(packed):
+            self.steps.run(*packed)
+            self.packed = packed[4]
         else:
             self.steps.run("_cycle", n, span, width, rejection, truncate)
         return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
+
+    def packed_tokens(self, n: int, width: int) -> int:
+        """The token bucket a chain cycle of rows 0 .. n - 1 at `width` packs their blocks into (`_packed_cycle`):
+        the power of two that holds their b summed (a free row's 1 included), or 0 where that is no fewer than
+        n x width (the padded cycle) or `pack_rows` is off."""
+        if not self.pack_rows or width == 1 or n == 1:
+            return 0
+        needed, tokens = sum(self._host_block_sizes[:n]), 1
+        while tokens < needed:
+            tokens *= 2
+        return tokens if tokens < n * width else 0
 
     @torch.inference_mode()
     def flush_context(self, n: int) -> None:
@@ -532,6 +579,7 @@ class StaticDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Grow, verify and commit rows 0 .. n - 1's trees cut to `slots` slots in one step: as `cycle`."""
         self._check_tree_slots(slots)
+        self.packed = 0
         self.steps.run("_tree_cycle", n, span, slots, truncate)
         return self.tokens[:n], self.counts[:n], self.finite[:n]
 

@@ -1,7 +1,8 @@
 """How a decoder's steps run per compile mode (`compiled.COMPILE_MODES`): each step, a method of the decoder named with
-its shape (`("_cycle", rows, span, width, rejection, truncate)`), is compiled and/or captured once, the first time it
-runs or when it is built up front, and replayed after. Once frozen (a serving engine, after its declared shapes),
-nothing compiles: a step runs on the smallest built step that holds it, else eagerly (logged once)."""
+its shape (`("_cycle", rows, span, width, rejection, truncate)`; a packed one `("_packed_cycle", rows, span, width,
+tokens, rejection, truncate)`), is compiled and/or captured once, the first time it runs or when it is built up front,
+and replayed after. Once frozen (a serving engine, after its declared shapes), nothing compiles: a step runs on the
+smallest built step that holds it, else eagerly (logged once)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ class Steps:
     def holding(self, name: str, shape: Sequence[Any]) -> Step | None:
         """The smallest built step of `name` that holds `shape`: as many rows or more (the others are free rows,
         which commit nothing), as long a span or longer (masked), and for a chain cycle as wide or wider (a row's b
-        stops its acceptance) under the same rules (rejection, truncation); a tree step's slots and the flags of
-        the others must match. None when no built step holds it."""
+        stops its acceptance) under the same rules (rejection, truncation), a packed one with tokens for every row;
+        a tree step's slots and the flags of the others must match. None when no built step holds it."""
         rows, *rest = shape
         span = rest.pop(0) if rest else 0
         fits = []
@@ -77,10 +78,16 @@ class Steps:
                 continue
             if name == "_cycle" and (key[3] < rest[0] or list(key[4:]) != rest[1:]):
                 continue
-            if name != "_cycle" and list(key[3:]) != rest:
+            # a packed cycle's tokens hold the rows' blocks and one for each more (free) row
+            if name == "_packed_cycle" and (
+                key[3] < rest[0] or key[4] < rest[1] + key[1] - rows or list(key[5:]) != rest[2:]
+            ):
+                continue
+            if name not in ("_cycle", "_packed_cycle") and list(key[3:]) != rest:
                 continue
             fits.append(key)
-        size = lambda key: key[1] * (key[2] if span else 1) * (key[3] if name == "_cycle" else 1)  # noqa: E731
+        extent = {"_cycle": 3, "_packed_cycle": 4}.get(name)  # what the step computes beyond rows x span
+        size = lambda key: key[1] * (key[2] if span else 1) * (key[extent] if extent else 1)  # noqa: E731
         return min(fits, key=size, default=None)
 
     def build(self, name: str, *shape: Any) -> None:
