@@ -9,9 +9,10 @@ smallest compiled row count >= n, the span of cache their contexts need and the 
 one device-to-host copy of what the rows committed -> stop tokens, budgets, per-step policies on the host ->
 finished rows leave, the last row moving into the hole.
 
-- every row of a cycle computes the cycle's width bucket (a row's b <= width is where its acceptance stops), so a
-  policy's b is capped at the engine's width, and in a cycle of several rows an adaptive row drafts the whole width
-  (`Engine._widened`);
+- a chain cycle runs at the width bucket of its widest b (a row's b <= width is where its acceptance stops), so a
+  policy's b is capped at the engine's width; rows of unequal b run packed where that computes fewer entries, each
+  row its own slots (`StaticDecoder._packed_cycle`), else every row computes the width; in a cycle of several rows
+  an adaptive row drafts the whole width (`Engine._widened`);
 - sampling is counter-based (`sampling.pick_tokens`): a row's output for a seed is a function of its prompt and seed
   alone (any b, any batch);
 - rows at T > 0 with a top-k or top-p sample their cut distributions (`sampling.truncate`) in a cycle variant of
@@ -539,7 +540,9 @@ class Engine(RowScheduler):
         decided = self.decoder.decided[:n, None]
         host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long(), confidence, decided], dim=1).tolist()
         elapsed = time.perf_counter() - started
-        if chains:  # a width's price at this bucket; what keeping the drafter's context adds is the option's
+        # a width's price at this bucket (not a packed cycle's: it costs less); what keeping the drafter's context
+        # adds is the option's
+        if chains and not self.decoder.packed:
             self._observe_price(bucket, width, elapsed - flushed)
         if n == 1:
             self._observe_savings(rows[0], sizes[0], host[0][-4], elapsed - flushed)
