@@ -126,8 +126,9 @@ def load(models, args: argparse.Namespace) -> None:
     buckets = Engine(models, max_batch=args.max_batch).declared_row_buckets()
     engines = {}
     for packed in (True, False):
-        engines[packed] = Engine(models, max_batch=args.max_batch, compile="compile", row_buckets=buckets)
-        engines[packed].decoder.pack_rows = packed
+        engines[packed] = Engine(
+            models, max_batch=args.max_batch, compile="compile", row_buckets=buckets, pack_rows=packed
+        )
     widest = engines[True].width
     mixes = {
         "autoregressive": lambda i: resolve_policy("autoregressive", models),

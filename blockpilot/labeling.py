@@ -209,6 +209,8 @@ class Labeler:
             # Batch work: a batch's last rows run at its full rows, so the cycle compiles once a span, not once a
             # row count too (4 shapes to 1 on the tiny zoo's labels, about 20 s each on a CPU).
             row_buckets=(self.max_batch,) if compiled else None,
+            # Its rows share b: only a batch's last cycles, rows gone, would pack, each count of rows left a compile.
+            pack_rows=False,
         )
 
     def label(self, record: PromptRecord, temperature: float) -> list[dict[str, Any]]:

@@ -87,8 +87,7 @@ def test_rows_of_unequal_blocks_run_packed_and_decode_what_padded_rows_do(tiny_m
     policies = [FixedBlockSize(b) for b in (1, 2, 5, 8)]
     outputs, packed = {}, []
     for pack in (True, False):
-        engine = Engine(tiny_models, max_batch=4, width=8, batch_pricing=False)
-        engine.decoder.pack_rows = pack
+        engine = Engine(tiny_models, max_batch=4, width=8, batch_pricing=False, pack_rows=pack)
         run = engine.decoder.steps.run
 
         def counted(name, *shape, run=run):

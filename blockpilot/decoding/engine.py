@@ -128,7 +128,8 @@ class Engine(RowScheduler):
     free rows committing nothing), so many compiled shapes a span. `batch_pricing`: a cycle of several rows where no
     fixed b drafts runs the measured width (autoregression included) of the most expected tokens a second, every
     adaptive row drafting all of it (`batch_pricing.py`; off: every row runs its policy's b, as when measuring a
-    policy's own choices).
+    policy's own choices). `pack_rows`: chain cycles of rows of unequal b compute each row's own slots
+    (`StaticDecoder._packed_cycle`; a step of each token bucket compiles the first time a batch meets it).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class Engine(RowScheduler):
         record: bool = False,
         row_buckets: Sequence[int] | None = None,
         batch_pricing: bool = True,
+        pack_rows: bool = True,
     ) -> None:
         super().__init__(models, max_batch, prefill_chunk)
         if width is None:
@@ -165,6 +167,7 @@ class Engine(RowScheduler):
             top_k=top_k,
             record=record,
         )
+        self.decoder.pack_rows = pack_rows
         self.tree_nodes = tree_nodes  # the largest tree a cycle verifies, in nodes past the root (None: chains)
         self.tree_sizes = tree_buckets(tree_nodes) if tree_nodes is not None else []
         self.verified_nodes: Counter[int] = Counter()  # cycles by the tree size they verified
