@@ -379,19 +379,17 @@ class StaticDecoder:
         self.counts[:n].copy_(accepted + 1)
         anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         self._keep_anchor(n, anchor)
-        decides = decide and n == 1 and self.decision is not None
-        if decides:  # the token before the new last one: the last accepted draft, else the block's first token
+        last = out.gather(1, accepted[:, None])[:, 0]
+        grown = torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted))  # free rows stay at 0
+        if decide and n == 1 and self.decision is not None:
+            # the token before the new last one: the last accepted draft, else the block's first token
             last_draft = out.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]
             before = torch.where(accepted > 0, last_draft, self.last_token[:n])
-        self.last_token[:n].copy_(out.gather(1, accepted[:, None])[:, 0])
-        self.length[:n].add_(torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted)))
-        if decides:
-            tokens = torch.stack([self.last_token[:n], before], dim=1)
-            cursor = self.length[:n] - self.origins[:n]  # the tokens generated, the prefill's one included
+            cursor = self.length[:n] + grown - self.origins[:n]  # the tokens generated, the prefill's one included
             self.decided[:n].copy_(
                 self.decision(
                     anchor.float(),
-                    tokens,
+                    torch.stack([last, before], dim=1),
                     self.temperatures[:n],
                     cursor,
                     accepted + 1,
@@ -399,6 +397,8 @@ class StaticDecoder:
                     self.decision_inputs[:n],
                 )
             )
+        self.last_token[:n].copy_(last)
+        self.length[:n].add_(grown)
 
     def _keep_anchor(self, n: int, anchor: torch.Tensor) -> None:
         """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability: softmax's largest
