@@ -22,13 +22,14 @@ import argparse
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
+    fraction_arg,
     from_args,
     non_negative_int_arg,
     option,
@@ -49,6 +50,13 @@ class StepTrainJob:
     )
     prior: str | None = option(
         None, help="per-request predictor (folder or models:/ URI): its choice drafts the first cycle and is a feature"
+    )
+    val_share: float = option(
+        0.2,
+        type=fraction_arg,
+        help="with --prior: share of the --labels prompts held out of the fit, on which the model's walks and the "
+        "prior's are compared per temperature; where the prior's b0 kept to the end decodes faster, requests at that "
+        "temperature keep it",
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
@@ -117,7 +125,15 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     from blockpilot.cost import load_cost
     from blockpilot.data.labels import read_labels
     from blockpilot.predictor.confidence import fit_confidence_rule
-    from blockpilot.predictor.step_data import evaluate_step_model, format_step_metrics, regret_dataset, step_rows
+    from blockpilot.predictor.step_data import (
+        evaluate_step_model,
+        format_prior_temperatures,
+        format_step_metrics,
+        prior_temperatures,
+        regret_dataset,
+        split_step_rows,
+        step_rows,
+    )
     from blockpilot.predictor.step_model import StepModel, StepModelConfig
     from blockpilot.predictor.store import load_predictor
     from blockpilot.tracking import (
@@ -138,6 +154,9 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     prior = load_predictor(job.prior) if job.prior else None
     train_table = read_labels(job.labels)
     train_rows = step_rows(train_table, prior)
+    # With a prior, a share of the prompts is held out of the fit to say at which temperatures the prior's b0 kept
+    # to the end beats the model's choices (`prior_temperatures`).
+    fit_rows, validation_rows = split_step_rows(train_rows, job.val_share, job.seed) if prior else (train_rows, [])
     eval_table = read_labels(job.eval) if job.eval else None
     eval_rows = step_rows(eval_table, prior) if eval_table is not None else train_rows
     first = train_table.slice(0, 1).to_pylist()[0]
@@ -150,12 +169,14 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         drafter_id=first["drafter_id"] or "",
         prior=prior is not None,
         loads=loads,
+        temperatures=tuple(row.temperature for row in train_rows),
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
-    features, regret = regret_dataset(train_rows, StepModel(config), cost)
+    features, regret = regret_dataset(fit_rows, StepModel(config), cost)
+    held = f" ({len(validation_rows)} held out to compare it with the prior)" if validation_rows else ""
     print(
-        f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} training cycles (every candidate's walk), "
-        f"candidates {list(config.candidates)}, cost {cost.describe()}",
+        f"[step] {job.name}: {len(fit_rows)} label rows{held}, {len(features)} training cycles (every candidate's "
+        f"walk), candidates {list(config.candidates)}, cost {cost.describe()}",
         flush=True,
     )
     with start_run("blockpilot-step-policy", job.name, enabled=job.track, tags={"stage": "train-step"}) as tracker:
@@ -185,6 +206,13 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         result = trainer.fit()
         with result.checkpoint.as_directory() as directory:
             model = StepModel.load(Path(directory) / "step")
+        if validation_rows:
+            lone = min(loads) if loads else None  # the model chooses for lone rows; under load the batch does
+            kept, compared = prior_temperatures(model, validation_rows, cost, load=lone)
+            model.config = replace(model.config, prior_temperatures=kept)
+            tracker.log_params({"prior_temperatures": list(kept)})
+            tracker.log_metrics({f"validation/{k}": v for k, v in compared.items()})
+            print(format_prior_temperatures(kept, compared), flush=True)
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         rule = fit_confidence_rule(train_rows, cost)
         rule.save(out)  # beside the model: its folder (or MLflow URI) is the rule's too, `confidence:FOLDER`

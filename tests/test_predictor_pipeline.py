@@ -250,6 +250,40 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     assert list(pyfunc.predict(pd.DataFrame(features, columns=list(model.config.features.names)))) == expected
 
 
+def test_a_step_model_beside_a_prior_keeps_it_where_the_held_out_share_says_it_walks_faster(
+    local_ray, tiny_labels, tmp_path, mlflow_store
+):
+    """With --prior, a share of the --labels prompts is left out of the fit; per temperature, the model keeps the
+    prior's b0 where on that share the prior's walks were faster than its own, as the run logs them."""
+    import mlflow
+    import pyarrow.parquet as pq
+    import torch
+
+    from blockpilot.predictor import BlockSizePredictor, PredictorConfig
+    from blockpilot.predictor.step_model import StepModel
+    from pipelines.train_step_policy import StepTrainJob, run_step_train_job
+
+    table = pq.read_table(tiny_labels["train"])
+    candidates = tuple(table["candidates"][0].as_py())
+    vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
+    torch.manual_seed(0)
+    BlockSizePredictor(PredictorConfig("sparse", candidates, vocab, top_k=4, hidden_size=8)).save(tmp_path / "prior")
+    outcome = run_step_train_job(
+        StepTrainJob(
+            labels=tiny_labels["train"], prior=str(tmp_path / "prior"), val_share=0.5, epochs=1,
+            storage=tmp_path / "ray", out=tmp_path / "step", name="step-prior",
+        )
+    )
+    config = StepModel.load(outcome.model_dir).config
+    assert config.prior and config.temperatures == (0.0, 1.0)
+    mlflow.set_tracking_uri(mlflow_store)
+    run = mlflow.MlflowClient().get_run(outcome.run_id)
+    for t in (0, 1):
+        step, prior = (run.data.metrics[f"validation/T{t}/throughput_{k}"] for k in ("step", "request"))
+        assert (t in config.prior_temperatures) == (prior > step)
+    assert json.loads(run.data.params["prior_temperatures"]) == list(config.prior_temperatures)
+
+
 def test_train_runs_poll_their_reports_often_unless_the_user_says_otherwise(monkeypatch):
     """Ray Train's default 2 s poll made every reported epoch of a small fit wait up to 2 s."""
     from pipelines.ray_runtime import REPORT_POLL_ENV, REPORT_POLL_S, train_run_config

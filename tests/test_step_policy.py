@@ -26,8 +26,11 @@ from blockpilot.predictor.step_data import (
     StepRow,
     evaluate_step_model,
     fixed_walk_cycles,
+    format_prior_temperatures,
     format_step_metrics,
+    prior_temperatures,
     regret_dataset,
+    split_step_rows,
     step_rows,
     walk_step_model,
 )
@@ -544,6 +547,95 @@ def test_the_resolver_pairs_a_predictor_with_a_step_model(tmp_path, tiny_models)
     random_predictor((2, 3, 4), vocab, 0).save(tmp_path / "narrow")
     with pytest.raises(ValueError, match="differ from the step model's"):
         resolve_policy(f"learned+step:{tmp_path / 'narrow'},{tmp_path / 'step'}", tiny_models)
+
+
+def with_prior_at(model: StepModel, temperatures, kept) -> StepModel:
+    """`model` whose requests keep the prior's b0 at `kept` of the labels' `temperatures` (the weights shared)."""
+    gated = StepModel(replace(model.config, temperatures=tuple(temperatures), prior_temperatures=tuple(kept)))
+    gated.load_state_dict(model.state_dict())
+    return gated.eval()
+
+
+def test_the_prior_is_kept_at_the_temperatures_where_its_walks_beat_the_models(tiny_labels):
+    """`prior_temperatures` compares the model's walks with the prior's per temperature; a model that keeps the prior
+    there walks, at each temperature, the faster of the two: b0 to the end where kept, its own choices elsewhere."""
+    table = pq.read_table(tiny_labels["train"])
+    candidates = step_rows(table)[0].tables[0].candidates
+    vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
+    rows = step_rows(table, random_predictor(candidates, vocab, 3))
+    cost = CycleCost({1: {b: 1.0 + 0.4 * b for b in candidates}})  # drafting costs: walks of each policy differ
+    model = random_prior_step_model(11, candidates, 512)
+    kept, compared = prior_temperatures(model, rows, cost)
+    assert "T = 0" in format_prior_temperatures(kept, compared) and "T = 1" in format_prior_temperatures(kept, compared)
+    for forced in [kept, (0.0,), (1.0,), (0.0, 1.0)]:
+        metrics = evaluate_step_model(with_prior_at(model, (0.0, 1.0), forced), rows, cost)
+        for t in (0, 1):
+            own, prior = compared[f"T{t}/throughput_step"], compared[f"T{t}/throughput_request"]
+            assert metrics[f"T{t}/throughput_step"] == pytest.approx(prior if t in forced else own)
+            if forced == kept:
+                assert metrics[f"T{t}/throughput_step"] == pytest.approx(max(own, prior))
+    with pytest.raises(ValueError, match="before its temperatures are set"):
+        prior_temperatures(with_prior_at(model, (0.0, 1.0), (0.0,)), rows, cost)
+    with pytest.raises(ValueError, match="has none"):
+        prior_temperatures(random_step_model(11, candidates, 512), step_rows(table), cost)
+    fit, validation = split_step_rows(rows, 0.5, 0)
+    assert validation and fit and {r.prompt_id for r in fit}.isdisjoint(r.prompt_id for r in validation)
+    assert sorted(r.prompt_id for r in fit + validation) == sorted(r.prompt_id for r in rows)
+    assert split_step_rows(rows[:1], 0.5, 0) == (rows[:1], [])  # a side would be empty: no validation
+
+
+def test_the_prior_is_kept_by_the_nearest_labeled_temperature_and_only_with_a_prior(tmp_path):
+    config = step_config(prior=True, temperatures=(1.0, 0.0), prior_temperatures=(0.0,))
+    assert config.temperatures == (0.0, 1.0)
+    temperatures = torch.tensor([0.0, 0.4, 0.5, 0.6, 1.0, 2.0])
+    assert config.keeps_prior(temperatures).tolist() == [True, True, True, False, False, False]
+    assert not step_config(prior=True).keeps_prior(temperatures).any()
+    with pytest.raises(ValueError, match="among the labels' temperatures"):
+        step_config(prior=True, temperatures=(0.0,), prior_temperatures=(1.0,))
+    with pytest.raises(ValueError, match="must read one"):
+        step_config(temperatures=(0.0,), prior_temperatures=(0.0,))
+    model = random_step_model(3, prior=True, temperatures=(0.0, 1.0), prior_temperatures=(0.0,))
+    model.save(tmp_path / "step")
+    assert StepModel.load(tmp_path / "step").config == model.config
+    config_file = tmp_path / "step" / "config.json"  # a folder saved before these fields keeps no prior
+    saved = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({k: v for k, v in saved.items() if "temperatures" not in k}))
+    assert StepModel.load(tmp_path / "step").config.prior_temperatures == ()
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_request_at_a_kept_temperature_drafts_b0_every_cycle(tiny_models, max_batch):
+    """Inside the cycle (a lone row) and by the hook (two rows, the batch not choosing): every cycle of a request at
+    a temperature where the model keeps the prior drafts b0, cut only by the budget; at another the model chooses as
+    it would without the gate; both decode greedily."""
+    vocab = vocab_of(tiny_models)
+    prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, 5))
+    grown = growing_step_model(vocab, prior=True)
+    prompts = [tiny_models.encode_prompt(text) for text in ("Write the numbers from 2 to 20.", "Count from 1 to 9.")]
+    results = {}
+    for kept in [(), (0.0,), (1.0,)]:
+        policy = PriorStepPolicy(with_prior_at(grown, (0.0, 1.0), kept), prior)
+        engine = Engine(tiny_models, max_batch=max_batch, width=max(CANDIDATES), sampling=False, batch_pricing=False)
+        requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=40), policy) for p in prompts[:max_batch]]
+        results[kept] = generate_many(tiny_models, requests, max_batch=max_batch, engine=engine)
+    for index, prompt in enumerate(prompts[:max_batch]):
+        kept = results[(0.0,)][index]
+        assert kept.token_ids == greedy_reference(tiny_models.target, prompt, 40)
+        cut = [min(kept.block_size, 40 - (1 + sum(kept.acceptance_lengths[:i]))) for i in range(kept.cycles)]
+        assert kept.block_sizes == cut
+        free, other = results[()][index], results[(1.0,)][index]
+        assert (other.block_sizes, other.token_ids) == (free.block_sizes, free.token_ids)
+        assert len(set(free.block_sizes)) > 1, "a model that never changes b would not test the gate"
+
+
+def test_a_request_starting_autoregressive_where_the_prior_is_kept_keeps_no_drafter_context(tiny_models):
+    vocab = vocab_of(tiny_models)
+    prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, 5))
+    policy = PriorStepPolicy(with_prior_at(random_prior_step_model(3, vocab=vocab), (0.0, 1.0), (0.0,)), prior)
+    prefill = PrefillState(torch.zeros(vocab), torch.tensor([1, 2]), 0.0, 4, 1, 5)
+    assert policy.autoregressive_for_good(prefill, 1)
+    assert not policy.autoregressive_for_good(prefill, 2)
+    assert not policy.autoregressive_for_good(replace(prefill, temperature=1.0), 1)
 
 
 def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():

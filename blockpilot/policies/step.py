@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.data.labels import ANCHOR_TOP_K
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, distribution_summary
 from blockpilot.predictor.step_features import CycleView, tail_tokens
@@ -67,6 +68,20 @@ class StepPolicy(BlockSizePolicy):
             return None
         return CycleDecision(self).to(device)
 
+    def keeps_prior(self, temperatures: Sequence[float]) -> list[bool]:
+        """Whether requests at these temperatures keep the prior's b0 to their end (`StepModelConfig.keeps_prior`)."""
+        if self.prior is None:
+            return [False] * len(temperatures)
+        return self.model.config.keeps_prior(torch.tensor(list(temperatures), dtype=torch.float32)).tolist()
+
+    def autoregressive_for_good(
+        self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
+    ) -> bool:
+        """Also a request that starts autoregressive at a temperature where it keeps the prior's b0."""
+        if block_size == AUTOREGRESSIVE and self.keeps_prior([prefill.temperature])[0]:
+            return True
+        return super().autoregressive_for_good(prefill, block_size, option_price, saves)
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self.initial_block_sizes([prefill])[0]
 
@@ -89,7 +104,11 @@ class StepPolicy(BlockSizePolicy):
     def next_block_sizes(self, cycles: Sequence[CycleState]) -> list[int]:
         """The next b of every row that shares this policy, in one model call."""
         out = [cycle.block_size for cycle in cycles]
-        deciding = [i for i, cycle in enumerate(cycles) if cycle.anchor_logits is not None]
+        keeps = self.keeps_prior([cycle.temperature for cycle in cycles])
+        for i, cycle in enumerate(cycles):
+            if keeps[i] and cycle.first_block_size is not None:
+                out[i] = cycle.first_block_size
+        deciding = [i for i, cycle in enumerate(cycles) if cycle.anchor_logits is not None and not keeps[i]]
         if not deciding:
             return out
         chosen = [cycles[i] for i in deciding]
@@ -168,4 +187,7 @@ class CycleDecision(nn.Module):
             prior_probabilities=inputs[:, 1:] if self.prior is not None else None,
         )
         scores = self.model.scores_at(self.features.build_tensor(view), batch_rows=1)
-        return self.candidates[scores.argmax(dim=1)]
+        chosen = self.candidates[scores.argmax(dim=1)]
+        if self.prior is None or not self.model.config.prior_temperatures:
+            return chosen
+        return torch.where(self.model.config.keeps_prior(temperature), inputs[:, 0].long(), chosen)

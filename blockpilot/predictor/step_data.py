@@ -17,11 +17,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from blockpilot.cost import CycleCost, nearest_batch_size
 from blockpilot.predictor.confidence import ConfidenceRule, walk_rule
 from blockpilot.predictor.step_features import CycleView, anchor_tokens
 from blockpilot.predictor.step_model import StepModel
+from blockpilot.predictor.training import is_validation
 from blockpilot.table import AcceptanceTable, tables_from_row
 from blockpilot.walks import (
     POLICY_COLUMNS,
@@ -183,13 +185,15 @@ def walk_step_model(
     batch_rows: int = 1,
 ) -> tuple[list[int], list[int]]:
     """(block sizes, acceptance lengths) of the step model's walk over `table`, cycle by cycle, as the engine runs
-    it: b0 drafts the first cycle when there is one, the model picks every other b from what it reads."""
+    it: b0 drafts the first cycle when there is one, the model picks every other b from what it reads (at a
+    temperature where the model keeps the prior, b0 drafts every cycle)."""
     spec, candidates = model.config.features, table.candidates
     if spec.prior and (prior_block_size is None or prior_probabilities is None):
         raise ValueError("this step model reads a per-request prior: walk it with the prior's b0 and probabilities")
+    keeps_prior = bool(model.config.keeps_prior(torch.tensor([anchors.temperature]))[0])
 
     def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
-        if last_size is None and prior_block_size is not None:
+        if prior_block_size is not None and (last_size is None or keeps_prior):
             return prior_block_size
         view = anchors.view(
             table,
@@ -264,6 +268,42 @@ def evaluate_step_model(
     groups = temperature_groups([row.temperature for row in rows])
     trees = tree_walks_of_tables([row.tables for row in rows], cost)
     return walk_metrics(walks, groups, candidates, train, policies, oracles, trees)
+
+
+def split_step_rows(rows: list[StepRow], share: float, seed: int) -> tuple[list[StepRow], list[StepRow]]:
+    """(fit, validation) by prompt, as the per-request predictor's training splits its labels (`is_validation`);
+    (rows, []) where a side would be empty."""
+    validation = [row for row in rows if is_validation(row.prompt_id, share, seed)]
+    if not validation or len(validation) == len(rows):
+        return rows, []
+    return [row for row in rows if not is_validation(row.prompt_id, share, seed)], validation
+
+
+def prior_temperatures(
+    model: StepModel, rows: list[StepRow], cost: CycleCost, load: int | None = None
+) -> tuple[tuple[float, ...], dict[str, float]]:
+    """The temperatures of `rows` at which the per-request prior's b0, kept to the end, walks faster (modeled
+    tokens a second) than `model` choosing every cycle, and the metrics that say so (`evaluate_step_model`)."""
+    if not model.config.prior:
+        raise ValueError("prior_temperatures compares a step model with its per-request prior: it has none")
+    if model.config.prior_temperatures:
+        raise ValueError("prior_temperatures compares the model's own choices: ask before its temperatures are set")
+    metrics = evaluate_step_model(model, rows, cost, load=load)
+    temperatures = sorted({row.temperature for row in rows})
+    kept = tuple(t for t in temperatures if metrics[f"T{t:g}/throughput_request"] > metrics[f"T{t:g}/throughput_step"])
+    return kept, metrics
+
+
+def format_prior_temperatures(kept: tuple[float, ...], metrics: dict[str, float]) -> str:
+    """One line: at each temperature, the model's and the prior's modeled tokens a second on the validation rows,
+    and which one decides there."""
+    temperatures = sorted({float(k[1:].split("/", 1)[0]) for k in metrics if k.startswith("T")})
+    parts = []
+    for t in temperatures:
+        step, request = metrics[f"T{t:g}/throughput_step"], metrics[f"T{t:g}/throughput_request"]
+        who = "keeps the prior's b0" if t in kept else "chooses every cycle"
+        parts.append(f"T = {t:g} {who} (step {step:,.1f}, prior {request:,.1f} modeled tokens/s)")
+    return "[step] on the held-out share of --labels: " + "; ".join(parts)
 
 
 def format_step_metrics(title: str, metrics: dict[str, float]) -> str:

@@ -36,14 +36,28 @@ class StepModelConfig:
     prior: bool = False  # reads the per-request predictor's b0 and probabilities (`learned+step`)
     loads: tuple[int, ...] = ()  # a load-aware model: the batch sizes it was trained at, one head each
     token_dims: int = 8  # the token embedding's width
+    # The temperatures of the labels it was trained on, and those of them at which a request keeps the per-request
+    # predictor's b0 to its end, where on a validation split of the labels that prior's walks decoded faster than
+    # the model's (`keeps_prior`; `blockpilot train-step`).
+    temperatures: tuple[float, ...] = ()
+    prior_temperatures: tuple[float, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidates", distinct_block_sizes(int(b) for b in self.candidates))
         object.__setattr__(self, "loads", distinct_block_sizes(self.loads, "loads") if self.loads else ())
+        object.__setattr__(self, "temperatures", tuple(sorted({float(t) for t in self.temperatures})))
+        object.__setattr__(self, "prior_temperatures", tuple(sorted({float(t) for t in self.prior_temperatures})))
         positive_int(self.vocab_size, "vocab_size")
         positive_int(self.hidden_size, "hidden_size")
         positive_int(self.token_dims, "token_dims")
+        if not set(self.prior_temperatures) <= set(self.temperatures):
+            raise ValueError(
+                f"prior_temperatures {list(self.prior_temperatures)} must be among the labels' temperatures "
+                f"{list(self.temperatures)}"
+            )
+        if self.prior_temperatures and not self.prior:
+            raise ValueError("prior_temperatures keep a per-request predictor's b0: the model must read one (prior)")
 
     @cached_property
     def features(self) -> StepFeatures:
@@ -55,6 +69,8 @@ class StepModelConfig:
             **asdict(self),
             "candidates": list(self.candidates),
             "loads": list(self.loads),
+            "temperatures": list(self.temperatures),
+            "prior_temperatures": list(self.prior_temperatures),
             "features": list(self.features.names),  # for readers; derived, checked on load
             "kind": "step",
         }
@@ -66,13 +82,24 @@ class StepModelConfig:
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"step model config: unknown fields {sorted(unknown)}")
-        config = cls(**{**raw, "candidates": tuple(raw["candidates"]), "loads": tuple(raw.get("loads", ()))})
+        lists = ("candidates", "loads", "temperatures", "prior_temperatures")
+        config = cls(**{**raw, **{name: tuple(raw.get(name, ())) for name in lists}})
         if saved_features is not None and tuple(saved_features) != config.features.names:
             raise ValueError(
                 f"the step model reads {saved_features}, this version builds {list(config.features.names)}: "
                 "train it again with `blockpilot train-step`"
             )
         return config
+
+
+    def keeps_prior(self, temperature: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: whether a request at each `temperature` (N,) keeps the prior's b0, by the labels' temperature
+        nearest to it (the lower of two as near). In torch ops alone: a compiled cycle traces it."""
+        if not self.prior_temperatures:
+            return torch.zeros_like(temperature, dtype=torch.bool)
+        labeled = torch.tensor(self.temperatures, dtype=temperature.dtype, device=temperature.device)
+        kept = torch.tensor([t in self.prior_temperatures for t in self.temperatures], device=temperature.device)
+        return kept[(temperature[:, None] - labeled).abs().argmin(dim=1)]
 
 
 @dataclass(frozen=True)
