@@ -5,7 +5,9 @@
     blockpilot train-step --labels labels/train --eval labels/heldout [--cost cost.json]   # locally
 
 prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the
-driver (`blockpilot.predictor.step_data`); rows without tables stop the job here. fit: a `TorchTrainer` worker
+driver (`blockpilot.predictor.step_data`); rows without tables stop the job here. With a --prior, a first fit
+leaves a share of the prompts out and is walked on them beside the prior: where the prior's b0 kept to the end walks
+faster, the model keeps it for requests at that temperature (`prior_temperatures`). fit: a `TorchTrainer` worker
 reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each epoch (and to the MLflow
 run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
@@ -54,9 +56,9 @@ class StepTrainJob:
     val_share: float = option(
         0.2,
         type=fraction_arg,
-        help="with --prior: share of the --labels prompts held out of the fit, on which the model's walks and the "
-        "prior's are compared per temperature; where the prior's b0 kept to the end decodes faster, requests at that "
-        "temperature keep it",
+        help="with --prior: share of the --labels prompts held out of a first fit, on which its walks and the "
+        "prior's are compared per temperature; where the prior's b0 kept to the end decodes faster, the model (fitted "
+        "again on every prompt) keeps it for requests at that temperature",
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
@@ -134,7 +136,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         split_step_rows,
         step_rows,
     )
-    from blockpilot.predictor.step_model import StepModel, StepModelConfig
+    from blockpilot.predictor.step_model import StepModel, StepModelConfig, fit_step_model
     from blockpilot.predictor.store import load_predictor
     from blockpilot.tracking import (
         STEP_MODEL_NAME,
@@ -172,17 +174,29 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         temperatures=tuple(row.temperature for row in train_rows),
         extra={"labels": str(job.labels), "cost": cost.describe(), "prior": job.prior},
     )
-    features, regret = regret_dataset(fit_rows, StepModel(config), cost)
-    held = f" ({len(validation_rows)} held out to compare it with the prior)" if validation_rows else ""
+    features, regret = regret_dataset(train_rows, StepModel(config), cost)
+    held = f"; first without {len(validation_rows)} held out, to compare it with the prior" if validation_rows else ""
     print(
-        f"[step] {job.name}: {len(fit_rows)} label rows{held}, {len(features)} training cycles (every candidate's "
-        f"walk), candidates {list(config.candidates)}, cost {cost.describe()}",
+        f"[step] {job.name}: {len(train_rows)} label rows, {len(features)} training cycles (every candidate's walk)"
+        f"{held}; candidates {list(config.candidates)}, cost {cost.describe()}",
         flush=True,
     )
     with start_run("blockpilot-step-policy", job.name, enabled=job.track, tags={"stage": "train-step"}) as tracker:
         tracker.log_params({**asdict(job), "training_cycles": len(features), "candidates": list(config.candidates)})
         ensure_ray()
         quiet_ray_data()
+        kept: tuple[float, ...] = ()
+        if validation_rows:  # fitted without them to compare on them, then again on every row
+            lone = min(loads) if loads else None  # the model chooses for lone rows; under load the batch does
+            # On the driver, as the walks are: a second Ray Train run would cost more to start than this fit.
+            held_out_fit = fit_step_model(
+                StepModel(config), *regret_dataset(fit_rows, StepModel(config), cost), epochs=job.epochs,
+                batch_size=job.batch_size, lr=job.lr, seed=job.seed,
+            )
+            kept, compared = prior_temperatures(held_out_fit, validation_rows, cost, load=lone)
+            tracker.log_params({"prior_temperatures": list(kept)})
+            tracker.log_metrics({f"validation/{k}": v for k, v in compared.items()})
+            print(format_prior_temperatures(kept, compared), flush=True)
         trainer = TorchTrainer(
             _worker,
             train_loop_config={
@@ -206,13 +220,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         result = trainer.fit()
         with result.checkpoint.as_directory() as directory:
             model = StepModel.load(Path(directory) / "step")
-        if validation_rows:
-            lone = min(loads) if loads else None  # the model chooses for lone rows; under load the batch does
-            kept, compared = prior_temperatures(model, validation_rows, cost, load=lone)
-            model.config = replace(model.config, prior_temperatures=kept)
-            tracker.log_params({"prior_temperatures": list(kept)})
-            tracker.log_metrics({f"validation/{k}": v for k, v in compared.items()})
-            print(format_prior_temperatures(kept, compared), flush=True)
+        model.config = replace(model.config, prior_temperatures=kept)
         out = model.save(job.out or blockpilot_home() / "step-models" / job.name)
         rule = fit_confidence_rule(train_rows, cost)
         rule.save(out)  # beside the model: its folder (or MLflow URI) is the rule's too, `confidence:FOLDER`

@@ -253,13 +253,16 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
 def test_a_step_model_beside_a_prior_keeps_it_where_the_held_out_share_says_it_walks_faster(
     local_ray, tiny_labels, tmp_path, mlflow_store
 ):
-    """With --prior, a share of the --labels prompts is left out of the fit; per temperature, the model keeps the
-    prior's b0 where on that share the prior's walks were faster than its own, as the run logs them."""
+    """With --prior, a first fit leaves a share of the --labels prompts out; per temperature, the model (fitted again
+    on every prompt) keeps the prior's b0 where on that share the prior's walks were faster than the first fit's, as
+    the run logs them."""
     import mlflow
     import pyarrow.parquet as pq
     import torch
 
+    from blockpilot.cost import CycleCost
     from blockpilot.predictor import BlockSizePredictor, PredictorConfig
+    from blockpilot.predictor.step_data import regret_dataset, step_rows
     from blockpilot.predictor.step_model import StepModel
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
 
@@ -276,12 +279,17 @@ def test_a_step_model_beside_a_prior_keeps_it_where_the_held_out_share_says_it_w
     )
     config = StepModel.load(outcome.model_dir).config
     assert config.prior and config.temperatures == (0.0, 1.0)
+
     mlflow.set_tracking_uri(mlflow_store)
     run = mlflow.MlflowClient().get_run(outcome.run_id)
     for t in (0, 1):
         step, prior = (run.data.metrics[f"validation/T{t}/throughput_{k}"] for k in ("step", "request"))
         assert (t in config.prior_temperatures) == (prior > step)
     assert json.loads(run.data.params["prior_temperatures"]) == list(config.prior_temperatures)
+    # The comparison's fit left the share out; the model's is on every prompt.
+    rows = step_rows(table, BlockSizePredictor.load(tmp_path / "prior"))
+    cycles = regret_dataset(rows, StepModel(config), CycleCost.uniform())[0]
+    assert int(run.data.params["training_cycles"]) == len(cycles)
 
 
 def test_train_runs_poll_their_reports_often_unless_the_user_says_otherwise(monkeypatch):
