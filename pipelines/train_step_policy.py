@@ -121,6 +121,7 @@ def _worker(config: dict[str, Any]) -> None:
 
 def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     import ray
+    import torch
     from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -188,10 +189,13 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         kept: tuple[float, ...] = ()
         if validation_rows:  # fitted without them to compare on them, then again on every row
             lone = min(loads) if loads else None  # the model chooses for lone rows; under load the batch does
-            # On the driver, as the walks are: a second Ray Train run would cost more to start than this fit.
+            # On the driver, as the walks are (a second Ray Train run would cost more to start than this fit), seeded
+            # as the worker seeds its own.
+            held_out_cycles = regret_dataset(fit_rows, StepModel(config), cost)
+            torch.manual_seed(job.seed)
             held_out_fit = fit_step_model(
-                StepModel(config), *regret_dataset(fit_rows, StepModel(config), cost), epochs=job.epochs,
-                batch_size=job.batch_size, lr=job.lr, seed=job.seed,
+                StepModel(config), *held_out_cycles, epochs=job.epochs, batch_size=job.batch_size, lr=job.lr,
+                seed=job.seed,
             )
             kept, compared = prior_temperatures(held_out_fit, validation_rows, cost, load=lone)
             tracker.log_params({"prior_temperatures": list(kept)})
