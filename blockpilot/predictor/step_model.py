@@ -91,7 +91,6 @@ class StepModelConfig:
             )
         return config
 
-
     def keeps_prior(self, temperature: torch.Tensor) -> torch.Tensor:
         """(N,) bool: whether a request at each `temperature` (N,) keeps the prior's b0, by the labels' temperature
         nearest to it (the lower of two as near). In torch ops alone: a compiled cycle traces it."""
