@@ -70,7 +70,7 @@ class StepPolicy(BlockSizePolicy):
 
     def keeps_prior(self, temperatures: Sequence[float]) -> list[bool]:
         """Whether requests at these temperatures keep the prior's b0 to their end (`StepModelConfig.keeps_prior`)."""
-        if self.prior is None:
+        if not self.model.config.prior_temperatures:  # none kept (every model without a prior): no tensor a cycle
             return [False] * len(temperatures)
         return self.model.config.keeps_prior(torch.tensor(list(temperatures), dtype=torch.float32)).tolist()
 
