@@ -12,11 +12,12 @@ from blockpilot.cost import CycleCost
 from blockpilot.data.labels import rows_to_table
 from blockpilot.decoding import GenerationConfig, generate
 from blockpilot.files import MODEL_SCHEMA_VERSION
+from blockpilot.policies.base import PrefillState
 from blockpilot.policies.learned import LearnedPolicy
 from blockpilot.policies.resolve import check_predictor_fits, resolve_policy
 from blockpilot.predictor import BlockSizePredictor, PredictorConfig, PredictorInputs, input_arrays, load_predictor
 from blockpilot.predictor.evaluation import evaluate_predictor
-from blockpilot.predictor.inputs import INPUT_COLUMNS
+from blockpilot.predictor.inputs import INPUT_COLUMNS, prefill_columns
 from blockpilot.predictor.training import (
     PredictorTrainConfig,
     fit_epochs,
@@ -313,6 +314,24 @@ def test_training_columns_from_a_numpy_batch():
     batch = {name: np.asarray(trees[name].to_pylist(), dtype=object) for name in trees.column_names}
     columns = training_columns(batch, over_shapes=True)
     assert columns["score"].shape == (5, 5) and columns["best_index"].tolist() == [4] * 5
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_live_prefill_gives_the_predictor_the_numbers_its_label_row_stores(dense):
+    """A request's decision reads its prefill in torch (`from_prefills`); a label row stores the same prefill as
+    lists (`prefill_columns`): both are the same tensors, so a predictor decides live as it was scored offline."""
+    generator = torch.Generator().manual_seed(3)
+    prefills = [
+        PrefillState(torch.randn(40, generator=generator) * 4, torch.arange(5), temperature, 4)
+        for temperature in (0.0, 0.7, 1.0)
+    ]
+    live = PredictorInputs.from_prefills(prefills, top_k=6, dense=dense)
+    rows = [prefill_columns(prefill, 6, dense) for prefill in prefills]
+    stored = PredictorInputs.from_arrays(input_arrays({name: [row[name] for row in rows] for name in rows[0]}, dense))
+    for name in ("topk_ids", "topk_probs", "entropy", "temperature", "probs"):
+        expected, got = getattr(stored, name), getattr(live, name)
+        assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected)), name
+    assert live.topk_ids.dtype == torch.long and live.topk_probs.dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------- as an MLflow model

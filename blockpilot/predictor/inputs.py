@@ -81,9 +81,18 @@ class PredictorInputs:
 
     @classmethod
     def from_prefills(cls, prefills: Sequence[PrefillState], top_k: int, dense: bool) -> PredictorInputs:
-        """One row per prefill."""
-        rows = [prefill_columns(prefill, top_k, dense) for prefill in prefills]
-        return cls.from_arrays(input_arrays({name: [row[name] for row in rows] for name in rows[0]}, dense))
+        """One row per prefill, the same numbers as `prefill_columns` gives a label row, in torch alone: a live
+        request's decision went through numpy in 0.12 ms of its 0.53 ms on a CPU."""
+        logits = torch.stack([prefill.next_token_logits for prefill in prefills])  # (N, V)
+        entropy, ids, probs = distribution_summary(logits, top_k)
+        temperatures = [float(prefill.temperature) for prefill in prefills]
+        return cls(
+            topk_ids=ids.cpu(),
+            topk_probs=probs.float().cpu(),
+            entropy=entropy.float().cpu(),
+            temperature=torch.tensor(temperatures, dtype=torch.float32),
+            probs=torch.softmax(logits.float(), dim=-1).half().float().cpu() if dense else None,
+        )
 
     def to(self, device: torch.device | str) -> PredictorInputs:
         return PredictorInputs(
