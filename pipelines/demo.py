@@ -106,7 +106,7 @@ class DemoJob:
 # Families whose answers can be checked by eye; the example is taken from them first.
 _CHECKABLE_SOURCES = ("count", "arithmetic", "sort", "copy", "reverse")
 STAGES = 7
-LIVE_ROUNDS = 5  # timed passes of the live table, each over every policy (a mini pass is a quarter second)
+LIVE_ROUNDS = 5  # timed rounds of the live table, each decoding every prompt with every decoder
 # The live table's keys (`walks` policy names): the adaptive policies the endpoint may serve, and the fixed shapes
 # they are held against.
 ADAPTIVE_POLICIES = ("request", "paper", "step", "rule")
@@ -267,7 +267,7 @@ def run_demo(job: DemoJob) -> int:
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.calibration import calibrate
     from blockpilot.decoding.engine import Engine, keep_compiled_kernels
-    from blockpilot.decoding.speed import measure_plain_loop, measure_speed
+    from blockpilot.decoding.speed import measure_speeds
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
@@ -428,18 +428,11 @@ def run_demo(job: DemoJob) -> int:
     stepping = Engine(models, width=depth, compile=job.compile, sampling=False)
     stepping = stepping if stepping.decide_in_cycle(runs["step"]) else engine
     engines = {key: trees if key == "best_tree" else stepping if key == "step" else engine for key in runs}
-    for key, policy in runs.items():  # a first pass compiles every shape the generations meet (not timed)
-        measure_speed(models, prompts_ids, policy, config, engine=engines[key])
-    # Rounds over every decoder, the plain loop included, so that the machine's drift falls on all of them alike
-    # (one pass each put the same policy anywhere between 1.8x and 2.4x the loop); each row is its median round.
-    rounds: dict[str | None, list[PolicySpeed]] = {key: [] for key in [*runs, None]}
-    for _ in range(LIVE_ROUNDS):
-        for key, policy in runs.items():
-            rounds[key].append(measure_speed(models, prompts_ids, policy, config, engine=engines[key]))
-        rounds[None].append(measure_plain_loop(models, prompts_ids, config))
-    median = {key: sorted(speeds, key=lambda s: s.tokens_per_s)[len(speeds) // 2] for key, speeds in rounds.items()}
-    loop = median.pop(None)
-    live = median
+    # Every decoder, the plain loop included, interleaved prompt by prompt, so that the machine's drift falls on all
+    # of them alike (one pass each put the same policy anywhere between 1.8x and 2.4x the loop).
+    decoders = {key: (policy, engines[key]) for key, policy in runs.items()}
+    live = measure_speeds(models, prompts_ids, decoders, config, rounds=LIVE_ROUNDS, plain_loop_key="loop")
+    loop = live.pop("loop")
     names = {key: name for key, (_, name) in specs.items()}
     decoder = f" on the engine ({engine.decoder.mode})"
     print(policy_table(step.metrics, live, names, len(prompts_ids), loop, decoder))

@@ -14,7 +14,8 @@ from commands import free_port, run, script_module, user_env
 from blockpilot.data.labels import read_labels
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
-from blockpilot.decoding.speed import PolicySpeed, measure_speed
+from blockpilot.decoding.engine import Engine
+from blockpilot.decoding.speed import PLAIN_LOOP, PolicySpeed, measure_speed, measure_speeds
 from blockpilot.policies.resolve import resolve_policy
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 from pipelines.demo import (
@@ -44,6 +45,31 @@ def test_measure_speed_counts_every_generated_token(random_models):
     assert 1.0 <= speed.tau <= 4.0  # a cycle at b = 3 commits 1 to b + 1 tokens
     with pytest.raises(ValueError, match="at least one prompt"):
         measure_speed(random_models, [], policy, config)
+
+
+def test_measure_speeds_interleaves_every_decoder_and_counts_each_prompts_median_round(random_models):
+    """Each decoder (policies on one engine, and the plain loop) decodes every prompt, and its figure counts each
+    prompt once: at T = 0 the same tokens as a pass of `measure_speed`, the loop's as the target's greedy loop."""
+    from support import greedy_reference
+
+    prompts = [random_models.encode_prompt(text) for text in ("count to ten", "sort 3 1 2")]
+    config = GenerationConfig(max_new_tokens=6, stop_token_ids=tuple(random_models.stop_token_ids()))
+    engine = Engine(random_models, width=4, compile="off")
+    runs = {"fixed": (resolve_policy("fixed:3", random_models), engine)}
+    runs["autoregressive"] = (resolve_policy("autoregressive", random_models), engine)
+    speeds = measure_speeds(random_models, prompts, runs, config, rounds=3, plain_loop_key="loop")
+    assert list(speeds) == ["fixed", "autoregressive", "loop"]
+    greedy = sum(len(greedy_reference(random_models.target, p, 6, config.stop_token_ids)) for p in prompts)
+    for key, (policy, _) in runs.items():
+        alone = measure_speed(random_models, prompts, policy, config, engine=engine)
+        assert speeds[key].tokens == alone.tokens == greedy and speeds[key].policy == alone.policy
+        assert speeds[key].seconds > 0
+    assert speeds["loop"].tokens == greedy and speeds["loop"].policy == PLAIN_LOOP
+    assert speeds["autoregressive"].tau == 1.0
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        measure_speeds(random_models, prompts, runs, config, rounds=0)
+    with pytest.raises(ValueError, match="names a run too"):
+        measure_speeds(random_models, prompts, runs, config, rounds=1, plain_loop_key="fixed")
 
 
 def test_the_example_is_a_checkable_prompt_answered_right_else_the_closest_and_says_which(random_models):
@@ -128,7 +154,7 @@ def test_demo_paths_follow_the_size_variable(monkeypatch, tmp_path):
 def test_the_plain_loop_baseline_decodes_the_targets_greedy_output(random_models):
     from support import greedy_reference
 
-    from blockpilot.decoding.speed import PLAIN_LOOP, measure_plain_loop
+    from blockpilot.decoding.speed import measure_plain_loop
 
     prompts = [[1, 2, 3], [4, 5]]
     config = GenerationConfig(max_new_tokens=6, stop_token_ids=tuple(random_models.stop_token_ids()))

@@ -1,13 +1,14 @@
 """Measured decode speed of a policy over a set of prompts: the one measurement that the decoding benchmark,
 the demo's policy table and the predictors notebook print; and of the baseline every user knows, transformers'
-plain greedy loop on the same target."""
+plain greedy loop on the same target. Several decoders compared on one machine: `measure_speeds`, interleaved
+prompt by prompt."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +89,62 @@ def measure_plain_loop(
     started = time.perf_counter()
     tokens = sum(len(plain_loop(models, ids, config)) for ids in prompts_ids)
     return PolicySpeed(policy=PLAIN_LOOP, tokens=tokens, seconds=time.perf_counter() - started, tau=1.0)
+
+
+def measure_speeds(
+    models: SpeculativeModels,
+    prompts_ids: Sequence[Sequence[int]],
+    runs: Mapping[str, tuple[BlockSizePolicy, Engine | None]],
+    config: GenerationConfig,
+    *,
+    rounds: int,
+    plain_loop_key: str | None = None,
+) -> dict[str, PolicySpeed]:
+    """Each run (a policy on its engine, None: a new eager one) and, under `plain_loop_key`, `plain_loop`, decoding
+    every prompt one at a time, interleaved prompt by prompt: after one untimed pass of each (compiling what the
+    generations meet), every prompt is decoded by every decoder in turn, `rounds` times, the order rotating with
+    the prompt and the round. A decoder's figure sums, over the prompts, its median round on that prompt (by
+    seconds a token). The machine's drift then falls on every decoder alike, and a burst on one decode counts for
+    nothing: with whole passes per decoder instead, two policies running the same cycles came out up to 28% apart
+    on a 2-core CPU (docs/log.md)."""
+    if not prompts_ids:
+        raise ValueError("measure_speeds needs at least one prompt; got none")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if plain_loop_key is not None and plain_loop_key in runs:
+        raise ValueError(f"plain_loop_key {plain_loop_key!r} names a run too; give the plain loop a key of its own")
+
+    names = {plain_loop_key: PLAIN_LOOP}
+
+    def decode(key: str, ids: Sequence[int]) -> tuple[int, float, float]:  # tokens, seconds, tau (nan: no cycle)
+        started = time.perf_counter()
+        if key == plain_loop_key:
+            tokens = len(plain_loop(models, ids, config))
+            return tokens, time.perf_counter() - started, 1.0
+        policy, engine = runs[key]
+        result = generate_many(models, [GenerationRequest(list(ids), config, policy)], engine=engine)[0]
+        seconds = time.perf_counter() - started
+        names[key] = result.policy
+        return len(result.token_ids), seconds, result.tau if result.cycles else math.nan
+
+    keys = [*runs, *([plain_loop_key] if plain_loop_key is not None else [])]
+    for key in keys:
+        for ids in prompts_ids:
+            decode(key, ids)
+    decoded: dict[str, list[list[tuple[int, float, float]]]] = {key: [[] for _ in prompts_ids] for key in keys}
+    for round_ in range(rounds):
+        for index, ids in enumerate(prompts_ids):
+            turn = (round_ + index) % len(keys)
+            for key in keys[turn:] + keys[:turn]:
+                decoded[key][index].append(decode(key, ids))
+    speeds = {}
+    for key in keys:
+        medians = [sorted(runs_, key=lambda run: run[1] / max(run[0], 1))[len(runs_) // 2] for runs_ in decoded[key]]
+        taus = [tau for _, _, tau in medians if not math.isnan(tau)]
+        speeds[key] = PolicySpeed(
+            policy=names[key],
+            tokens=sum(tokens for tokens, _, _ in medians),
+            seconds=sum(seconds for _, seconds, _ in medians),
+            tau=statistics.fmean(taus) if taus else math.nan,
+        )
+    return speeds
