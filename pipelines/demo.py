@@ -330,7 +330,8 @@ def run_demo(job: DemoJob) -> int:
     parent = parent_run("blockpilot-predictor", f"predictors-{size}-{stamp}", {"stage": "compare", "demo": size})
     nested = {PARENT_RUN_TAG: parent} if parent else {}
     common = dict(labels=paths.labels / "train", eval=paths.labels / "heldout", cost=paths.cost, epochs=30)
-    # val_share: validation only watches the run (the last epoch is kept): keep the rows for training.
+    # val_share: validation watches the run (the last epoch is kept) and says where one fixed shape serves instead
+    # (`fixed_choices`): a small share keeps the rows for training.
     outcome = run_train_job(
         TrainJob(  # with a cost, B* maximizes modeled throughput (the default objective is normalized-gain)
             **common,
@@ -348,6 +349,7 @@ def run_demo(job: DemoJob) -> int:
             score="tau",
             candidates=candidates_around(recipe.block_size),
             val_share=0.05,
+            fixed_choices=False,  # as published: the predictor's choice at every temperature
             out=paths.paper_predictor,
             name=f"paper-{size}-{stamp}",
             extra_tags={**nested, "configuration": PAPER_PREDICTOR},

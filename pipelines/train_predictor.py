@@ -24,7 +24,7 @@ import json
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,13 @@ class TrainJob:
         "blockpilot-shape-predictor; its trees run on the static engine; throughput needs a cost with tree prices)",
     )
     val_share: float = option(0.2, type=fraction_arg, help="share of prompts held out for validation")
+    fixed_choices: bool = option(
+        True,
+        flag="--no-fixed-choices",
+        help="do not give every request at a temperature the fastest single shape of the training rows where, on "
+        "the validation rows, it decodes at least as fast as the predictor's choices (such a request needs no "
+        "predictor pass)",
+    )
     seed: int = option(0, type=int, help="seed of the split, the weights and the shuffles")
     workers: int = option(1, type=positive_int_arg, help="Ray Train workers")
     use_gpu: bool = option(False, help="Ray Train workers take a GPU each")
@@ -191,6 +198,7 @@ def prepare(job: TrainJob) -> Prepared:
         drafter_id=first["drafter_id"] or "",
         extra={"labels": str(job.labels), "objective": job.objective, "score": job.score},
         tree_budgets=tree_budgets,
+        temperatures=tuple(train["temperature"].to_pylist()),
     ).to_dict()
     fingerprint = {
         "labels": _labels_digest(train),
@@ -349,7 +357,12 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
 
 def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> tuple[Path, dict, dict | None, str | None, bool]:
     """Score, save and log the trained predictor; register it (and maybe crown it champion)."""
-    from blockpilot.predictor.evaluation import evaluate_predictor, predictor_figures
+    from blockpilot.predictor.evaluation import (
+        evaluate_predictor,
+        fixed_choices,
+        format_fixed_choices,
+        predictor_figures,
+    )
     from blockpilot.scoring import format_metrics, label_arrays
     from blockpilot.tracking import (
         PREDICTOR_MODEL_NAME,
@@ -362,8 +375,15 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
 
     dense = job.kind == "dense"
     out = job.out or blockpilot_home() / "predictors" / job.name
-    predictor.save(out)
     val_arrays = label_arrays(prepared.val, dense, prepared.cost, job.score, over_shapes=job.trees)
+    if job.fixed_choices:
+        train_arrays = label_arrays(prepared.train, dense, prepared.cost, job.score, over_shapes=job.trees)
+        fixed, comparison = fixed_choices(predictor, train_arrays, val_arrays)
+        predictor.config = replace(predictor.config, fixed_at=fixed)
+        tracker.log_params({"fixed_at": [list(pair) for pair in fixed]})
+        tracker.log_metrics({f"fixed_choices/{k}": v for k, v in comparison.items()})
+        print(format_fixed_choices(predictor, comparison), flush=True)
+    predictor.save(out)
     val_metrics = evaluate_predictor(predictor, val_arrays)
     eval_arrays = None
     if prepared.evaluation is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from blockpilot.policies.base import PrefillState
 from blockpilot.policies.learned import LearnedPolicy
 from blockpilot.policies.resolve import check_predictor_fits, resolve_policy
 from blockpilot.predictor import BlockSizePredictor, PredictorConfig, PredictorInputs, input_arrays, load_predictor
-from blockpilot.predictor.evaluation import evaluate_predictor
+from blockpilot.predictor.evaluation import evaluate_predictor, fixed_choices
 from blockpilot.predictor.inputs import INPUT_COLUMNS, prefill_columns
 from blockpilot.predictor.training import (
     PredictorTrainConfig,
@@ -92,6 +93,8 @@ def test_folder_round_trip_without_pickle(tmp_path, kind):
         ({"candidates": ()}, "empty"),
         ({"dropout": 1.0}, "dropout"),
         ({"hidden_size": 0}, "hidden_size"),
+        ({"temperatures": (0.0,), "fixed_at": ((1.0, 0),)}, r"temperature 1.0 is not among .*\[0.0\]"),
+        ({"temperatures": (0.0,), "fixed_at": ((0.0, 2),)}, r"shape index 2 at T = 0.0: expected 0 .. 1"),
     ],
 )
 def test_bad_predictor_configs(changes, message):
@@ -123,6 +126,71 @@ def test_learned_policy_plugs_into_generate(tiny_models, tmp_path):
         check_predictor_fits(replace(config, vocab_size=vocab + 1), tiny_models)
     with pytest.raises(ValueError, match="B=8; this drafter has B=4"):
         check_predictor_fits(replace(config, train_block_size=8), tiny_models)
+
+
+def test_a_fixed_temperature_gets_its_shape_without_a_predictor_pass(tmp_path):
+    """Where the config fixes a shape (`fixed_at`), every reader of the choice gets it (the live policy, the
+    metrics' indices, a reloaded folder), by the labeled temperature nearest the request's; elsewhere the
+    predictor's argmax. A live request there runs no pass until a step policy asks for its probabilities."""
+    config = PredictorConfig("sparse", (1, 4, 6), 40, top_k=8, hidden_size=16, temperatures=(0, 1), fixed_at=[(0, 2)])
+    model = BlockSizePredictor(config).eval()
+    with torch.no_grad():
+        model.out.bias.copy_(torch.tensor([0.0, 50.0, 0.0]))  # the predictor's own choice: b = 4 for every row
+    loaded = load_predictor(model.save(tmp_path / "p"))
+    assert loaded.config.fixed_at == ((0.0, 2),) and loaded.config.temperatures == (0.0, 1.0)
+    temperatures = torch.tensor([0.0, 0.3, 0.5, 0.51, 1.0, 2.0])
+    assert loaded.config.fixed_index(temperatures).tolist() == [2, 2, 2, -1, -1, -1]  # a tie goes to the lower
+    inputs = random_inputs(6, 40, k=8)
+    inputs.temperature = temperatures
+    assert loaded.predict(inputs) == [6, 6, 6, 4, 4, 4]
+
+    policy = LearnedPolicy(loaded)
+    forward = loaded.forward
+    loaded.forward = lambda _: pytest.fail("a request at a fixed temperature ran a predictor pass")
+    cold = PrefillState(torch.randn(40), torch.arange(3), 0.0, 4)
+    assert policy.initial_block_sizes([cold]) == [6] and policy.initial_tree_budgets([cold]) == [None]
+    loaded.forward = forward
+    hot = PrefillState(torch.randn(40), torch.arange(3), 1.0, 4)
+    assert policy.initial_block_sizes([cold, hot]) == [6, 4]
+    assert policy.probabilities(cold).shape == (3,) and policy.probabilities(cold).argmax() == 1  # asked: a pass
+    assert policy.initial_block_sizes([cold]) == [6]  # the decision kept
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fixed_choices_keep_the_faster_of_the_predictor_and_the_training_rows_best_shape(seed):
+    """For any weights: at each temperature the validation rows decode (modeled) as fast as the faster of the
+    predictor's choices and the single shape fastest on the training rows; a predictor that always picks the worst
+    shape is fixed everywhere, one that picks each row's best nowhere."""
+    rows = label_rows(80)
+    train = label_arrays(rows_to_table(rows[:40]))
+    val = label_arrays(rows_to_table(rows[40:]))
+    torch.manual_seed(seed)
+    model = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8, temperatures=(0, 1)))
+    fixed, metrics = fixed_choices(model, train, val)
+    before = evaluate_predictor(model, val)
+    model.config = replace(model.config, fixed_at=fixed)
+    after = evaluate_predictor(model, val)
+    for t in (0, 1):
+        pred, alone = metrics[f"T{t}/throughput_pred"], metrics[f"T{t}/throughput_fixed"]
+        assert pred == before[f"T{t}/throughput_pred"]
+        assert after[f"T{t}/throughput_pred"] == pytest.approx(max(pred, alone))
+        assert (t in dict(fixed)) == (alone >= pred)
+    with pytest.raises(ValueError, match="before its fixed_at is set"):
+        fixed_choices(model, train, val)
+
+    oracle, wrong = (
+        BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8, temperatures=(0, 1)))
+        for _ in range(2)
+    )
+    with torch.no_grad():  # the top token's own hidden unit; its candidate is each row's best (label_rows)
+        for module, classes in ((oracle, [0, 1, 2]), (wrong, [1, 2, 0])):
+            for parameter in module.parameters():
+                parameter.zero_()
+            module.first.weight[:3, :3].copy_(torch.eye(3))
+            module.out.weight[:3, :3].copy_(torch.eye(3)[classes])
+    assert evaluate_predictor(oracle, val)["accuracy"] == 1.0 and evaluate_predictor(wrong, val)["accuracy"] == 0.0
+    assert fixed_choices(oracle, train, val)[0] == ()
+    assert [t for t, _ in fixed_choices(wrong, train, val)[0]] == [0.0, 1.0]
 
 
 # ----------------------------------------------------------------------------- metrics and label checks

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
 from blockpilot.predictor.inputs import PredictorInputs
@@ -44,17 +45,31 @@ class LearnedPolicy(BlockSizePolicy):
 
     def probabilities(self, prefill: PrefillState) -> np.ndarray:
         """(K,) the predictor's softmax over its candidates for this request: what a per-step model trained
-        beside it reads at every cycle."""
-        return self._decisions([prefill])[0][1]
+        beside it reads at every cycle (a predictor pass now where the request's shape was fixed without one)."""
+        key = (PRIOR_DECISION, id(self.predictor))
+        shape, probabilities = self._decisions([prefill])[0]
+        if probabilities is None:
+            config = self.predictor.config
+            inputs = PredictorInputs.from_prefills([prefill], config.top_k, dense=config.kind == "dense")
+            probabilities = self.predictor.decide_shapes(inputs)[1][0]
+            prefill.derived[key] = (shape, probabilities)
+        return probabilities
 
-    def _decisions(self, prefills: Sequence[PrefillState]) -> list[tuple[tuple[int, int | None], np.ndarray]]:
+    def _decisions(self, prefills: Sequence[PrefillState]) -> list[tuple[tuple[int, int | None], np.ndarray | None]]:
         """((b0, tree nodes), probabilities) of each request, from one predictor pass over those not yet decided: a
         request is decided once per predictor (kept in `prefill.derived`), and a step policy reads it at every
-        cycle."""
+        cycle. A request at a temperature where the predictor fixes its shape (`PredictorConfig.fixed_at`) gets it
+        without a pass (its probabilities None until asked)."""
         key = (PRIOR_DECISION, id(self.predictor))
         undecided = [prefill for prefill in prefills if key not in prefill.derived]
+        config = self.predictor.config
+        if undecided and config.fixed_at:
+            temperatures = torch.tensor([prefill.temperature for prefill in undecided], dtype=torch.float32)
+            for prefill, index in zip(undecided, config.fixed_index(temperatures).tolist(), strict=True):
+                if index >= 0:
+                    prefill.derived[key] = (config.shapes[index], None)
+            undecided = [prefill for prefill in undecided if key not in prefill.derived]
         if undecided:
-            config = self.predictor.config
             inputs = PredictorInputs.from_prefills(undecided, config.top_k, dense=config.kind == "dense")
             for prefill, shape, probabilities in zip(undecided, *self.predictor.decide_shapes(inputs), strict=True):
                 prefill.derived[key] = (shape, probabilities)

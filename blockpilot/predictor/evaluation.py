@@ -18,12 +18,53 @@ def predict_indices(model: BlockSizePredictor, arrays: LabelArrays, batch_size: 
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(arrays), batch_size):
-        out.append(model(arrays.batch(slice(start, start + batch_size)).to(device)).argmax(dim=-1).cpu())
+        inputs = arrays.batch(slice(start, start + batch_size)).to(device)
+        out.append(model.choose(model(inputs), inputs.temperature).cpu())
     return torch.cat(out).numpy()
 
 
 def evaluate_predictor(model: BlockSizePredictor, arrays: LabelArrays) -> dict[str, float]:
     return evaluate_choices(predict_indices(model, arrays), arrays)
+
+
+def fixed_choices(
+    model: BlockSizePredictor, train: LabelArrays, val: LabelArrays
+) -> tuple[tuple[tuple[float, int], ...], dict[str, float]]:
+    """The temperatures at which one fixed shape decodes at least as fast (modeled tokens a second) on the
+    validation rows `val` as the predictor's choices, each with that shape: the fastest single shape on the
+    training rows `train` at that temperature (chosen there, so that the comparison on `val` is fair). A request
+    at such a temperature then needs no predictor pass. Returns `PredictorConfig.fixed_at` and the figures, as
+    `T<t>/throughput_pred` and `T<t>/throughput_fixed`, with `T<t>/fixed_index`."""
+    if model.config.fixed_at:
+        raise ValueError("fixed_choices compares the predictor's own choices: ask before its fixed_at is set")
+    temperatures = sorted(set(val.temperature.tolist()) & set(train.temperature.tolist()))
+    shapes = range(len(model.config.shapes))
+    on_train = [evaluate_choices(np.full(len(train), index, dtype=np.int64), train) for index in shapes]
+    predicted = evaluate_predictor(model, val)
+    metrics: dict[str, float] = {}
+    fixed = []
+    for t in temperatures:
+        key = f"T{t:g}/throughput_pred"
+        best = max(shapes, key=lambda index: (on_train[index][key], -index))  # ties to the smaller shape
+        alone = evaluate_choices(np.full(len(val), best, dtype=np.int64), val)[key]
+        metrics |= {key: predicted[key], f"T{t:g}/throughput_fixed": alone, f"T{t:g}/fixed_index": float(best)}
+        if alone >= predicted[key]:
+            fixed.append((float(t), best))
+    return tuple(fixed), metrics
+
+
+def format_fixed_choices(model: BlockSizePredictor, metrics: dict[str, float]) -> str:
+    """One line: at each temperature, the predictor's and the fixed shape's modeled tokens a second on the validation
+    rows, and which one a request there gets."""
+    fixed = dict(model.config.fixed_at)
+    parts = []
+    for t in sorted({float(k[1:].split("/", 1)[0]) for k in metrics}):
+        shape = model.config.shapes[int(metrics[f"T{t:g}/fixed_index"])]
+        name = f"b = {shape[0]}" if shape[1] is None else f"a tree of {shape[1]} nodes"
+        who = f"gets the fixed {name}" if t in fixed else "gets the predictor's choice"
+        pred, alone = metrics[f"T{t:g}/throughput_pred"], metrics[f"T{t:g}/throughput_fixed"]
+        parts.append(f"T = {t:g} {who} (predictor {pred:,.1f}, fixed {name} {alone:,.1f} modeled tokens/s)")
+    return "[predictor] on the validation rows: " + "; ".join(parts)
 
 
 def predictor_figures(predictor: BlockSizePredictor, arrays: LabelArrays) -> dict[str, Any]:

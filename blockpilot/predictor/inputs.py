@@ -50,6 +50,14 @@ def input_arrays(columns: Mapping[str, Any], dense: bool) -> dict[str, np.ndarra
     return out
 
 
+def nearest_labeled(temperature: torch.Tensor, labeled: Sequence[float]) -> torch.Tensor:
+    """(N,) long: the index in `labeled` (the labels' temperatures, ascending) of the one nearest each request's
+    `temperature` (N,), the lower of two as near: how a model that decides per labeled temperature reads a request
+    at another. In torch ops alone: a compiled cycle traces it."""
+    grid = torch.tensor(list(labeled), dtype=temperature.dtype, device=temperature.device)
+    return (temperature[:, None] - grid).abs().argmin(dim=1)
+
+
 @dataclass
 class PredictorInputs:
     """A batch of predictor inputs; `probs` is only needed by the dense kind."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, positive_int
 from blockpilot.files import load_weights_folder, save_weights_folder
-from blockpilot.predictor.inputs import PredictorInputs
+from blockpilot.predictor.inputs import PredictorInputs, nearest_labeled
 
 PredictorKind = Literal["dense", "sparse"]
 PREDICTOR_KINDS: tuple[str, ...] = ("dense", "sparse")
@@ -46,6 +46,12 @@ class PredictorConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. training metrics, label source
     # Draft-tree budgets it may choose too (`shapes`): a predictor over shapes, not block sizes alone.
     tree_budgets: tuple[int, ...] = ()
+    # The temperatures of the labels it was trained on, and, at some of them, one shape (its index in `shapes`)
+    # that every request there gets, where on the validation rows that fixed shape decoded faster than the
+    # predictor's choices (`fixed_choices`; `blockpilot train`). A request reads the labeled temperature nearest
+    # its own (`nearest_labeled`).
+    temperatures: tuple[float, ...] = ()
+    fixed_at: tuple[tuple[float, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in PREDICTOR_KINDS:
@@ -56,6 +62,16 @@ class PredictorConfig:
             positive_int(getattr(self, name), name)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        object.__setattr__(self, "temperatures", tuple(sorted({float(t) for t in self.temperatures})))
+        fixed = tuple(sorted((float(t), int(index)) for t, index in dict(self.fixed_at).items()))
+        object.__setattr__(self, "fixed_at", fixed)
+        for temperature, index in fixed:
+            if temperature not in self.temperatures:
+                labeled = list(self.temperatures)
+                raise ValueError(f"fixed_at: temperature {temperature} is not among the labels' temperatures {labeled}")
+            if not 0 <= index < len(self.shapes):
+                last = len(self.shapes) - 1
+                raise ValueError(f"fixed_at: shape index {index} at T = {temperature}: expected 0 .. {last}")
 
     @property
     def tree_depth(self) -> int | None:
@@ -69,10 +85,21 @@ class PredictorConfig:
         chains = tuple((b, None) for b in self.candidates)
         return chains + tuple((self.tree_depth, nodes) for nodes in self.tree_budgets)
 
+    def fixed_index(self, temperature: torch.Tensor) -> torch.Tensor:
+        """(N,) long: the index in `shapes` of the fixed shape a request at each `temperature` (N,) gets (`fixed_at`,
+        by the nearest labeled temperature), -1 where the predictor chooses."""
+        if not self.fixed_at:
+            return torch.full(temperature.shape, -1, dtype=torch.long, device=temperature.device)
+        fixed = dict(self.fixed_at)
+        table = torch.tensor([fixed.get(t, -1) for t in self.temperatures], device=temperature.device)
+        return table[nearest_labeled(temperature, self.temperatures)]
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["candidates"] = list(self.candidates)
         out["tree_budgets"] = list(self.tree_budgets)
+        out["temperatures"] = list(self.temperatures)
+        out["fixed_at"] = [list(pair) for pair in self.fixed_at]
         return out
 
     @classmethod
@@ -81,7 +108,9 @@ class PredictorConfig:
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"predictor config: unknown fields {sorted(unknown)}")
-        return cls(**{**raw, "candidates": tuple(raw["candidates"]), "tree_budgets": tuple(raw.get("tree_budgets", ()))})
+        lists = {name: tuple(raw.get(name, ())) for name in ("tree_budgets", "temperatures")}
+        fixed = tuple(tuple(pair) for pair in raw.get("fixed_at", ()))
+        return cls(**{**raw, "candidates": tuple(raw["candidates"]), **lists, "fixed_at": fixed})
 
 
 class BlockSizePredictor(nn.Module):
@@ -122,6 +151,13 @@ class BlockSizePredictor(nn.Module):
         dense = torch.zeros(inputs.topk_ids.shape[0], self.config.vocab_size, device=inputs.topk_ids.device)
         return dense.scatter_(1, inputs.topk_ids, inputs.topk_probs.float())
 
+    def choose(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """(N,) long: the index in `shapes` each row gets from its logits (N, C) (`forward`'s) at its `temperature`
+        (N,): the best-scored shape, or the fixed one where the config fixes one (`fixed_at`). Every reader of the
+        predictor's choice (the live policy, the metrics, the MLflow model) asks here."""
+        fixed = self.config.fixed_index(temperature.to(logits.device))
+        return torch.where(fixed >= 0, fixed, logits.argmax(dim=-1))
+
     @torch.no_grad()
     def decide(self, inputs: PredictorInputs) -> tuple[list[int], np.ndarray]:
         """The chosen block size per row (a tree's depth where it chose a tree) and the (N, C) float32 softmax over
@@ -135,7 +171,7 @@ class BlockSizePredictor(nn.Module):
         if self.training:  # `eval()` walks every module: a tenth of a live decision's time when already in eval
             self.eval()
         logits = self(inputs.to(next(self.parameters()).device)).float()
-        chosen = [self.config.shapes[i] for i in logits.argmax(dim=-1).tolist()]
+        chosen = [self.config.shapes[i] for i in self.choose(logits, inputs.temperature).tolist()]
         return chosen, torch.softmax(logits, dim=-1).cpu().numpy()
 
     def probabilities(self, inputs: PredictorInputs) -> np.ndarray:

@@ -22,6 +22,7 @@ from torch import nn
 from blockpilot.checks import distinct_block_sizes, positive_int
 from blockpilot.cost import nearest_batch_size
 from blockpilot.files import load_weights_folder, save_weights_folder
+from blockpilot.predictor.inputs import nearest_labeled
 from blockpilot.predictor.step_features import StepFeatures
 
 
@@ -93,12 +94,11 @@ class StepModelConfig:
 
     def keeps_prior(self, temperature: torch.Tensor) -> torch.Tensor:
         """(N,) bool: whether a request at each `temperature` (N,) keeps the prior's b0, by the labels' temperature
-        nearest to it (the lower of two as near). In torch ops alone: a compiled cycle traces it."""
+        nearest to it (`nearest_labeled`)."""
         if not self.prior_temperatures:
             return torch.zeros_like(temperature, dtype=torch.bool)
-        labeled = torch.tensor(self.temperatures, dtype=temperature.dtype, device=temperature.device)
         kept = torch.tensor([t in self.prior_temperatures for t in self.temperatures], device=temperature.device)
-        return kept[(temperature[:, None] - labeled).abs().argmin(dim=1)]
+        return kept[nearest_labeled(temperature, self.temperatures)]
 
 
 @dataclass(frozen=True)
