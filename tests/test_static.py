@@ -458,6 +458,20 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     # Rows that sample cut distributions (a served model's top-k or top-p defaults): every cycle's variant too.
     truncating = [*[(*shape[:-1], True) for shape in narrow], *[(*shape[:-1], True) for shape in wide]]
     assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False, truncate=True) == switching + truncating
+    # Where the cycle computes a per-step policy's choice, the smallest bucket's chain cycles also without it (a lone
+    # row that keeps its b); frozen, a row that keeps its b runs that step where built, else the one that chooses.
+    deciding = Engine(random_models, max_batch=4, capacity=1024, compile="compile")
+    deciding.decoder.set_decision(lambda *inputs: inputs[5], 0)
+    kept = ("_kept_cycle", 1, 256, 4, False, False)
+    assert deciding.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1) == [*wide, kept]
+    ran = []
+    deciding.decoder.steps.built[wide[0]] = lambda: ran.append("_cycle")
+    deciding.decoder.frozen = True
+    deciding.decoder.cycle(1, 256, 3, decide=False)
+    deciding.decoder.steps.built[kept] = lambda: ran.append("_kept_cycle")
+    deciding.decoder.cycle(1, 256, 3, decide=False)
+    deciding.decoder.cycle(1, 256, 3)
+    assert ran == ["_cycle", "_kept_cycle", "_cycle"]
     widest = next(w for w in engine.widths if w >= 5)
     assert {shape[3] for shape in engine.declared_shapes(EntropyHeuristic(2, 5).block_size_choices)} == {widest}
     assert {shape[2] for shape in engine.declared_shapes(None, spans=2)} == {256, 512}
@@ -473,6 +487,8 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     assert decoder.steps.holding("_cycle", (1, 1024, 2, False, False)) is None
     assert decoder.steps.holding("_cycle", (1, 256, 2, True, False)) is None  # another rule: not held
     assert decoder.steps.holding("_cycle", (1, 256, 2, False, True)) is None  # truncating: not held either
+    decoder.steps.built[("_kept_cycle", 1, 256, 8, False, False)] = lambda: None
+    assert decoder.steps.holding("_kept_cycle", (1, 256, 4, False, False)) == ("_kept_cycle", 1, 256, 8, False, False)
     # A packed step holds a cycle of fewer rows when its entries hold their blocks and one for each free row.
     decoder.steps.built[("_packed_cycle", 4, 256, 8, 16, False, False)] = lambda: None
     held = ("_packed_cycle", 4, 256, 8, 16, False, False)

@@ -227,8 +227,10 @@ class Engine(RowScheduler):
         autoregression (without the drafter's context, for rows autoregressive for good; also keeping it for rows
         that may draft again, with the step that writes what was kept, where the policy does not `keeps_block_size`
         and at the buckets of several rows, where a batch may run autoregressive); with trees, those row buckets x
-        every tree size. With `truncate` (rows that sample with a top-k or top-p, as a served model's defaults may
-        ask), each cycle also in its truncating variant.
+        every tree size; where the cycle computes a per-step policy's choice (`decide_in_cycle`), the smallest
+        bucket's chain cycles also without it, for a lone row that keeps its b (`_kept_cycle`). With `truncate`
+        (rows that sample with a top-k or top-p, as a served model's defaults may ask), each cycle also in its
+        truncating variant.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
@@ -248,6 +250,8 @@ class Engine(RowScheduler):
                 for span in self.spans[:spans]
             ]
             shapes = autoregressive + shapes + [("_flush_context", rows) for rows in keeping]
+        if self.decoder.decision is not None and width > 1:  # a lone row that keeps its b skips the choice
+            shapes += [("_kept_cycle", rows_set[0], span, width, False, False) for span in self.spans[:spans]]
         if self.tree_nodes is not None:
             shapes += [
                 ("_tree_cycle", rows, span, size + 1, False)
@@ -429,6 +433,7 @@ class Engine(RowScheduler):
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         for row in joining:
+            row.keeps_block_size = row.policy.keeps_block_size_of(row.prefill_state)
             if not row.policy.keeps_block_size:
                 self.decide_in_cycle(row.policy)
         autoregressive_price = (self._prices(batch_rows) or {}).get(AUTOREGRESSIVE)
@@ -527,7 +532,8 @@ class Engine(RowScheduler):
         truncate = any(row.config.truncates for row in rows)
         if chains:  # the chain cycle, also on a tree engine
             rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
-            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context, truncate)
+            decide = n > 1 or not rows[0].keeps_block_size  # a lone row that keeps its b skips the choice
+            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context, truncate, decide)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):
                     row.tree_nodes.append(size - 1)

@@ -89,6 +89,7 @@ class Row:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     prefill_state: PrefillState | None = None
+    keeps_block_size: bool = False  # its policy keeps its first b to the end (`keeps_block_size_of`), set at join
     stop_reason: StopReason | None = None
     cancelled: bool = False
     failure: BaseException | None = None  # why the row ended with stop reason "error"
@@ -395,7 +396,7 @@ class RowScheduler:
         # b the batch chooses; a lone row's policy that chose inside the cycle (for a batch of one) has answered.
         deciding = []
         for row, committed, anchor, confidence, decided in going_on:
-            if row.policy.keeps_block_size or not row.drafter_context or self._chosen_by_batch(row, next_batch):
+            if row.keeps_block_size or not row.drafter_context or self._chosen_by_batch(row, next_batch):
                 continue
             if decided is not None and next_batch == 1:
                 row.block_size = decided

@@ -1,8 +1,8 @@
 """How a decoder's steps run per compile mode (`compiled.COMPILE_MODES`): each step, a method of the decoder named with
-its shape (`("_cycle", rows, span, width, rejection, truncate)`; a packed one `("_packed_cycle", rows, span, width,
-tokens, rejection, truncate)`), is compiled and/or captured once, the first time it runs or when it is built up front,
-and replayed after. Once frozen (a serving engine, after its declared shapes), nothing compiles: a step runs on the
-smallest built step that holds it, else eagerly (logged once)."""
+its shape (`("_cycle", rows, span, width, rejection, truncate)`, `_kept_cycle` alike; a packed one `("_packed_cycle",
+rows, span, width, tokens, rejection, truncate)`), is compiled and/or captured once, the first time it runs or when it
+is built up front, and replayed after. Once frozen (a serving engine, after its declared shapes), nothing compiles: a
+step runs on the smallest built step that holds it, else eagerly (logged once)."""
 
 from __future__ import annotations
 
@@ -76,17 +76,18 @@ class Steps:
         for key in self.built:
             if key[0] != name or key[1] < rows or (span and key[2] < span):
                 continue
-            if name == "_cycle" and (key[3] < rest[0] or list(key[4:]) != rest[1:]):
+            if name in ("_cycle", "_kept_cycle") and (key[3] < rest[0] or list(key[4:]) != rest[1:]):
                 continue
             # a packed cycle's tokens hold the rows' blocks and one for each more (free) row
             if name == "_packed_cycle" and (
                 key[3] < rest[0] or key[4] < rest[1] + key[1] - rows or list(key[5:]) != rest[2:]
             ):
                 continue
-            if name not in ("_cycle", "_packed_cycle") and list(key[3:]) != rest:
+            if name not in ("_cycle", "_kept_cycle", "_packed_cycle") and list(key[3:]) != rest:
                 continue
             fits.append(key)
-        extent = {"_cycle": 3, "_packed_cycle": 4}.get(name)  # what the step computes beyond rows x span
+        # what the step computes beyond rows x span
+        extent = {"_cycle": 3, "_kept_cycle": 3, "_packed_cycle": 4}.get(name)
         size = lambda key: key[1] * (key[2] if span else 1) * (key[extent] if extent else 1)  # noqa: E731
         return min(fits, key=size, default=None)
 

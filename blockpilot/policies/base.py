@@ -124,6 +124,11 @@ class BlockSizePolicy:
             and kind.next_block_sizes is BlockSizePolicy.next_block_sizes
         )
 
+    def keeps_block_size_of(self, prefill: PrefillState) -> bool:
+        """Whether this request keeps its first b to the end (`keeps_block_size`, or this policy's own rule for the
+        request): the engine then asks no per-cycle hook for it, and its lone cycles compute no choice."""
+        return self.keeps_block_size
+
     def autoregressive_for_good(
         self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
     ) -> bool:

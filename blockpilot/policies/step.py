@@ -74,6 +74,10 @@ class StepPolicy(BlockSizePolicy):
             return [False] * len(temperatures)
         return self.model.config.keeps_prior(torch.tensor(list(temperatures), dtype=torch.float32)).tolist()
 
+    def keeps_block_size_of(self, prefill: PrefillState) -> bool:
+        """A request at a temperature where the model keeps the prior's b0 (`keeps_prior`)."""
+        return self.keeps_prior([prefill.temperature])[0]
+
     def autoregressive_for_good(
         self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
     ) -> bool:
