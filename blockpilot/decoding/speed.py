@@ -6,6 +6,7 @@ prompt by prompt."""
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -102,11 +103,12 @@ def measure_speeds(
 ) -> dict[str, PolicySpeed]:
     """Each run (a policy on its engine, None: a new eager one) and, under `plain_loop_key`, `plain_loop`, decoding
     every prompt one at a time, interleaved prompt by prompt: after one untimed pass of each (compiling what the
-    generations meet), every prompt is decoded by every decoder in turn, `rounds` times, the order rotating with
-    the prompt and the round. A decoder's figure sums, over the prompts, its median round on that prompt (by
-    seconds a token). The machine's drift then falls on every decoder alike, and a burst on one decode counts for
-    nothing: with whole passes per decoder instead, two policies running the same cycles came out up to 28% apart
-    on a 2-core CPU (docs/log.md)."""
+    generations meet), every prompt is decoded by every decoder in turn, `rounds` times, in an order shuffled each
+    time (seeded), so that no decoder always follows the same one (a decoder after another engine's found its
+    caches cold: rotating a fixed order put two policies running the same cycles 12% apart). A decoder's figure
+    sums, over the prompts, its median round on that prompt (by seconds a token). The machine's drift then falls on
+    every decoder alike, and a burst on one decode counts for nothing: with whole passes per decoder instead, such
+    policies came out up to 28% apart on a 2-core CPU (docs/log.md)."""
     if not prompts_ids:
         raise ValueError("measure_speeds needs at least one prompt; got none")
     if rounds < 1:
@@ -132,10 +134,10 @@ def measure_speeds(
         for ids in prompts_ids:
             decode(key, ids)
     decoded: dict[str, list[list[tuple[int, float, float]]]] = {key: [[] for _ in prompts_ids] for key in keys}
-    for round_ in range(rounds):
+    order = random.Random(0)
+    for _ in range(rounds):
         for index, ids in enumerate(prompts_ids):
-            turn = (round_ + index) % len(keys)
-            for key in keys[turn:] + keys[:turn]:
+            for key in order.sample(keys, len(keys)):
                 decoded[key][index].append(decode(key, ids))
     speeds = {}
     for key in keys:
