@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from blockpilot.predictor.model import BlockSizePredictor
-from blockpilot.scoring import LabelArrays, evaluate_choices
+from blockpilot.scoring import LabelArrays, choice_walks, evaluate_choices
+from blockpilot.walks import temperature_groups
 
 
 @torch.no_grad()
@@ -37,16 +38,25 @@ def fixed_choices(
     `T<t>/throughput_pred` and `T<t>/throughput_fixed`, with `T<t>/fixed_index`."""
     if model.config.fixed_at:
         raise ValueError("fixed_choices compares the predictor's own choices: ask before its fixed_at is set")
-    temperatures = sorted(set(val.temperature.tolist()) & set(train.temperature.tolist()))
     shapes = range(len(model.config.shapes))
-    on_train = [evaluate_choices(np.full(len(train), index, dtype=np.int64), train) for index in shapes]
+    # One shape's walks over a temperature's rows, as `evaluate_choices` prices a choice (without its oracles).
+    walks = {
+        name: (choice_walks(arrays), temperature_groups(arrays.temperature.tolist()))
+        for name, arrays in (("train", train), ("val", val))
+    }
+
+    def throughput(name: str, group: str, index: int) -> float:
+        shape_walks, groups = walks[name]
+        tokens, _, cost = shape_walks.rows(groups[group]).chosen(np.full(len(groups[group]), index))
+        return tokens / cost if cost else math.nan
+
     predicted = evaluate_predictor(model, val)
     metrics: dict[str, float] = {}
     fixed = []
-    for t in temperatures:
-        key = f"T{t:g}/throughput_pred"
-        best = max(shapes, key=lambda index: (on_train[index][key], -index))  # ties to the smaller shape
-        alone = evaluate_choices(np.full(len(val), best, dtype=np.int64), val)[key]
+    for t in sorted(set(val.temperature.tolist()) & set(train.temperature.tolist())):
+        group, key = f"T{t:g}/", f"T{t:g}/throughput_pred"
+        best = max(shapes, key=lambda index: (throughput("train", group, index), -index))  # ties to the smaller
+        alone = throughput("val", group, best)
         metrics |= {key: predicted[key], f"T{t:g}/throughput_fixed": alone, f"T{t:g}/fixed_index": float(best)}
         if alone >= predicted[key]:
             fixed.append((float(t), best))
