@@ -137,10 +137,11 @@ class BlockSizePolicy:
         share of the row's autoregressive time; `saves`: what this policy's drafts saved the rows that kept it, a
         share of the same time (None: not measured); both as the engine measured them
         (`batch_pricing.OptionPrice`, `batch_pricing.DraftSavings`). By default, a row starting autoregressive
-        under a policy that keeps b, or whose drafts were measured to save no more than the option costs."""
+        that keeps b (`keeps_block_size_of`), or whose policy's drafts were measured to save no more than the option
+        costs."""
         if block_size != AUTOREGRESSIVE:
             return False
-        return self.keeps_block_size or (saves is not None and saves <= option_price)
+        return self.keeps_block_size_of(prefill) or (saves is not None and saves <= option_price)
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         raise NotImplementedError(f"{type(self).__name__} must choose the first block size")

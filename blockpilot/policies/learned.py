@@ -46,14 +46,17 @@ class LearnedPolicy(BlockSizePolicy):
     def probabilities(self, prefill: PrefillState) -> np.ndarray:
         """(K,) the predictor's softmax over its candidates for this request: what a per-step model trained
         beside it reads at every cycle (a predictor pass now where the request's shape was fixed without one)."""
-        key = (PRIOR_DECISION, id(self.predictor))
         shape, probabilities = self._decisions([prefill])[0]
         if probabilities is None:
-            config = self.predictor.config
-            inputs = PredictorInputs.from_prefills([prefill], config.top_k, dense=config.kind == "dense")
-            probabilities = self.predictor.decide_shapes(inputs)[1][0]
-            prefill.derived[key] = (shape, probabilities)
+            probabilities = self._predicted([prefill])[1][0]
+            prefill.derived[(PRIOR_DECISION, id(self.predictor))] = (shape, probabilities)
         return probabilities
+
+    def _predicted(self, prefills: Sequence[PrefillState]) -> tuple[list[tuple[int, int | None]], np.ndarray]:
+        """The predictor's pass over these requests: its shapes and probabilities (`decide_shapes`)."""
+        config = self.predictor.config
+        inputs = PredictorInputs.from_prefills(prefills, config.top_k, dense=config.kind == "dense")
+        return self.predictor.decide_shapes(inputs)
 
     def _decisions(self, prefills: Sequence[PrefillState]) -> list[tuple[tuple[int, int | None], np.ndarray | None]]:
         """((b0, tree nodes), probabilities) of each request, from one predictor pass over those not yet decided: a
@@ -70,7 +73,6 @@ class LearnedPolicy(BlockSizePolicy):
                     prefill.derived[key] = (config.shapes[index], None)
             undecided = [prefill for prefill in undecided if key not in prefill.derived]
         if undecided:
-            inputs = PredictorInputs.from_prefills(undecided, config.top_k, dense=config.kind == "dense")
-            for prefill, shape, probabilities in zip(undecided, *self.predictor.decide_shapes(inputs), strict=True):
+            for prefill, shape, probabilities in zip(undecided, *self._predicted(undecided), strict=True):
                 prefill.derived[key] = (shape, probabilities)
         return [prefill.derived[key] for prefill in prefills]

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.data.labels import ANCHOR_TOP_K
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, distribution_summary
 from blockpilot.predictor.step_features import CycleView, tail_tokens
@@ -77,14 +76,6 @@ class StepPolicy(BlockSizePolicy):
     def keeps_block_size_of(self, prefill: PrefillState) -> bool:
         """A request at a temperature where the model keeps the prior's b0 (`keeps_prior`)."""
         return self.keeps_prior([prefill.temperature])[0]
-
-    def autoregressive_for_good(
-        self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
-    ) -> bool:
-        """Also a request that starts autoregressive at a temperature where it keeps the prior's b0."""
-        if block_size == AUTOREGRESSIVE and self.keeps_prior([prefill.temperature])[0]:
-            return True
-        return super().autoregressive_for_good(prefill, block_size, option_price, saves)
 
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self.initial_block_sizes([prefill])[0]
