@@ -12,6 +12,10 @@ the median cycle of each, and the median time of one choice on the host: the rul
 one row, an untrained rule over b in {1, B-2..B+2} unless --rule is given) and the step model's hook, each against
 the hook of a policy that keeps b. Prints each decision's share of each cycle. A step model trained beside a
 per-request predictor (`learned+step`) needs it: --predictor.
+
+A control runs beside them: the cycle as it is, compiled a second time under other kernel names (the same
+computation in another shared object). On a CPU two compiles of one cycle can differ by more than a decision costs
+(their code's layout: docs/log.md); the control's share is that floor, printed beside each figure.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ import argparse
 import statistics
 import time
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from blockpilot.blocks import label_candidates
+from blockpilot.decoding import steps
 from blockpilot.decoding.static import StaticDecoder, span_bucket
 from blockpilot.models import load_models
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState
@@ -45,6 +52,18 @@ def without_confidence(decoder: StaticDecoder) -> StaticDecoder:
 
     decoder._keep_anchor = types.MethodType(keep_anchor, decoder)
     return decoder
+
+
+@contextmanager
+def renamed_kernels() -> Iterator[None]:
+    """Steps built inside compile the same computation under other kernel names (inductor's
+    `cpp.descriptive_names`): another shared object, the control for what a compile's code layout alone moves."""
+    options = steps.inductor_options
+    steps.inductor_options = lambda device: {**(options(device) or {}), "cpp.descriptive_names": "inductor_node"}
+    try:
+        yield
+    finally:
+        steps.inductor_options = options
 
 
 def timed_cycles(decoder: StaticDecoder, width: int, context: str, cycles: int) -> float:
@@ -82,8 +101,9 @@ def main() -> None:
         prior = model.config.prior
         step = PriorStepPolicy(model, LearnedPolicy(load_predictor(args.predictor))) if prior else StepPolicy(model)
     prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
+    shapes = [(1, "defer"), (widest, "encode")]
     decoders = {}
-    for name in ("without", "with", "step")[: 3 if step else 2]:
+    for name in ("without", "with", "control", "step")[: 4 if step else 3]:
         decoder = StaticDecoder(models, rows=2, width=widest, capacity=512, compile="compile")
         decoders[name] = without_confidence(decoder) if name == "without" else decoder
         inputs = []
@@ -94,6 +114,10 @@ def main() -> None:
                 inputs = [float(widest), *[1 / len(step.candidates)] * len(step.candidates)]
         decoder.prefill(0, [prompt])
         decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0, decision_inputs=inputs)
+        if name == "control":
+            with renamed_kernels():
+                for width, context in shapes:
+                    timed_cycles(decoder, width, context, 1)  # builds its steps now, under the other names
     if args.rule:
         rule = ConfidenceRule.load(args.rule)
     else:
@@ -127,7 +151,6 @@ def main() -> None:
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
-    shapes = [(1, "defer"), (widest, "encode")]
     rounds: dict[tuple, list[float]] = {}
     for round_ in range(args.rounds + 1):  # the first round builds the steps
         for width, context in shapes:
@@ -145,11 +168,12 @@ def main() -> None:
     print(f"  the rule's choice on the host: {median[('hook', 'rule')] * 1e6:.1f} us a row, "
           f"{hook * 1e6:.1f} us more than a policy that keeps b")
     for width, context in shapes:
-        bare, full = median[(width, "without")], median[(width, "with")]
+        bare, full, control = median[(width, "without")], median[(width, "with")], median[(width, "control")]
         added = full - bare + hook
         print(
             f"  width {width} ({context}): cycle {bare * 1e3:.3f} ms without the decision, {full * 1e3:.3f} ms with "
-            f"the top-1 probability in the cycle; with the choice too: +{added * 1e6:.1f} us = {added / bare:+.1%}"
+            f"the top-1 probability in the cycle; with the choice too: {added * 1e6:+.1f} us = {added / bare:+.1%}; "
+            f"control (the cycle with it, compiled again): {control / full - 1:+.1%}"
         )
     if step:
         host = median[("hook", "step")] - median[("hook", "keeps b")]
