@@ -150,10 +150,15 @@ def step_oracle(tables: Sequence[AcceptanceTable], cost: CycleCost) -> tuple[flo
     return tokens, cycles, spent
 
 
+def modeled_throughput(tokens: float, cost: float) -> float:
+    """Committed tokens / cost of walks (NaN where they cost nothing): the `throughput_<policy>` metric."""
+    return tokens / cost if cost else math.nan
+
+
 def put_policy(metrics: dict[str, float], prefix: str, name: str, tokens: float, cycles: float, cost: float) -> None:
     """`tau_<name>` and `throughput_<name>` (under `prefix`) of walks that committed `tokens` in `cycles` at `cost`."""
     metrics[f"{prefix}tau_{name}"] = tokens / cycles if cycles else math.nan
-    metrics[f"{prefix}throughput_{name}"] = tokens / cost if cost else math.nan
+    metrics[f"{prefix}throughput_{name}"] = modeled_throughput(tokens, cost)
 
 
 def put_fixed_policies(

@@ -10,7 +10,7 @@ import torch
 
 from blockpilot.predictor.model import BlockSizePredictor
 from blockpilot.scoring import LabelArrays, choice_walks, evaluate_choices
-from blockpilot.walks import temperature_groups
+from blockpilot.walks import modeled_throughput, temperature_groups
 
 
 @torch.no_grad()
@@ -48,7 +48,7 @@ def fixed_choices(
     def throughput(name: str, group: str, index: int) -> float:
         shape_walks, groups = walks[name]
         tokens, _, cost = shape_walks.rows(groups[group]).chosen(np.full(len(groups[group]), index))
-        return tokens / cost if cost else math.nan
+        return modeled_throughput(tokens, cost)
 
     predicted = evaluate_predictor(model, val)
     metrics: dict[str, float] = {}
