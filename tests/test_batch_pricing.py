@@ -12,9 +12,13 @@ from support import greedy_reference
 from blockpilot.decoding import GenerationConfig, GenerationRequest, batch_pricing, generate_many
 from blockpilot.decoding.batch_pricing import (
     EXPLORE_EVERY,
+    LEVEL_FRESH,
+    PRICE_WARM_UP,
+    PRICE_WEIGHT,
     PRIOR_SLOTS,
     SAVINGS_CYCLES,
     DraftSavings,
+    MeasuredPrices,
     OptionPrice,
     SlotAcceptance,
     batch_width,
@@ -46,6 +50,30 @@ def test_a_rows_rate_and_what_a_chain_commits_at_it():
     prices = {1: 1.0, 2: 1.6, 4: 1.8}
     assert batch_width([0.9, 0.1], 0.5, prices) == batch_width([0.5, 0.5], 0.5, prices) == 4
     assert batch_width([0.9, 0.1], 0.5, {1: 1.0, 4: 2.0}) == 1 and batch_width([0.0, 0.0], 0.0, prices) == 1
+
+
+def test_widths_are_compared_on_prices_measured_under_the_same_conditions():
+    """A width's price moves with the device while another width runs (its bucket's level), and the first cycle at a
+    width after another's measures that width's factor against the level the other just set."""
+    prices = MeasuredPrices([1, 2, 4, 8])
+
+    def run(width: int, seconds: float, cycles: int, bucket: int = 4) -> None:
+        for _ in range(cycles):
+            prices.observe(bucket, width, seconds)
+
+    run(1, 1.0, PRICE_WARM_UP)
+    assert prices.at(4) is None  # a shape's first cycles are no price
+    run(1, 1.0, 3)
+    run(8, 3.0, PRICE_WARM_UP + 1)
+    assert prices.at(4) == {1: 1.0, **dict.fromkeys(range(5, 9), 3.0)}  # widths 2 and 4 not measured
+    run(8, 9.0, 100)  # the device slows 3x while width 8 runs: autoregression's price with it, not a calm spell's
+    assert prices.at(4)[8] == pytest.approx(9.0, rel=1e-3) and prices.at(4)[1] == pytest.approx(3.0, rel=1e-3)
+    run(1, 6.0, 1)  # against width 8's level just before, autoregression now costs 2x what it did
+    assert prices.buckets[4].factors[1] == pytest.approx(1.0 + PRICE_WEIGHT * (6.0 / 3.0 - 1.0))
+    assert prices.buckets[4].level == pytest.approx(3.0, rel=1e-3)
+    run(1, 1.0, LEVEL_FRESH + 1, bucket=16)  # other rows ran meanwhile: the level held under other conditions
+    run(1, 4.4, 1)
+    assert prices.buckets[4].level == pytest.approx(4.4 / prices.buckets[4].factors[1])  # set again, not moved
 
 
 @dataclass(frozen=True)
@@ -85,10 +113,11 @@ def before_the_budget(result) -> set[int]:
 
 def priced(engine: Engine, autoregressive: float | None, draft: float) -> Engine:
     """The engine's measured prices at every row bucket, as if it had timed those cycles, and one drafted slot seen."""
+    widths = [(1, autoregressive)] if autoregressive is not None else []
     for bucket in engine.buckets:
-        engine._measured_prices[bucket] = {b: draft for b in range(2, engine.width + 1)}
-        if autoregressive is not None:
-            engine._measured_prices[bucket][1] = autoregressive
+        for width, seconds in widths + [(width, draft) for width in engine.widths if width > 1]:
+            for _ in range(PRICE_WARM_UP + 1):
+                engine.prices.observe(bucket, width, seconds)
     engine.acceptance.add(4, 2)
     return engine
 
@@ -119,7 +148,7 @@ def test_an_autoregressive_price_not_measured_is_measured_first(tiny_models):
     until that price is measured, then chooses by both."""
     engine = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=None, draft=1e-6)
     results = decode(tiny_models, engine, [Drafts(4)] * 2)
-    assert results[0].block_sizes[0] == 1 and 1 in engine._measured_prices[2]
+    assert results[0].block_sizes[0] == 1 and 1 in engine.prices.at(2)
     assert 4 in results[0].block_sizes  # once measured, drafts at a millionth of its price pay
 
 

@@ -3,9 +3,9 @@
 A cycle computes its widest row's width for every row, so under load one row's draft costs the whole batch, and
 every adaptive row drafts the whole width (`Engine._widened`). A chain cycle of several rows where no fixed b drafts
 (a fixed b is the request's own choice) runs the width, among those the engine measured at that row bucket
-(`Engine._measured_prices`), autoregression included, at which its rows commit the most expected tokens a second
-(`batch_width`); lossless, as any b is, and each policy chooses again after it. At one row the policy's own choice
-stands.
+(`MeasuredPrices`: compared under the same conditions), autoregression included, at which its rows commit the most
+expected tokens a second (`batch_width`); lossless, as any b is, and each policy chooses again after it. At one row
+the policy's own choice stands.
 
 A chain's expected tokens at b: its slots accepted independently at a slot acceptance rate a (drafted slots kept over
 those tried up to each first rejection) commit (1 - a^b) / (1 - a) tokens, the target's own included. A row's: the
@@ -31,6 +31,7 @@ from blockpilot.blocks import AUTOREGRESSIVE
 PRIOR_SLOTS = 4  # how many drafted slots the engine-wide rate counts for in a row's own
 PRICE_WARM_UP = 2  # a shape's first passes (building it, cold caches) are no price
 PRICE_WEIGHT = 0.1  # the newest measurement's weight in a measured price
+LEVEL_FRESH = 4  # priced cycles after which a row bucket's level is set again by its next cycle
 SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
 EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
 
@@ -39,6 +40,65 @@ def moving_price(old: float | None, seconds: float) -> float:
     """A measured price after one more measurement of `seconds`: a moving average in which one measurement counts
     at most twice the price (a pause of the process is no price)."""
     return seconds if old is None else old + PRICE_WEIGHT * (min(seconds, 2 * old) - old)
+
+
+@dataclass
+class BucketPrices:
+    """One row bucket's measured cycle prices: a level, which moves with whatever else the device runs, times each
+    width bucket's factor, which is the shape's own (seconds = level x factor)."""
+
+    level: float | None = None
+    factors: dict[int, float] = field(default_factory=dict)
+    last_width: int | None = None
+    moved: int = 0  # the engine's priced cycle that last moved the level
+
+
+class MeasuredPrices:
+    """What the engine's chain cycles cost here and now, per row bucket and b, for the batch's width (`batch_width`)
+    and the policies that price their choices (`PrefillState.prices`).
+
+    A cycle's time moves with what else the device runs (a server's other threads, its neighbours): a price kept
+    from a calm spell, set against one measured under load, chooses by the spell and not by the width (through the
+    endpoint, batches of 4 flapped between autoregression and width 8 that way). So widths are compared on prices
+    measured under the same conditions: a run of cycles at one width moves its bucket's level; the first cycle at a
+    width after another's measures that width's factor against the level the other just set; a level not moved in
+    `LEVEL_FRESH` priced cycles is set again by the next. A shape's first `PRICE_WARM_UP` cycles are no price."""
+
+    def __init__(self, widths: Sequence[int]):
+        self.widths = sorted(widths)  # the engine's width buckets
+        self.buckets: dict[int, BucketPrices] = {}
+        self.cycles: Counter[tuple[int, int]] = Counter()  # priced cycles seen per (row bucket, width)
+        self._count = 0  # priced cycles seen, warm-ups included
+        self._views: dict[int, dict[int, float]] = {}
+
+    def at(self, bucket: int) -> dict[int, float] | None:
+        """b -> seconds of a cycle of `bucket` rows, every b of each measured width bucket (None: none measured)."""
+        return self._views.get(bucket)
+
+    def observe(self, bucket: int, width: int, seconds: float) -> None:
+        """A chain cycle of `bucket` rows at width bucket `width` took `seconds`."""
+        self._count += 1
+        self.cycles[(bucket, width)] += 1
+        if self.cycles[(bucket, width)] <= PRICE_WARM_UP:
+            return
+        prices = self.buckets.setdefault(bucket, BucketPrices())
+        if prices.level is None:
+            prices.level, prices.factors[width], prices.moved = seconds, 1.0, self._count
+        elif width not in prices.factors:
+            prices.factors[width] = seconds / prices.level
+        elif self._count - prices.moved > LEVEL_FRESH:  # set again: the old level held under other conditions
+            prices.level, prices.moved = min(seconds / prices.factors[width], 2 * prices.level), self._count
+        elif width == prices.last_width:
+            prices.level, prices.moved = moving_price(prices.level, seconds / prices.factors[width]), self._count
+        else:
+            prices.factors[width] = moving_price(prices.factors[width], seconds / prices.level)
+        prices.last_width = width
+        view, narrower = {}, 0
+        for each in self.widths:
+            if each in prices.factors:
+                view.update(dict.fromkeys(range(narrower + 1, each + 1), prices.level * prices.factors[each]))
+            narrower = each
+        self._views[bucket] = view
 
 
 @dataclass

@@ -38,12 +38,7 @@ import torch
 
 from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import positive_int
-from blockpilot.decoding.batch_pricing import (
-    PRICE_WARM_UP,
-    SlotAcceptance,
-    batch_width,
-    moving_price,
-)
+from blockpilot.decoding.batch_pricing import MeasuredPrices, SlotAcceptance, batch_width
 from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
@@ -179,10 +174,7 @@ class Engine(RowScheduler):
             )
         self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
-        # What its cycles cost here and now, for the policies that price their choices (`PrefillState.prices`):
-        # row bucket -> b -> seconds, and the cycles seen per (row bucket, width).
-        self._measured_prices: dict[int, dict[int, float]] = {}
-        self._price_cycles: Counter[tuple[int, int]] = Counter()
+        self.prices = MeasuredPrices(self.widths)  # what its chain cycles cost here and now
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
@@ -549,10 +541,11 @@ class Engine(RowScheduler):
         decided = self.decoder.decided[:n, None]
         host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long(), confidence, decided], dim=1).tolist()
         elapsed = time.perf_counter() - started
-        # a width's price at this bucket (not a packed cycle's: it costs less); what keeping the drafter's context
-        # adds is the option's
+        # a width's price at this bucket (not a packed cycle's: it costs less); what flushing the drafter's kept
+        # context adds is the option's, and an autoregressive cycle that keeps it (`defer`) costs what one that skips
+        # it does (0.162 against 0.163 ms on the mini zoo, docs/log.md): both price b = 1
         if chains and not self.decoder.packed:
-            self._observe_price(bucket, width, elapsed - flushed)
+            self.prices.observe(bucket, width, elapsed - flushed)
         if n == 1:
             self._observe_savings(rows[0], sizes[0], host[0][-4], elapsed - flushed)
         finished, going_on = [], []
@@ -604,7 +597,7 @@ class Engine(RowScheduler):
         chosen (it gets measured); an autoregressive price not measured yet is measured first."""
         if any(b > 1 and not row.policy.adapts for row, b in zip(rows, chosen, strict=True)):
             return width
-        prices = self._measured_prices.get(bucket, {})
+        prices = self.prices.at(bucket) or {}
         if width not in prices or not self.acceptance.tried:
             return width
         if AUTOREGRESSIVE not in prices:
@@ -614,21 +607,6 @@ class Engine(RowScheduler):
         if all(rate is None for rate in rates):
             return width
         return batch_width(rates, prior, {w: prices[w] for w in self.widths if w in prices})
-
-    def _observe_price(self, bucket: int, width: int, seconds: float) -> None:
-        """A chain cycle of `bucket` rows at `width` took `seconds` (a flush of kept context not counted: that is
-        the option's price, `OptionPrice`): the price of every b of that width bucket at that batch
-        (`moving_price`). An autoregressive cycle that keeps context for later (`defer`) costs what one that skips
-        it does (0.162 against 0.163 ms on the mini zoo, docs/log.md), so both price b = 1."""
-        key = (bucket, width)
-        self._price_cycles[key] += 1
-        if self._price_cycles[key] <= PRICE_WARM_UP:
-            return
-        prices = self._measured_prices.setdefault(bucket, {})
-        narrower = max((w for w in self.widths if w < width), default=0)
-        price = moving_price(prices.get(width), seconds)
-        for b in range(narrower + 1, width + 1):
-            prices[b] = price
 
     def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
         """A chain row the batch chooses for (`Row.batch_chooses`) in a cycle of several rows drafts the batch's
@@ -647,7 +625,7 @@ class Engine(RowScheduler):
             savings.add(size, committed, seconds, price)
 
     def _prices(self, batch_rows: int) -> dict[int, float] | None:
-        return self._measured_prices.get(next(b for b in self.buckets if b >= batch_rows))
+        return self.prices.at(next(b for b in self.buckets if b >= batch_rows))
 
     def _record(self, row: Row, index: int, kept: int) -> None:
         """The row's committed positions' features and the distributions that drew its new tokens, from the cycle's
