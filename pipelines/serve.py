@@ -296,6 +296,20 @@ async def next_event(events: asyncio.Queue, request: Request, handle: Any) -> Op
                 return None
 
 
+def queued_text(events: asyncio.Queue, text: str) -> tuple[str, Optional[tuple[str, Any]]]:
+    """`text` and the deltas queued behind it, as one: where the engine ran ahead of a stream (the event loop busy
+    with others), one chunk carries them, not one each (a chunk costs the replica's event loop and Serve's proxy the
+    same however many tokens it holds, and under load that loop held the GIL the engine thread waited for). Also the
+    first event queued that is not a delta (None: none)."""
+    parts = [text]
+    while not events.empty():
+        event = events.get_nowait()
+        if event[0] != "delta":
+            return "".join(parts), event
+        parts.append(event[1])
+    return "".join(parts), None
+
+
 async def sse_events(
     decoder: BatchedDecoder,
     events: asyncio.Queue,
@@ -326,7 +340,10 @@ async def sse_events(
         while event is not None:
             what, value = event
             if what == "delta":
+                value, event = queued_text(events, value)
                 yield chunk(value, None)
+                if event is not None:  # the request's end, queued behind its last deltas
+                    continue
             elif what == "error":
                 # Overloaded says what to do; any other failure's text stays in the server's log.
                 text = str(value) if isinstance(value, Overloaded) else "decoding this request failed"

@@ -563,6 +563,36 @@ def test_the_waiting_side_gives_up_on_an_engine_that_never_answers():
     assert handle.cancelled and time.monotonic() - started < 5
 
 
+def test_deltas_queued_behind_a_stream_go_out_as_one_chunk():
+    """Where the engine ran ahead of a stream (its event loop busy with others), the deltas queued go out as one
+    chunk, the text unchanged, and the request's end after them."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from blockpilot.serving import DecodeHandle
+    from pipelines.serve import sse_events
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    stats = {"finish_reason": "length", "usage": {"completion_tokens": 3}, "blockpilot": {}}
+
+    async def stream() -> list[dict]:
+        events: asyncio.Queue = asyncio.Queue()
+        for event in [("delta", " b"), ("delta", " c"), ("done", stats)]:
+            events.put_nowait(event)
+        handle = DecodeHandle(None, None, None)
+        decoder = SimpleNamespace(model_name="m")
+        lines = [c async for c in sse_events(decoder, events, ("delta", "a"), handle, Connected(), "x", 0, False, True)]
+        return [json.loads(line[6:]) for line in b"".join(lines).decode().split("\n\n") if line.startswith("data: {")]
+
+    chunks = asyncio.run(stream())
+    assert [chunk["choices"][0]["text"] for chunk in chunks] == ["a b c", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
 def test_chat_requests_are_bounded_before_they_are_tokenized(tiny_models):
     decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_messages=4, max_prompt_chars=100))
     with pytest.raises(RequestError, match="5 messages; at most 4"):
