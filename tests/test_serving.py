@@ -539,6 +539,13 @@ def test_a_stalled_engine_step_makes_the_decoder_unhealthy_until_it_moves_again(
         decoder.stop()
 
 
+class ConnectedClient:
+    """A request whose client stays connected (what `next_event` and `sse_events` ask of it)."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
 def test_the_waiting_side_gives_up_on_an_engine_that_never_answers():
     """`next_event` past the request's deadline: the request is cancelled and its client gets NoAnswerInTime
     (504), not a wait for the proxy's timeout."""
@@ -547,15 +554,11 @@ def test_the_waiting_side_gives_up_on_an_engine_that_never_answers():
     from blockpilot.serving import DecodeHandle
     from pipelines.serve import NoAnswerInTime, next_event
 
-    class Connected:
-        async def is_disconnected(self) -> bool:
-            return False
-
     handle = DecodeHandle(None, None, None)
     handle.deadline = time.monotonic() + 0.3
 
     async def wait() -> None:
-        await next_event(asyncio.Queue(), Connected(), handle)
+        await next_event(asyncio.Queue(), ConnectedClient(), handle)
 
     started = time.monotonic()
     with pytest.raises(NoAnswerInTime):
@@ -573,10 +576,6 @@ def test_deltas_queued_behind_a_stream_go_out_as_one_chunk():
     from blockpilot.serving import DecodeHandle
     from pipelines.serve import sse_events
 
-    class Connected:
-        async def is_disconnected(self) -> bool:
-            return False
-
     stats = {"finish_reason": "length", "usage": {"completion_tokens": 3}, "blockpilot": {}}
 
     async def stream() -> list[dict]:
@@ -585,7 +584,8 @@ def test_deltas_queued_behind_a_stream_go_out_as_one_chunk():
             events.put_nowait(event)
         handle = DecodeHandle(None, None, None)
         decoder = SimpleNamespace(model_name="m")
-        lines = [c async for c in sse_events(decoder, events, ("delta", "a"), handle, Connected(), "x", 0, False, True)]
+        client = ConnectedClient()
+        lines = [c async for c in sse_events(decoder, events, ("delta", "a"), handle, client, "x", 0, False, True)]
         return [json.loads(line[6:]) for line in b"".join(lines).decode().split("\n\n") if line.startswith("data: {")]
 
     chunks = asyncio.run(stream())
