@@ -29,7 +29,7 @@ from blockpilot.decoding.compiled import release_openmp_threads
 from blockpilot.decoding.engine import Engine, generate_many, keep_compiled_kernels, shape_for
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.models.loading import SpeculativeModels, text_prefix
-from blockpilot.options import option, positive_float_arg, positive_int_arg
+from blockpilot.options import non_negative_float_arg, option, positive_float_arg, positive_int_arg
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.resolve import PolicySpec, resolve_policy
 
@@ -90,11 +90,22 @@ class ServeLimits:
     )
     max_batch: int = option(8, type=positive_int_arg, help="requests decoded together in one engine")
     max_queue: int = option(64, type=positive_int_arg, help="requests waiting for a row (more: 503)")
+    stream_interval_s: float = option(
+        0.05,
+        type=non_negative_float_arg,
+        help="seconds between a stream's chunks after its first, each carrying every token decoded meanwhile (0: one "
+        "chunk per engine step); each chunk costs the server the same, and under load those costs slow decoding",
+    )
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"serve limit {name} must be a positive number, got {value!r}")
+            if value is None:
+                continue
+            zero_allowed = name == "stream_interval_s"
+            number = isinstance(value, (int, float)) and math.isfinite(value)
+            if not (number and (value >= 0 if zero_allowed else value > 0)):
+                expected = "a finite number >= 0" if zero_allowed else "a positive number"
+                raise ValueError(f"serve limit {name} must be {expected}, got {value!r}")
 
 
 @dataclass

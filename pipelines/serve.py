@@ -22,6 +22,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -225,7 +226,7 @@ async def respond(decoder: BatchedDecoder, request: Request, chat: bool) -> Any:
     parsed = parse_request(body, ChatCompletionRequest if chat else CompletionRequest)
     checked = await asyncio.to_thread(decode_request, decoder, parsed)
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
+    events = RequestEvents()
     handle = decoder.submit(checked, listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
     limits = decoder.limits
     handle.deadline = handle.submitted_at + limits.queue_timeout_s + limits.request_timeout_s + ANSWER_GRACE_S
@@ -296,11 +297,25 @@ async def next_event(events: asyncio.Queue, request: Request, handle: Any) -> Op
                 return None
 
 
+class RequestEvents(asyncio.Queue):
+    """A request's events on the server's event loop (the engine thread hands them over); `ended` is set once its
+    last (the end, or an error) is queued, so a stream that waits out its interval is woken for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    def put_nowait(self, event: tuple[str, Any]) -> None:
+        super().put_nowait(event)
+        if event[0] != "delta":
+            self.ended.set()
+
+
 def queued_text(events: asyncio.Queue, text: str) -> tuple[str, Optional[tuple[str, Any]]]:
-    """`text` and the deltas queued behind it, as one: where the engine ran ahead of a stream (the event loop busy
-    with others), one chunk carries them, not one each (a chunk costs the replica's event loop and Serve's proxy the
-    same however many tokens it holds, and under load that loop held the GIL the engine thread waited for). Also the
-    first event queued that is not a delta (None: none)."""
+    """`text` and the deltas queued behind it, as one: where the engine ran ahead of a stream (within the stream's
+    interval, or while the event loop was busy with others), one chunk carries them, not one each (a chunk costs the
+    replica's event loop, Serve's streaming and its proxy the same however many tokens it holds). Also the first event
+    queued that is not a delta (None: none)."""
     parts = [text]
     while not events.empty():
         event = events.get_nowait()
@@ -312,7 +327,7 @@ def queued_text(events: asyncio.Queue, text: str) -> tuple[str, Optional[tuple[s
 
 async def sse_events(
     decoder: BatchedDecoder,
-    events: asyncio.Queue,
+    events: RequestEvents,
     first: tuple[str, Any],
     handle: Any,
     request: Request,
@@ -321,7 +336,9 @@ async def sse_events(
     chat: bool,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format; a client that goes away frees its row."""
+    """Server-sent events in OpenAI's chunk format; a client that goes away frees its row. The first token goes
+    out at once; later chunks at most one per `stream_interval_s`, each with every delta decoded meanwhile, and the
+    request's end as soon as it comes."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: Optional[str], finish: Optional[str], first_chunk: bool = False, extra: Optional[dict] = None) -> bytes:
@@ -333,6 +350,7 @@ async def sse_events(
         payload = {"id": ident, "object": kind, "created": created, "model": decoder.model_name, "choices": [choice]}
         return f"data: {json.dumps(payload | (extra or {}))}\n\n".encode()
 
+    sent_at = -math.inf  # the first token goes out at once: the interval only spaces the chunks after it
     try:
         if chat:
             yield chunk(None, None, first_chunk=True)
@@ -340,7 +358,12 @@ async def sse_events(
         while event is not None:
             what, value = event
             if what == "delta":
+                wait = sent_at + decoder.limits.stream_interval_s - time.monotonic()
+                if wait > 0 and not events.ended.is_set():  # the deltas decoded meanwhile go with this one
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(events.ended.wait(), wait)
                 value, event = queued_text(events, value)
+                sent_at = time.monotonic()
                 yield chunk(value, None)
                 if event is not None:  # the request's end, queued behind its last deltas
                     continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import threading
 import time
 
@@ -570,27 +571,82 @@ def test_deltas_queued_behind_a_stream_go_out_as_one_chunk():
     """Where the engine ran ahead of a stream (its event loop busy with others), the deltas queued go out as one
     chunk, the text unchanged, and the request's end after them."""
     import asyncio
-    import json
     from types import SimpleNamespace
 
     from blockpilot.serving import DecodeHandle
-    from pipelines.serve import sse_events
+    from pipelines.serve import RequestEvents, sse_events
 
     stats = {"finish_reason": "length", "usage": {"completion_tokens": 3}, "blockpilot": {}}
 
     async def stream() -> list[dict]:
-        events: asyncio.Queue = asyncio.Queue()
+        events = RequestEvents()
         for event in [("delta", " b"), ("delta", " c"), ("done", stats)]:
             events.put_nowait(event)
         handle = DecodeHandle(None, None, None)
-        decoder = SimpleNamespace(model_name="m")
+        decoder = SimpleNamespace(model_name="m", limits=ServeLimits(stream_interval_s=0))
         client = ConnectedClient()
         lines = [c async for c in sse_events(decoder, events, ("delta", "a"), handle, client, "x", 0, False, True)]
-        return [json.loads(line[6:]) for line in b"".join(lines).decode().split("\n\n") if line.startswith("data: {")]
+        return sse_chunks(b"".join(lines))
 
     chunks = asyncio.run(stream())
     assert [chunk["choices"][0]["text"] for chunk in chunks] == ["a b c", ""]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def sse_chunks(body: bytes) -> list[dict]:
+    """The JSON chunks of a server-sent event stream, in order."""
+    return [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
+
+
+def test_a_stream_sends_its_first_token_at_once_then_a_chunk_per_interval_and_its_end_when_it_comes():
+    """Deltas decoded every 10 ms, streamed at an interval of 0.1 s: the first token's chunk goes out alone, each
+    later one at least the interval after the one before, with every delta decoded meanwhile (the text unchanged),
+    and the request's end (with the deltas still pending) as it comes, not when the next chunk is due."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipelines.serve import RequestEvents, sse_events
+
+    interval, stats = 0.1, {"finish_reason": "length", "usage": {}, "blockpilot": {}}
+
+    async def stream() -> tuple[list[tuple[float, dict]], float]:
+        events, ended_at = RequestEvents(), []
+
+        async def decode() -> None:
+            for i in range(1, 25):
+                await asyncio.sleep(0.01)
+                events.put_nowait(("delta", f" {i}"))
+            await asyncio.sleep(0.03)  # 0.27 s: the next chunk is due at 0.3 s
+            events.put_nowait(("done", stats))
+            ended_at.append(time.monotonic())
+
+        decoding = asyncio.create_task(decode())
+        decoder = SimpleNamespace(model_name="m", limits=ServeLimits(stream_interval_s=interval))
+        handle, client = DecodeHandle(None, None, None), ConnectedClient()
+        timed = []
+        async for line in sse_events(decoder, events, ("delta", "0"), handle, client, "x", 0, False, False):
+            timed.extend((time.monotonic(), chunk) for chunk in sse_chunks(line))
+        await decoding
+        return timed, ended_at[0]
+
+    timed, ended_at = asyncio.run(stream())
+    texts = [chunk["choices"][0]["text"] for _, chunk in timed]
+    assert texts[0] == "0" and "".join(texts) == "".join(f" {i}" for i in range(25)).strip()
+    sent = [at for at, chunk in timed if chunk["choices"][0]["text"]]
+    assert len(sent) <= 4, texts  # 0.27 s: the first, then at most one per 0.1 s, the last with the end
+    assert all(later - earlier >= interval * 0.95 for earlier, later in zip(sent[:-2], sent[1:-1], strict=True)), sent
+    assert timed[-1][1]["choices"][0]["finish_reason"] == "length"
+    assert sent[-1] - ended_at < interval / 2 and timed[-1][0] - ended_at < interval / 2  # the end waited for nothing
+
+
+def test_serve_limits_refuse_a_bad_value_by_name():
+    assert ServeLimits(stream_interval_s=0).stream_interval_s == 0  # a chunk per engine step
+    with pytest.raises(ValueError, match=r"stream_interval_s must be a finite number >= 0, got -0.5"):
+        ServeLimits(stream_interval_s=-0.5)
+    with pytest.raises(ValueError, match=r"stream_interval_s must be a finite number >= 0, got inf"):
+        ServeLimits(stream_interval_s=float("inf"))
+    with pytest.raises(ValueError, match="max_batch must be a positive number, got 0"):
+        ServeLimits(max_batch=0)
 
 
 def test_chat_requests_are_bounded_before_they_are_tokenized(tiny_models):
