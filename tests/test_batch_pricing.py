@@ -14,8 +14,9 @@ from blockpilot.decoding.batch_pricing import (
     EXPLORE_EVERY,
     LEVEL_FRESH,
     PRICE_WARM_UP,
-    PRICE_WEIGHT,
     PRIOR_SLOTS,
+    REMEASURE_FIRST,
+    REMEASURE_MOST,
     SAVINGS_CYCLES,
     DraftSavings,
     MeasuredPrices,
@@ -69,11 +70,32 @@ def test_widths_are_compared_on_prices_measured_under_the_same_conditions():
     run(8, 9.0, 100)  # the device slows 3x while width 8 runs: autoregression's price with it, not a calm spell's
     assert prices.at(4)[8] == pytest.approx(9.0, rel=1e-3) and prices.at(4)[1] == pytest.approx(3.0, rel=1e-3)
     run(1, 6.0, 1)  # against width 8's level just before, autoregression now costs 2x what it did
-    assert prices.buckets[4].factors[1] == pytest.approx(1.0 + PRICE_WEIGHT * (6.0 / 3.0 - 1.0))
+    assert prices.buckets[4].factors[1] == pytest.approx((1.0 + 6.0 / 3.0) / 2, rel=1e-3)  # the median of its two
     assert prices.buckets[4].level == pytest.approx(3.0, rel=1e-3)
     run(1, 1.0, LEVEL_FRESH + 1, bucket=16)  # other rows ran meanwhile: the level held under other conditions
     run(1, 4.4, 1)
     assert prices.buckets[4].level == pytest.approx(4.4 / prices.buckets[4].factors[1])  # set again, not moved
+
+
+def test_a_factor_measured_under_passing_conditions_is_measured_again():
+    """Four rows whose drafted slots are kept at rate 1/2 on a device where width 8 costs 4x autoregression: a
+    switch measured while autoregression ran 3x slow for a moment prices width 8 as the better. The runner-up runs
+    now and then to be measured again: the batch turns to autoregression, and measures width 8 again ever more
+    rarely."""
+    prices, truth, rates = MeasuredPrices([1, 8]), {1: 1.0, 8: 4.0}, [0.5] * 4
+    for width, seconds in [(1, 3.0), (8, 4.0)]:
+        for _ in range(PRICE_WARM_UP + 1):
+            prices.observe(4, width, seconds)
+    ran = []
+    for _ in range(2_000):
+        measured = {width: prices.at(4)[width] for width in (1, 8)}
+        best = batch_width(rates, 0.5, measured)
+        width = (8 if best == 1 else 1) if prices.remeasures(4, best) else best
+        prices.observe(4, width, truth[width])
+        ran.append(width)
+    assert set(ran[: REMEASURE_FIRST - 1]) == {8}  # the prices chose width 8
+    assert 1 <= ran[-1_000:].count(8) <= 1_000 // REMEASURE_FIRST + 1  # then autoregression; width 8 still measured
+    assert ran[-500:].count(1) >= 500 - (500 // REMEASURE_MOST + 1) and REMEASURE_FIRST < REMEASURE_MOST
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ rows run alone (`DraftSavings`): a row that joins alone weighs that, where it wa
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,9 @@ PRIOR_SLOTS = 4  # how many drafted slots the engine-wide rate counts for in a r
 PRICE_WARM_UP = 2  # a shape's first passes (building it, cold caches) are no price
 PRICE_WEIGHT = 0.1  # the newest measurement's weight in a measured price
 LEVEL_FRESH = 4  # priced cycles after which a row bucket's level is set again by its next cycle
+FACTOR_SAMPLES = 5  # a width's factor: the median of its last this many measurements (each at a switch)
+REMEASURE_FIRST = 32  # cycles of one width at a row bucket before the runner-up is measured again
+REMEASURE_MOST = 512  # ... doubling each time the choice stands, up to this many
 SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
 EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
 
@@ -49,8 +53,17 @@ class BucketPrices:
 
     level: float | None = None
     factors: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, deque[float]] = field(default_factory=dict)  # each width's last factor measurements
     last_width: int | None = None
+    run: int = 0  # priced cycles in a row at last_width
     moved: int = 0  # the engine's priced cycle that last moved the level
+    chosen: int | None = None  # the width the prices chose last (`MeasuredPrices.remeasures`)
+    remeasure_after: int = REMEASURE_FIRST
+
+    def measure_factor(self, width: int, factor: float) -> None:
+        samples = self.samples.setdefault(width, deque(maxlen=FACTOR_SAMPLES))
+        samples.append(factor)
+        self.factors[width] = statistics.median(samples)
 
 
 class MeasuredPrices:
@@ -61,8 +74,11 @@ class MeasuredPrices:
     from a calm spell, set against one measured under load, chooses by the spell and not by the width (through the
     endpoint, batches of 4 flapped between autoregression and width 8 that way). So widths are compared on prices
     measured under the same conditions: a run of cycles at one width moves its bucket's level; the first cycle at a
-    width after another's measures that width's factor against the level the other just set; a level not moved in
-    `LEVEL_FRESH` priced cycles is set again by the next. A shape's first `PRICE_WARM_UP` cycles are no price."""
+    width after another's measures that width's factor against the level the other just set (the factor: the median
+    of its last `FACTOR_SAMPLES` measurements); a level not moved in `LEVEL_FRESH` priced cycles is set again by the
+    next. A shape's first `PRICE_WARM_UP` cycles are no price. A factor is measured only where the width changes, so
+    one measured under passing conditions would keep its bucket at one width for good: `remeasures` says when the
+    runner-up is to run once, to be measured again."""
 
     def __init__(self, widths: Sequence[int]):
         self.widths = sorted(widths)  # the engine's width buckets
@@ -83,15 +99,17 @@ class MeasuredPrices:
             return
         prices = self.buckets.setdefault(bucket, BucketPrices())
         if prices.level is None:
-            prices.level, prices.factors[width], prices.moved = seconds, 1.0, self._count
+            prices.level, prices.moved = seconds, self._count
+            prices.measure_factor(width, 1.0)
         elif width not in prices.factors:
-            prices.factors[width] = seconds / prices.level
+            prices.measure_factor(width, seconds / prices.level)
         elif self._count - prices.moved > LEVEL_FRESH:  # set again: the old level held under other conditions
             prices.level, prices.moved = min(seconds / prices.factors[width], 2 * prices.level), self._count
         elif width == prices.last_width:
             prices.level, prices.moved = moving_price(prices.level, seconds / prices.factors[width]), self._count
         else:
-            prices.factors[width] = moving_price(prices.factors[width], seconds / prices.level)
+            prices.measure_factor(width, seconds / prices.level)
+        prices.run = prices.run + 1 if width == prices.last_width else 1
         prices.last_width = width
         view, narrower = {}, 0
         for each in self.widths:
@@ -99,6 +117,21 @@ class MeasuredPrices:
                 view.update(dict.fromkeys(range(narrower + 1, each + 1), prices.level * prices.factors[each]))
             narrower = each
         self._views[bucket] = view
+
+    def remeasures(self, bucket: int, best: int) -> bool:
+        """Whether a cycle of `bucket` rows whose prices choose width `best` runs the runner-up instead, to measure
+        its factor again: after `REMEASURE_FIRST` priced cycles in a row at `best`, then after twice as many each
+        time the choice stands (at most `REMEASURE_MOST`: one cycle in 513), from `REMEASURE_FIRST` again once the
+        prices choose another width."""
+        prices = self.buckets.get(bucket)
+        if prices is None:
+            return False
+        if best != prices.chosen:
+            prices.chosen, prices.remeasure_after = best, REMEASURE_FIRST
+        if prices.last_width != best or prices.run < prices.remeasure_after:
+            return False
+        prices.remeasure_after = min(2 * prices.remeasure_after, REMEASURE_MOST)
+        return True
 
 
 @dataclass

@@ -593,8 +593,9 @@ class Engine(RowScheduler):
         """The width of this chain cycle of several rows (`batch_pricing`): where a fixed b drafts, the chosen width
         (the request's own); else the measured width at this row bucket, autoregression included, at which the rows
         commit the most expected tokens a second (`batch_width`), each adaptive row drafting all of it (`_widened`),
-        whatever its policy chose. A chosen width not priced yet, or no drafted slot seen, runs as
-        chosen (it gets measured); an autoregressive price not measured yet is measured first."""
+        whatever its policy chose; now and then the runner-up, to measure it again (`MeasuredPrices.remeasures`). A
+        chosen width not priced yet, or no drafted slot seen, runs as chosen (it gets measured); an autoregressive
+        price not measured yet is measured first."""
         if any(b > 1 and not row.policy.adapts for row, b in zip(rows, chosen, strict=True)):
             return width
         prices = self.prices.at(bucket) or {}
@@ -606,7 +607,11 @@ class Engine(RowScheduler):
         rates = [row.acceptance.rate(prior) if row.batch_chooses else None for row in rows]
         if all(rate is None for rate in rates):
             return width
-        return batch_width(rates, prior, {w: prices[w] for w in self.widths if w in prices})
+        measured = {w: prices[w] for w in self.widths if w in prices}
+        best = batch_width(rates, prior, measured)
+        if len(measured) > 1 and self.prices.remeasures(bucket, best):  # the runner-up, once
+            return batch_width(rates, prior, {w: price for w, price in measured.items() if w != best})
+        return best
 
     def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
         """A chain row the batch chooses for (`Row.batch_chooses`) in a cycle of several rows drafts the batch's
