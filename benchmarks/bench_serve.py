@@ -21,6 +21,7 @@ by concurrency, and its latencies and tau; notebook 04 draws the newest), unless
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import statistics
@@ -120,6 +121,12 @@ def main() -> None:
         help="spans of cache the replica builds (serve's --compile-spans; 2: 256 and 512 slots, which hold the zoos' "
         "held-out prompts and 64 tokens: a row past the built spans runs eagerly, in every mode)",
     )
+    parser.add_argument(
+        "--stream-interval-s",
+        type=float,
+        default=None,
+        help="seconds between a stream's chunks after its first (serve's flag; default: serve's)",
+    )
     parser.add_argument("--no-track", action="store_true", help=f"do not log the curve to MLflow ({LOAD_EXPERIMENT})")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -135,6 +142,8 @@ def main() -> None:
     texts = prompt_texts(f"zoo:{args.zoo}:heldout")
     prompts = [texts[i % len(texts)] for i in range(args.requests)]
     limits = ServeLimits(max_batch=args.max_batch, max_queue=max(64, args.requests))
+    if args.stream_interval_s is not None:
+        limits = dataclasses.replace(limits, stream_interval_s=args.stream_interval_s)
     loader = ModelLoader(
         str(args.zoo / "target"),
         str(args.zoo / "drafter"),
@@ -201,7 +210,8 @@ def main() -> None:
 
     print(
         f"requests per run: {len(prompts)}, max_tokens {args.max_tokens} (ignore_eos), T={args.temperature:g}, one "
-        f"replica, engine max_batch {args.max_batch}, {args.num_cpus:g} CPUs, {args.rounds} interleaved rounds "
+        f"replica, engine max_batch {args.max_batch}, stream interval {limits.stream_interval_s:g} s, "
+        f"{args.num_cpus:g} CPUs, {args.rounds} interleaved rounds "
         f"(medians); adaptive = {adaptive_name}; latencies in ms, p50 / p99"
     )
     print(
