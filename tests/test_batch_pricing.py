@@ -149,7 +149,7 @@ def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_mod
         return priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
 
     results = decode(tiny_models, slow_drafts(), [Drafts(4)] * 3)
-    # Every cycle of several rows is autoregressive; a row that finishes last alone drafts its own b again.
+    # Every cycle of several rows is autoregressive (the rows keep no option to draft: the test below).
     for result in results:
         assert set(result.block_sizes) <= {1, 4} and result.block_sizes[0] == 1 and 1 in result.block_sizes
     # A fixed b is the request's own choice: its batch drafts whatever it costs.
@@ -192,6 +192,32 @@ def test_a_row_whose_policy_adapts_drafts_every_slot_its_cycle_computes(tiny_mod
     assert widened.block_sizes[0] == 4 and ran(widened) <= {2, 4} and ran(fixed) == {3}
     own = decode(tiny_models, engine(batch_pricing=False), [Drafts(3), FixedBlockSize(2)])
     assert [ran(result) for result in own] == [{3}, {2}]
+
+
+def test_rows_joining_where_the_batch_would_not_draft_start_autoregressive_for_good(tiny_models):
+    """Under load the batch chooses an adaptive row's width: where at that load it would not draft were every row
+    able to, a joining row keeps no option to draft (b = 1 to its end, alone too), but for every `EXPLORE_EVERY`-th;
+    where drafting pays, rows keep it. Rows of 8 and 24 tokens: the batch thins to one row. Greedy either way."""
+
+    def decode_thinning(engine: Engine) -> list:
+        prompts = [tiny_models.encode_prompt(text) for text in TEXTS[:2]]
+        configs = [GenerationConfig(max_new_tokens=n) for n in (8, 24)]
+        requests = [GenerationRequest(p, c, Drafts(4)) for p, c in zip(prompts, configs, strict=True)]
+        results = generate_many(tiny_models, requests, engine=engine)
+        for request, result in zip(requests, results, strict=True):
+            n = request.config.max_new_tokens
+            assert result.token_ids == greedy_reference(tiny_models.target, request.prompt_ids, n)
+        return results
+
+    slow = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
+    assert [set(result.block_sizes) for result in decode_thinning(slow)] == [{1}, {1}]
+    assert slow.exploration_under_load.declined == 2
+    slow.exploration_under_load.declined = EXPLORE_EVERY - 2  # the second row to join keeps the option
+    short, long = decode_thinning(slow)
+    assert set(short.block_sizes) == {1} and 4 in long.block_sizes  # once alone, its policy's b
+    cheap = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1.0, draft=1.0)
+    assert all(4 in result.block_sizes for result in decode_thinning(cheap))
+    assert cheap.exploration_under_load.declined == 0
 
 
 class ChoosesAutoregression(BlockSizePolicy):

@@ -221,7 +221,19 @@ class OptionPrice:
 
 
 @dataclass
-class DraftSavings:
+class Exploration:
+    """Rows a rule sends autoregressive for good, counted: every `EXPLORE_EVERY`-th keeps the option to draft
+    anyway, so that what the rule reads stays measured as the requests change."""
+
+    declined: int = 0
+
+    def explores(self) -> bool:
+        self.declined += 1
+        return self.declined % EXPLORE_EVERY == 0
+
+
+@dataclass
+class DraftSavings(Exploration):
     """What one policy's drafts saved the rows that started autoregressive and kept the option to draft, in the
     cycles they ran alone: each drafting cycle's committed tokens at the measured autoregressive price, less the
     cycle's own seconds (the option's costs are `OptionPrice`'s), as a share of the autoregressive seconds of every
@@ -231,7 +243,6 @@ class DraftSavings:
     saved: float = 0.0
     autoregressive: float = 0.0
     cycles: int = 0
-    declined: int = 0  # rows the measured saving sent autoregressive for good
 
     def add(self, block_size: int, committed: int, seconds: float, autoregressive_price: float) -> None:
         """A lone cycle of `block_size` that committed `committed` tokens in `seconds`."""
@@ -246,9 +257,3 @@ class DraftSavings:
         if self.cycles < SAVINGS_CYCLES or self.autoregressive <= 0:
             return None
         return self.saved / self.autoregressive
-
-    def explores(self) -> bool:
-        """Whether a row the measured saving would send autoregressive for good keeps the option anyway (every
-        `EXPLORE_EVERY`-th), so that the saving stays measured as the requests change."""
-        self.declined += 1
-        return self.declined % EXPLORE_EVERY == 0

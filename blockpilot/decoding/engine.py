@@ -38,7 +38,7 @@ import torch
 
 from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import positive_int
-from blockpilot.decoding.batch_pricing import MeasuredPrices, SlotAcceptance, batch_width
+from blockpilot.decoding.batch_pricing import Exploration, MeasuredPrices, SlotAcceptance, batch_width
 from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
@@ -175,6 +175,7 @@ class Engine(RowScheduler):
         self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
         self.prices = MeasuredPrices(self.widths)  # what its chain cycles cost here and now
+        self.exploration_under_load = Exploration()  # rows joining under load sent autoregressive for good
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
@@ -429,12 +430,13 @@ class Engine(RowScheduler):
             if not row.policy.keeps_block_size:
                 self.decide_in_cycle(row.policy)
         autoregressive_price = (self._prices(batch_rows) or {}).get(AUTOREGRESSIVE)
+        batch_drafts = self._batch_drafts(batch_rows, joining)
         for row in joining:
             asks_hook = not self._chosen_by_batch(row, batch_rows)  # under load the batch chooses, unasked
             option = self.option_price.share(
                 row.prompt.numel(), row.config.max_new_tokens, batch_rows, autoregressive_price, asks_hook
             )
-            row.drafter_context = not self._autoregressive_for_good(row, option, batch_rows)
+            row.drafter_context = not self._autoregressive_for_good(row, option, batch_rows, batch_drafts)
         if features is not None and any(row.drafter_context for row in joining):
             started = time.perf_counter()
             self.decoder.keep_context(first_row, features)
@@ -476,11 +478,18 @@ class Engine(RowScheduler):
             return []
         return self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
 
-    def _autoregressive_for_good(self, row: Row, option: float, batch_rows: int) -> bool:
+    def _autoregressive_for_good(self, row: Row, option: float, batch_rows: int, batch_drafts: bool | None) -> bool:
         """The row's policy's answer (`autoregressive_for_good`), given what its drafts saved the rows that kept the
-        option in lone cycles where the row joins alone (`DraftSavings`; under load the batch chooses the rows'
-        width); every `EXPLORE_EVERY`-th row that only the measured saving sends autoregressive keeps the option."""
+        option in lone cycles where the row joins alone (`DraftSavings`); every `EXPLORE_EVERY`-th row that only the
+        measured saving sends autoregressive keeps the option. Under load the batch chooses the row's width: where at
+        this load it would not draft were every row able to (`_batch_drafts`), the option buys nothing while the load
+        lasts, and the row starts autoregressive for good (its drafter context and flushes cost 12% of autoregression
+        at 16 rows on the mini zoo's CPU: docs/log.md), but for every `EXPLORE_EVERY`-th."""
         policy, state = row.policy, row.prefill_state
+        if self._chosen_by_batch(row, batch_rows) and batch_drafts is False:
+            if not self.exploration_under_load.explores():
+                row.block_size = AUTOREGRESSIVE
+                return True
         savings = self.draft_savings(policy) if batch_rows == 1 else None
         saves = savings.share if savings is not None else None
         if not policy.autoregressive_for_good(state, row.block_size, option, saves):
@@ -612,6 +621,20 @@ class Engine(RowScheduler):
         if len(measured) > 1 and self.prices.remeasures(bucket, best):  # the runner-up, once
             return batch_width(rates, prior, {w: price for w, price in measured.items() if w != best})
         return best
+
+    def _batch_drafts(self, batch_rows: int, joining: list[Row]) -> bool | None:
+        """Whether the chain cycles of `batch_rows` rows (the running ones and `joining`) would draft were every row
+        able to, each at the engine's slot acceptance rate (`batch_width` on the measured prices of their row
+        bucket), or draft anyway (a row's fixed b); None where drafting and autoregression are not both priced
+        there, or no drafted slot was seen."""
+        if any(row.block_size > AUTOREGRESSIVE and not row.policy.adapts for row in [*self.rows, *joining]):
+            return True
+        prices = self._prices(batch_rows) or {}
+        measured = {w: prices[w] for w in self.widths if w in prices}
+        if AUTOREGRESSIVE not in measured or len(measured) < 2 or not self.acceptance.tried:
+            return None
+        rate = self.acceptance.accepted / self.acceptance.tried
+        return batch_width([rate] * batch_rows, rate, measured) > AUTOREGRESSIVE
 
     def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
         """A chain row the batch chooses for (`Row.batch_chooses`) in a cycle of several rows drafts the batch's
