@@ -573,7 +573,6 @@ def test_deltas_queued_behind_a_stream_go_out_as_one_chunk():
     import asyncio
     from types import SimpleNamespace
 
-    from blockpilot.serving import DecodeHandle
     from pipelines.serve import RequestEvents, sse_events
 
     stats = {"finish_reason": "length", "usage": {"completion_tokens": 3}, "blockpilot": {}}

@@ -91,6 +91,10 @@ class MeasuredPrices:
         """b -> seconds of a cycle of `bucket` rows, every b of each measured width bucket (None: none measured)."""
         return self._views.get(bucket)
 
+    def of_widths(self, view: Mapping[int, float] | None) -> dict[int, float]:
+        """Width bucket -> seconds, of the measured width buckets in `view` (an answer of `at`)."""
+        return {width: view[width] for width in self.widths if view and width in view}
+
     def observe(self, bucket: int, width: int, seconds: float) -> None:
         """A chain cycle of `bucket` rows at width bucket `width` took `seconds`."""
         self._count += 1
@@ -150,6 +154,11 @@ class SlotAcceptance:
     @property
     def tried(self) -> int:
         return self.accepted + self.rejected
+
+    @property
+    def measured(self) -> float:
+        """The slot acceptance rate as counted (at least one slot tried)."""
+        return self.accepted / self.tried
 
     def rate(self, prior: float) -> float:
         """The slot acceptance rate, shrunk toward `prior` by `PRIOR_SLOTS` slots."""

@@ -612,11 +612,11 @@ class Engine(RowScheduler):
             return width
         if AUTOREGRESSIVE not in prices:
             return AUTOREGRESSIVE
-        prior = self.acceptance.accepted / self.acceptance.tried
+        prior = self.acceptance.measured
         rates = [row.acceptance.rate(prior) if row.batch_chooses else None for row in rows]
         if all(rate is None for rate in rates):
             return width
-        measured = {w: prices[w] for w in self.widths if w in prices}
+        measured = self.prices.of_widths(prices)
         best = batch_width(rates, prior, measured)
         if len(measured) > 1 and self.prices.remeasures(bucket, best):  # the runner-up, once
             return batch_width(rates, prior, {w: price for w, price in measured.items() if w != best})
@@ -629,11 +629,10 @@ class Engine(RowScheduler):
         there, or no drafted slot was seen."""
         if any(row.block_size > AUTOREGRESSIVE and not row.policy.adapts for row in [*self.rows, *joining]):
             return True
-        prices = self._prices(batch_rows) or {}
-        measured = {w: prices[w] for w in self.widths if w in prices}
+        measured = self.prices.of_widths(self._prices(batch_rows))
         if AUTOREGRESSIVE not in measured or len(measured) < 2 or not self.acceptance.tried:
             return None
-        rate = self.acceptance.accepted / self.acceptance.tried
+        rate = self.acceptance.measured
         return batch_width([rate] * batch_rows, rate, measured) > AUTOREGRESSIVE
 
     def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
