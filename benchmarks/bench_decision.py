@@ -15,7 +15,8 @@ per-request predictor (`learned+step`) needs it: --predictor.
 
 A control runs beside them: the cycle as it is, compiled a second time under other kernel names (the same
 computation in another shared object). On a CPU two compiles of one cycle can differ by more than a decision costs
-(their code's layout: docs/log.md); the control's share is that floor, printed beside each figure.
+(their code's layout: docs/log.md); the control's share is that floor, printed beside each figure. So does the cycle
+compiled with inductor's size asserts, which the engine turns off (`inductor_options`): what they cost a cycle.
 """
 
 from __future__ import annotations
@@ -55,15 +56,20 @@ def without_confidence(decoder: StaticDecoder) -> StaticDecoder:
 
 
 @contextmanager
-def renamed_kernels() -> Iterator[None]:
-    """Steps built inside compile the same computation under other kernel names (inductor's
-    `cpp.descriptive_names`): another shared object, the control for what a compile's code layout alone moves."""
+def compiled_with(**changed: object) -> Iterator[None]:
+    """Steps built inside compile with inductor's options `changed` from the engine's (`inductor_options`)."""
     options = steps.inductor_options
-    steps.inductor_options = lambda device: {**(options(device) or {}), "cpp.descriptive_names": "inductor_node"}
+    steps.inductor_options = lambda device: {**(options(device) or {}), **changed}
     try:
         yield
     finally:
         steps.inductor_options = options
+
+
+# Decoders over the cycle as it is, compiled otherwise: under other kernel names (inductor's `cpp.descriptive_names`:
+# another shared object, the control for what a compile's code layout alone moves), and with inductor's size asserts
+# on every input at every call (the engine's options before it turned them off).
+RECOMPILED = {"control": {"cpp.descriptive_names": "inductor_node"}, "asserts": {"size_asserts": True}}
 
 
 def timed_cycles(decoder: StaticDecoder, width: int, context: str, cycles: int) -> float:
@@ -103,7 +109,7 @@ def main() -> None:
     prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
     shapes = [(1, "defer"), (widest, "encode")]
     decoders = {}
-    for name in ("without", "with", "control", "step")[: 4 if step else 3]:
+    for name in ("without", "with", *RECOMPILED, "step")[: 5 if step else 4]:
         decoder = StaticDecoder(models, rows=2, width=widest, capacity=512, compile="compile")
         decoders[name] = without_confidence(decoder) if name == "without" else decoder
         inputs = []
@@ -114,10 +120,10 @@ def main() -> None:
                 inputs = [float(widest), *[1 / len(step.candidates)] * len(step.candidates)]
         decoder.prefill(0, [prompt])
         decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0, decision_inputs=inputs)
-        if name == "control":
-            with renamed_kernels():
+        if name in RECOMPILED:
+            with compiled_with(**RECOMPILED[name]):
                 for width, context in shapes:
-                    timed_cycles(decoder, width, context, 1)  # builds its steps now, under the other names
+                    timed_cycles(decoder, width, context, 1)  # builds its steps now, with those options
     if args.rule:
         rule = ConfidenceRule.load(args.rule)
     else:
@@ -173,7 +179,8 @@ def main() -> None:
         print(
             f"  width {width} ({context}): cycle {bare * 1e3:.3f} ms without the decision, {full * 1e3:.3f} ms with "
             f"the top-1 probability in the cycle; with the choice too: {added * 1e6:+.1f} us = {added / bare:+.1%}; "
-            f"control (the cycle with it, compiled again): {control / full - 1:+.1%}"
+            f"control (the cycle with it, compiled again): {control / full - 1:+.1%}; with inductor's size asserts: "
+            f"{median[(width, 'asserts')] / full - 1:+.1%}"
         )
     if step:
         host = median[("hook", "step")] - median[("hook", "keeps b")]

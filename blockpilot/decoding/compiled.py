@@ -26,9 +26,12 @@ def compile_mode(mode: str, device: torch.device) -> str:
 
 def inductor_options(device: torch.device) -> dict[str, bool] | None:
     """What the engine compiles with. On a CPU, inductor's C++ wrapper: its default Python wrapper re-checked every
-    input and view at each call, about 0.1 ms of a 1 ms mini-zoo cycle. A GPU replays CUDA graphs, where the
-    wrapper costs nothing."""
-    return {"cpp_wrapper": True} if device.type == "cpu" else None
+    input and view at each call, about 0.1 ms of a 1 ms mini-zoo cycle. Without its size asserts: the C++ wrapper
+    checks every input's sizes and strides at each call, building a string stream each time (67 checks, about
+    55-65 us of a 0.6-1.8 ms mini-zoo cycle, docs/log.md), where a step's inputs are the tensors it was built on
+    (`compiled_replay`) or pass dynamo's guards on the same shapes. A GPU replays CUDA graphs, where the wrapper
+    costs nothing."""
+    return {"cpp_wrapper": True, "size_asserts": False} if device.type == "cpu" else None
 
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5's omp_pause_soft: the runtime keeps its state, its threads go
