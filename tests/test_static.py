@@ -345,6 +345,9 @@ def test_a_compiled_step_replays_without_dynamo_what_dynamo_computes():
         compiled(3)
     replay = compiled_replay(calls)
     assert replay is not None
+    # The C++ wrapper's code, without a check of each input's sizes at every call (what `inductor_options` turns off)
+    code = calls[0][0].source_code
+    assert "inductor_entry_impl" in code and "assert_size_stride" not in code
     torch._dynamo.reset()  # dynamo keeps nothing compiled now, and may not compile again: the replay needs neither
     with torch.compiler.set_stance("fail_on_recompile"):
         for _ in range(3):
