@@ -152,6 +152,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cycles=args.cycles,
         compile=args.compile,
         tree_nodes=args.tree_nodes,
+        step_decision=args.step_decision,
     )
     cost.save(args.out)
     print(f"cost curve -> {args.out}")
@@ -165,6 +166,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(
             f"batch {batch}, trees {cost.tree_depth} deep: "
             + ", ".join(f"{n} nodes {s * 1000:.2f}" for n, s in by_nodes.items())
+        )
+    if cost.decided:
+        print(
+            "batch 1, computing a per-step model's choice: "
+            + ", ".join(f"b={b} {s * 1000:.2f} (+{(s / cost(b) - 1) * 100:.1f}%)" for b, s in cost.decided.items())
         )
     return 0
 
@@ -297,6 +303,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=tree_budget_list,
         default=(),
         help="also time draft trees of these budgets, as deep as the largest block size, e.g. 7,15,31,63",
+    )
+    cal.add_argument(
+        "--step-decision",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time each b's lone cycle computing a per-step model's choice, which train-step prices a step "
+        "model's walks with (at batch 1)",
     )
     cal.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")

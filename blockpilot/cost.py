@@ -17,10 +17,12 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from blockpilot.checks import positive_int
 from blockpilot.files import write_text_atomic
+
+Timed = TypeVar("Timed")  # what a calibration round times: a block size, or a (kind of cycle, block size)
 
 
 def nearest_batch_size(measured: Iterable[int], batch: int) -> int:
@@ -48,6 +50,9 @@ class CycleCost:
     # empty, and trees have no price).
     trees: dict[int, dict[int, float]] = field(default_factory=dict)
     tree_depth: int | None = None
+    # b -> seconds of a lone row's chain cycle that also computes a per-step model's choice (`Engine.decide_in_cycle`),
+    # at batch 1, fitted as `seconds` is (none measured: empty, and that choice is priced as free).
+    decided: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -56,7 +61,7 @@ class CycleCost:
             raise ValueError(
                 f"tree prices ({sorted(self.trees)} batches) come with the trees' depth, got {self.tree_depth!r}"
             )
-        for batch, by_b in [*self.seconds.items(), *self.trees.items()]:
+        for batch, by_b in [*self.seconds.items(), *self.trees.items(), (1, self.decided)]:
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"cost of b={b} at batch {batch} must be a positive number, got {value!r}")
@@ -99,22 +104,44 @@ class CycleCost:
         nearest = self._nearest_batch(batch)
         measured = {nearest: dict(self.measured[nearest])} if nearest in self.measured else {}
         trees = {batch: dict(self.trees[nearest_batch_size(self.trees, batch)])} if self.trees else {}
-        return replace(self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured, trees=trees)
+        decided = dict(self.decided) if batch == 1 else {}  # a cycle of several rows computes no such choice
+        return replace(
+            self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured, trees=trees, decided=decided
+        )
+
+    def deciding(self) -> CycleCost:
+        """The curve a per-step model's lone rows pay when the compiled cycle computes its choice: c(b) at batch 1
+        raised to the `decided` cycle's time (never below c(b); its other batches and trees as they are). Without
+        `decided`, or without batch 1, the curve itself."""
+        if not self.decided or 1 not in self.seconds:
+            return self
+        lone = {b: max(value, _interpolate(self.decided, b)) for b, value in self.seconds[1].items()}
+        return replace(self, seconds={**self.seconds, 1: lone}, decided={})
 
     def scaled(self, factor: float) -> CycleCost:
         """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"a cost curve scales by a positive factor, got {factor!r}")
 
-        def times(curve: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
-            return {batch: {b: value * factor for b, value in by_b.items()} for batch, by_b in curve.items()}
+        def times(by_b: dict[int, float]) -> dict[int, float]:
+            return {b: value * factor for b, value in by_b.items()}
 
-        return replace(self, seconds=times(self.seconds), measured=times(self.measured), trees=times(self.trees))
+        def curves(curve: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+            return {batch: times(by_b) for batch, by_b in curve.items()}
+
+        return replace(
+            self,
+            seconds=curves(self.seconds),
+            measured=curves(self.measured),
+            trees=curves(self.trees),
+            decided=times(self.decided),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for name in ("seconds", "measured", "trees"):
             out[name] = {str(batch): {str(b): v for b, v in by_b.items()} for batch, by_b in out[name].items()}
+        out["decided"] = {str(b): v for b, v in self.decided.items()}
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -146,6 +173,7 @@ class CycleCost:
             measured=curve(raw.get("measured", {})),
             trees=curve(raw.get("trees", {})),
             tree_depth=raw.get("tree_depth"),
+            decided={int(b): float(v) for b, v in raw.get("decided", {}).items()},
         )
 
     def describe(self) -> str:
@@ -159,7 +187,12 @@ class CycleCost:
             trees = f"; trees {self.tree_depth} deep: " + ", ".join(
                 f"{n} nodes: {v * 1000:.2f} ms" for n, v in sorted(by_nodes.items())
             )
-        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}"
+        decided = ""
+        if self.decided:
+            decided = "; a per-step model's choice in the cycle: " + ", ".join(
+                f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.decided.items())
+            )
+        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}{decided}"
 
 
 def _interpolate(points_by_x: dict[int, float], x: int) -> float:
@@ -200,9 +233,9 @@ def one_cost_per_bucket(by_b: dict[int, float], buckets: Sequence[int]) -> dict[
     return {b: pooled[bucket_of[b]] for b in sorted(by_b)}
 
 
-def round_relative_medians(rounds: Sequence[dict[int, float]]) -> dict[int, float]:
+def round_relative_medians(rounds: Sequence[dict[Timed, float]]) -> dict[Timed, float]:
     """c(b) from rounds that each timed every b once: the median over rounds of each time divided by its round's
-    level (the geometric mean of the round), times the median level.
+    level (the geometric mean of the round), times the median level. Any keys do (b, or (kind of cycle, b)).
 
     Dividing by the round's level takes out what slowed or sped up the whole round, and the time of each b is
     compared with the other b of its own round. Per-b medians alone would take each b from a different round:

@@ -19,6 +19,7 @@ from blockpilot.cost import (
 )
 from blockpilot.data.labels import rows_to_table, write_label_file
 from blockpilot.decoding.calibration import calibrate, random_prompts, seconds_per_cycle
+from blockpilot.policies.fixed import FixedBlockSize
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
@@ -32,6 +33,39 @@ def test_calibration_measures_every_point_and_round_trips(random_models, tmp_pat
         assert by_b == nondecreasing_in_block_size(cost.measured[batch])
         assert list(by_b.values()) == sorted(by_b.values())
     assert cost.at_batch(2).measured == {2: cost.measured[2]}
+
+
+def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plain_one(random_models, tmp_path):
+    cost = calibrate(random_models, (1, 2, 4), cycles=2, repeats=2, warmup=0, compile="off", step_decision=True)
+    assert set(cost.decided) == {1, 2, 4}
+    assert all(cost.decided[b] >= cost.seconds[1][b] for b in cost.decided)  # a choice never makes a cycle cheaper
+    assert list(cost.decided.values()) == sorted(cost.decided.values())
+    assert load_cost(cost.save(tmp_path / "cost.json")) == cost
+    assert "a per-step model's choice in the cycle: b=1" in cost.describe()
+
+
+def test_the_curve_a_step_models_walk_pays():
+    cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 6.0}}, decided={1: 1.5, 4: 1.9})
+    lone = cost.deciding()
+    assert lone.seconds == {1: {1: 1.5, 4: 2.0}, 8: cost.seconds[8]}  # raised to the choice's, never below c(b)
+    assert lone.decided == {} and lone.deciding() == lone
+    assert cost(1) == 1.0 and lone(1) == 1.5 and lone(1, batch=8) == 3.0
+    assert cost.at_batch(1).decided == cost.decided and cost.at_batch(8).decided == {}  # several rows: no choice
+    assert cost.at_batch(8).deciding() == cost.at_batch(8)
+    assert cost.scaled(2.0).decided == {1: 3.0, 4: 3.8}
+    assert CycleCost({1: {1: 1.0}}).deciding() == CycleCost({1: {1: 1.0}})  # not measured: the curve itself
+    with pytest.raises(ValueError, match="b=4 at batch 1"):
+        CycleCost({1: {1: 1.0}}, decided={4: -1.0})
+
+
+def test_a_calibration_refuses_to_time_rows_that_failed(random_models):
+    class Failing(FixedBlockSize):
+        def initial_block_size(self, prefill):
+            raise RuntimeError("no b")
+
+    prompts = random_prompts(random_models, 1, 16, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="a row failed while its cycles were timed: RuntimeError\\('no b'\\)"):
+        seconds_per_cycle(random_models, prompts, [2], 2, policy=Failing)
 
 
 def test_a_wider_block_is_never_priced_below_a_narrower_one():

@@ -584,6 +584,34 @@ def test_the_prior_is_kept_at_the_temperatures_where_its_walks_beat_the_models(t
     assert split_step_rows(rows[:1], 0.5, 0) == (rows[:1], [])  # a side would be empty: no validation
 
 
+def test_the_models_walks_pay_the_choice_its_cycle_computes_and_the_prior_kept_pays_none(tiny_labels):
+    """A curve that measured the cycle computing a step model's choice (`CycleCost.decided`) prices the model's lone
+    walks with it and the prior's without: the model's modeled throughput drops, the prior's stays, and where that
+    choice costs more than the model's walks can save, the prior is kept at every temperature; kept there, the model
+    walks at the prior's price."""
+    table = pq.read_table(tiny_labels["train"])
+    candidates = step_rows(table)[0].tables[0].candidates
+    vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
+    rows = step_rows(table, random_predictor(candidates, vocab, 3))
+    cost = CycleCost({1: {b: 1.0 + 0.4 * b for b in candidates}})
+    model = random_prior_step_model(11, candidates, 512)
+    free = evaluate_step_model(model, rows, cost)
+    priced = replace(cost, decided={b: value + 0.2 for b, value in cost.seconds[1].items()})
+    paid = evaluate_step_model(model, rows, priced)
+    for t in (0, 1):
+        assert paid[f"T{t}/throughput_step"] < free[f"T{t}/throughput_step"]
+        assert paid[f"T{t}/throughput_request"] == free[f"T{t}/throughput_request"]
+    dear = replace(cost, decided={b: value + 100 for b, value in cost.seconds[1].items()})  # no walk saves that
+    kept, _ = prior_temperatures(model, rows, dear)
+    assert kept == (0.0, 1.0)
+    gated = evaluate_step_model(with_prior_at(model, (0.0, 1.0), kept), rows, dear)
+    assert all(gated[f"T{t}/throughput_step"] == pytest.approx(free[f"T{t}/throughput_request"]) for t in (0, 1))
+    # trained at the model's own price: every lone cycle also costs the choice, so fewer, wider cycles gain
+    _, plain_regrets = regret_dataset(rows, model, cost)
+    _, paid_regrets = regret_dataset(rows, model, dear)
+    assert not np.allclose(plain_regrets, paid_regrets)
+
+
 def test_the_prior_is_kept_by_the_nearest_labeled_temperature_and_only_with_a_prior(tmp_path):
     config = step_config(prior=True, temperatures=(1.0, 0.0), prior_temperatures=(0.0,))
     assert config.temperatures == (0.0, 1.0)

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
+from blockpilot.blocks import label_candidates
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
 from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.static import MIN_SPAN
 from blockpilot.models.loading import synchronize
+from blockpilot.policies.base import BlockSizePolicy, PrefillState
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
+from blockpilot.policies.step import CycleDecision, StepPolicy
+from blockpilot.predictor.step_model import StepModel, StepModelConfig
 
 
 def seconds_per_cycle(
@@ -26,10 +31,12 @@ def seconds_per_cycle(
     cycles: int,
     engine: Engine | None = None,
     tree_nodes: int | None = None,
+    policy: Callable[[int], BlockSizePolicy] | None = None,
 ) -> float:
     """Mean wall time of one engine cycle with row i at block size `block_sizes[i]`, all rows in one batch; with
     `tree_nodes`, every row verifies a tree of that many nodes, b deep (on an `engine` built for them). `engine`: an
-    idle one to time (whose compiled shapes then serve every measurement), else a new one run eagerly.
+    idle one to time (whose compiled shapes then serve every measurement), else a new one run eagerly. `policy`: the
+    rows' policy at b (default: `FixedBlockSize`, or `FixedTree` with `tree_nodes`).
 
     The rows are prefilled and run one cycle untimed, then `cycles` cycles are timed (synchronised). Each row
     may generate up to its drafted tokens a cycle, so none finishes inside the timed cycles.
@@ -43,20 +50,76 @@ def seconds_per_cycle(
         engine = Engine(models, max_batch=len(prompts), width=width, capacity=capacity, tree_nodes=tree_nodes)
     for prompt, b in zip(prompts, block_sizes, strict=True):
         config = GenerationConfig(max_new_tokens=1 + (cycles + 2) * b)  # never cut short
-        policy = FixedBlockSize(b) if tree_nodes is None else FixedTree(tree_nodes, b)
-        engine.submit(GenerationRequest(list(prompt), config, policy))
-    engine.step()  # admission (prefill) and the first cycle: not timed
+        if policy is not None:
+            chosen = policy(b)
+        else:
+            chosen = FixedBlockSize(b) if tree_nodes is None else FixedTree(tree_nodes, b)
+        engine.submit(GenerationRequest(list(prompt), config, chosen))
+    updates = engine.step()  # admission (prefill) and the first cycle: not timed
     started = time.perf_counter()
     ran = 0
     while engine.busy and ran < cycles:
-        engine.step()
+        updates += engine.step()
         ran += 1
     synchronize(models.device)
     seconds = (time.perf_counter() - started) / max(ran, 1)
+    failed = next((update.error for update in updates if update.error is not None), None)
+    if failed is not None:  # a time of rows that stopped is no cycle's cost
+        raise RuntimeError(f"a row failed while its cycles were timed: {failed!r}") from failed
     if given:  # an engine the caller keeps goes back idle; a new one is dropped with its rows
         for _ in engine.run():
             pass
     return seconds
+
+
+class HeldDecision(nn.Module):
+    """A per-step model's choice computed inside the cycle and not taken: the row keeps its b, so that the cycle that
+    computes the choice is timed at every b (`calibrate`)."""
+
+    def __init__(self, decision: CycleDecision) -> None:
+        super().__init__()
+        self.decision = decision
+        self.inputs = decision.inputs
+
+    def row_inputs(self, prefill: PrefillState, first_block_size: int) -> list[float]:
+        return self.decision.row_inputs(prefill, first_block_size)
+
+    def forward(self, *cycle: torch.Tensor) -> torch.Tensor:
+        """`CycleDecision.forward`'s inputs -> (N,) long: each row's b (`last_block_size`) as it was."""
+        chosen = self.decision(*cycle)
+        last_block_size = cycle[5]
+        # No candidate is negative, so b stays; the compile cannot drop the choice as unused.
+        return torch.where(chosen < 0, chosen, last_block_size)
+
+
+class HeldDecisionPolicy(BlockSizePolicy):
+    """Rows at a given b whose lone cycles compute a per-step model's choice (`HeldDecision`), a model of the default
+    shape over `label_candidates` with random weights (they time like trained ones). One object serves every b, set
+    by `at` before each measurement: an engine computes one policy's choice in its cycles (`Engine.decide_in_cycle`)."""
+
+    name = "held-decision"
+
+    def __init__(self, models: Any) -> None:
+        vocab = models.target.get_input_embeddings().weight.shape[0]
+        with torch.random.fork_rng(devices=[]):  # the same weights every time: the compiled cycle's cache holds
+            torch.manual_seed(0)
+            model = StepModel(StepModelConfig(label_candidates(models.train_block_size), vocab_size=vocab))
+        self.decision = HeldDecision(CycleDecision(StepPolicy(model)))
+        self.block_size = 1
+
+    @property
+    def keeps_block_size(self) -> bool:
+        return False  # so the engine computes the choice in its cycles
+
+    def at(self, block_size: int) -> HeldDecisionPolicy:
+        self.block_size = block_size
+        return self
+
+    def initial_block_size(self, prefill: PrefillState) -> int:
+        return self.block_size
+
+    def cycle_decision(self, device: torch.device) -> HeldDecision:
+        return self.decision.to(device)
 
 
 def random_prompts(models: Any, count: int, length: int, generator: Any) -> list[list[int]]:
@@ -76,6 +139,7 @@ def calibrate(
     warmup: int = 2,
     compile: str = "auto",
     tree_nodes: Sequence[int] = (),
+    step_decision: bool = False,
 ) -> CycleCost:
     """Median wall time of one engine cycle at each (batch, b), on the models' device.
 
@@ -92,6 +156,9 @@ def calibrate(
     priced at the median of its width's times (`one_cost_per_bucket`).
     With `tree_nodes` too, the cycles of draft trees of each of those budgets, max(block_sizes) deep (the trees
     the labels walk), on a static engine built for the largest: `CycleCost.trees`, timed and fitted the same way.
+    With `step_decision` (and batch 1), the lone cycles of each b that also compute a per-step model's choice, on an
+    engine that computes it (`HeldDecisionPolicy`), in the same rounds: `CycleCost.decided`, fitted the same way and
+    never below c(b), what a step model's walk pays (`CycleCost.deciding`).
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -100,6 +167,7 @@ def calibrate(
     measured: dict[int, dict[int, float]] = {}  # batch -> b -> median seconds, before the fit
     fitted: dict[int, dict[int, float]] = {}  # batch -> b -> the curve
     trees: dict[int, dict[int, float]] = {}  # batch -> nodes -> median seconds, before the fit
+    decided: dict[int, float] = {}  # b -> seconds of a lone cycle that computes a per-step model's choice
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
@@ -112,11 +180,21 @@ def calibrate(
             tree_engine = Engine(
                 models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
             )
+        deciding = None
+        if step_decision and batch == 1 and models.drafter is not None:
+            deciding = Engine(models, max_batch=1, width=depth, capacity=capacity, compile=compile)
+            held = HeldDecisionPolicy(models)
+            deciding.decide_in_cycle(held)
         rounds, tree_rounds = [], []
         for attempt in range(warmup + repeats):
             timed = {
-                b: seconds_per_cycle(models, prompts[b], [b] * batch, cycles, engine) for b in block_sizes
+                ("plain", b): seconds_per_cycle(models, prompts[b], [b] * batch, cycles, engine) for b in block_sizes
             }
+            if deciding is not None:  # keyed apart, in the same round: its level is the plain cycles'
+                timed |= {
+                    ("decided", b): seconds_per_cycle(models, prompts[b], [b], cycles, deciding, policy=held.at)
+                    for b in block_sizes
+                }
             timed_trees = {
                 nodes: seconds_per_cycle(models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes)
                 for nodes in tree_nodes
@@ -124,8 +202,13 @@ def calibrate(
             if attempt >= warmup:
                 rounds.append(timed)
                 tree_rounds.append(timed_trees)
-        measured[batch] = round_relative_medians(rounds)
+        medians = round_relative_medians(rounds)
+        measured[batch] = {b: value for (kind, b), value in medians.items() if kind == "plain"}
         fitted[batch] = nondecreasing_in_block_size(one_cost_per_bucket(measured[batch], engine.widths))
+        if deciding is not None:
+            by_b = {b: value for (kind, b), value in medians.items() if kind == "decided"}
+            by_b = nondecreasing_in_block_size(one_cost_per_bucket(by_b, deciding.widths))
+            decided = {b: max(value, fitted[batch][b]) for b, value in by_b.items()}
         if tree_nodes:
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
     return CycleCost(
@@ -138,6 +221,7 @@ def calibrate(
         measured=measured,
         trees=trees,
         tree_depth=depth if tree_nodes else None,
+        decided=decided,
     )
 
 

@@ -145,7 +145,8 @@ def regret_dataset(
     """(X (M, F), R (M, K)): the features `model` reads of every cycle of every candidate's fixed-b walk
     (`fixed_walk_cycles`), and the regret of choosing each candidate there: Q(i, b) - min_b Q(i, b), what the choice
     adds to the cost of the rest of the generation, in cycles of the smallest candidate at the price used. For a
-    load-aware model, every cycle once per load n, priced with c(b, n).
+    load-aware model, every cycle once per load n, priced with c(b, n). A lone row's cycles are priced as the model's
+    own walk pays them, its choice computed in each (`CycleCost.deciding`).
 
     Since Q(i, b) = c(b) + min Q at the cursor the cycle lands on, the regrets of any walk's cycles add up to that
     walk's cost over the per-step oracle's: the mean regret is what a policy loses, cycle for cycle. A relative
@@ -154,7 +155,7 @@ def regret_dataset(
     spec = model.config.features
     features, regrets = [], []
     for load in model.config.loads or (None,):
-        priced = cost if load is None else cost.at_batch(load)
+        priced = (cost if load is None else cost.at_batch(load)).deciding()
         for row in rows:
             for t, anchors in zip(row.tables, row.anchors, strict=True):
                 if t.n < 2:
@@ -210,13 +211,16 @@ def walk_step_model(
 
 
 def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> tuple[float, float, float]:
-    """(tokens, cycles, cost) of the step model's walks over the row's tables."""
+    """(tokens, cycles, cost) of the step model's walks over the row's tables: a lone row's cycles priced with the
+    model's choice computed in each (`CycleCost.deciding`), unless it keeps the prior's b0 at the row's temperature."""
+    keeps_prior = bool(model.config.keeps_prior(torch.tensor([row.temperature]))[0])
+    priced = cost if keeps_prior else cost.deciding()
     tokens = cycles = spent = 0.0
     for table, anchors in zip(row.tables, row.anchors, strict=True):
         sizes, _ = walk_step_model(model, table, anchors, row.prior_block_size, row.prior_probabilities, load)
         tokens += table.n - 1
         cycles += len(sizes)
-        spent += table.walk_cost(sizes, cost=cost)
+        spent += table.walk_cost(sizes, cost=priced)
     return tokens, cycles, spent
 
 
@@ -241,7 +245,8 @@ def evaluate_step_model(
 ) -> dict[str, float]:
     """The metrics of `blockpilot.walks` on the rows' tables, over all rows and per temperature: fixed B, the best
     fixed b, the static oracle, the per-request predictor (`request`, when the rows carry its b0), the step model
-    (`step`, when given; after b0 when it reads one), the confidence `rule` (when given; priced by its own curve
+    (`step`, when given; after b0 when it reads one; its lone cycles priced with its choice computed in each, where
+    `cost` measured that: `CycleCost.deciding`), the confidence `rule` (when given; priced by its own curve
     where it chooses, by `cost` where it is scored) and the per-step oracle. Fixed B is the model's training block
     size, else `train_block_size`. Cycles are priced at `load` rows (`CycleCost.at_batch`), or at the smallest batch
     size of `cost` without one; a load-aware model reads that load."""
