@@ -10,6 +10,7 @@ import pytest
 import torch
 from commands import run, script_module, user_env
 
+from blockpilot.blocks import label_candidates
 from blockpilot.cost import (
     CycleCost,
     load_cost,
@@ -36,8 +37,9 @@ def test_calibration_measures_every_point_and_round_trips(random_models, tmp_pat
 
 
 def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plain_one(random_models, tmp_path):
-    cost = calibrate(random_models, (1, 2, 4), cycles=2, repeats=2, warmup=0, compile="off", step_decision=True)
-    assert set(cost.decided) == {1, 2, 4}
+    cost = calibrate(random_models, (1, 2, 3, 9), cycles=2, repeats=2, warmup=0, compile="off", step_decision=True)
+    assert set(cost.decided) == {1, 2, 3, 9} & set(label_candidates(random_models.train_block_size))  # its choices
+    assert set(cost.decided) != set(cost.seconds[1])
     assert all(cost.decided[b] >= cost.seconds[1][b] for b in cost.decided)  # a choice never makes a cycle cheaper
     assert list(cost.decided.values()) == sorted(cost.decided.values())
     assert load_cost(cost.save(tmp_path / "cost.json")) == cost

@@ -103,7 +103,8 @@ class HeldDecisionPolicy(BlockSizePolicy):
         vocab = models.target.get_input_embeddings().weight.shape[0]
         with torch.random.fork_rng(devices=[]):  # the same weights every time: the compiled cycle's cache holds
             torch.manual_seed(0)
-            model = StepModel(StepModelConfig(label_candidates(models.train_block_size), vocab_size=vocab))
+            self.candidates = label_candidates(models.train_block_size)
+            model = StepModel(StepModelConfig(self.candidates, vocab_size=vocab))
         self.decision = HeldDecision(CycleDecision(StepPolicy(model)))
         self.block_size = 1
 
@@ -156,9 +157,10 @@ def calibrate(
     priced at the median of its width's times (`one_cost_per_bucket`).
     With `tree_nodes` too, the cycles of draft trees of each of those budgets, max(block_sizes) deep (the trees
     the labels walk), on a static engine built for the largest: `CycleCost.trees`, timed and fitted the same way.
-    With `step_decision` (and batch 1), the lone cycles of each b that also compute a per-step model's choice, on an
-    engine that computes it (`HeldDecisionPolicy`), in the same rounds: `CycleCost.decided`, fitted the same way and
-    never below c(b), what a step model's walk pays (`CycleCost.deciding`).
+    With `step_decision` (and batch 1), the lone cycles of each b a step model may choose (`label_candidates`) that
+    also compute its choice, on an engine that computes it (`HeldDecisionPolicy`), in the same rounds:
+    `CycleCost.decided`, fitted the same way and never below c(b), what a step model's walk pays
+    (`CycleCost.deciding`).
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -180,10 +182,13 @@ def calibrate(
             tree_engine = Engine(
                 models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
             )
-        deciding = None
+        deciding, chosen = None, []
         if step_decision and batch == 1 and models.drafter is not None:
-            deciding = Engine(models, max_batch=1, width=depth, capacity=capacity, compile=compile)
             held = HeldDecisionPolicy(models)
+            chosen = [b for b in block_sizes if b in held.candidates]  # what a step model may choose
+        if chosen:
+            width = max(chosen)  # its cycles alone compiled: each costs a compile, cold
+            deciding = Engine(models, max_batch=1, width=width, capacity=capacity, compile=compile)
             deciding.decide_in_cycle(held)
         rounds, tree_rounds = [], []
         for attempt in range(warmup + repeats):
@@ -193,7 +198,7 @@ def calibrate(
             if deciding is not None:  # keyed apart, in the same round: its level is the plain cycles'
                 timed |= {
                     ("decided", b): seconds_per_cycle(models, prompts[b], [b], cycles, deciding, policy=held.at)
-                    for b in block_sizes
+                    for b in chosen
                 }
             timed_trees = {
                 nodes: seconds_per_cycle(models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes)
