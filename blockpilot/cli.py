@@ -308,8 +308,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--step-decision",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also time each b's lone cycle computing a per-step model's choice, which train-step prices a step "
-        "model's walks with (at batch 1)",
+        help="also time the lone cycle of each b a per-step model may choose with that model's choice computed in "
+        "it (batch 1): train-step prices such a model's cycles with it",
     )
     cal.add_argument("--compile", choices=COMPILE_MODES, default="auto", help=COMPILE_HELP)
     cal.add_argument("--threads", type=positive_int_arg, default=None, help="torch CPU threads")
