@@ -51,10 +51,15 @@ class FixedWalks:
     def rows(self, index: np.ndarray) -> FixedWalks:
         return FixedWalks(self.tokens[index], self.cycles[index], self.cost[index])
 
+    def per_row(self, choice: np.ndarray) -> np.ndarray:
+        """(N, 3) each row's (tokens, cycles, cost) when row i keeps candidate `choice[i]` for its whole generation."""
+        picked = (np.arange(len(choice)), np.asarray(choice, dtype=np.int64))
+        return np.stack([self.tokens[picked], self.cycles[picked], self.cost[picked]], axis=1)
+
     def chosen(self, choice: np.ndarray) -> tuple[float, float, float]:
         """(tokens, cycles, cost) over the rows when row i keeps candidate `choice[i]` for its whole generation."""
-        picked = (np.arange(len(choice)), np.asarray(choice, dtype=np.int64))
-        return float(self.tokens[picked].sum()), float(self.cycles[picked].sum()), float(self.cost[picked].sum())
+        tokens, cycles, cost = self.per_row(choice).sum(axis=0)
+        return float(tokens), float(cycles), float(cost)
 
     def cheapest(self) -> np.ndarray:
         """(N,) each row's candidate of the highest throughput (the static oracle), near-ties to the smaller b."""
@@ -153,6 +158,50 @@ def step_oracle(tables: Sequence[AcceptanceTable], cost: CycleCost) -> tuple[flo
 def modeled_throughput(tokens: float, cost: float) -> float:
     """Committed tokens / cost of walks (NaN where they cost nothing): the `throughput_<policy>` metric."""
     return tokens / cost if cost else math.nan
+
+
+# How sure the validation rows must be (`adapts`) that an adaptive choice decodes faster than the fixed one it would
+# replace: a gain of 1-3% on 14-40 prompts read 0.93-1.02x live (docs/log.md, 2026-11-29).
+ADAPT_CONFIDENCE = 0.9
+
+
+def faster_share(
+    faster: np.ndarray,  # (N, 3) each row's (tokens, cycles, cost) under the policy said to be faster
+    than: np.ndarray,  # (N, 3) the same rows' under the other policy
+    resamples: int = 2000,
+    seed: int = 0,
+) -> float:
+    """The share of paired bootstrap resamples of the rows (a resample draws N rows with replacement, each with both
+    policies' walks) in which `faster` has the higher modeled throughput: how sure these rows make it that `faster`
+    decodes faster on prompts like them, not only on these. 0.0 without rows."""
+    if len(faster) != len(than):
+        raise ValueError(f"faster_share compares the same rows: got {len(faster)} and {len(than)}")
+    if len(faster) == 0:
+        return 0.0
+    draws = np.random.default_rng(seed).integers(0, len(faster), size=(resamples, len(faster)))
+    drawn_faster, drawn_than = faster[draws].sum(axis=1), than[draws].sum(axis=1)  # (resamples, 3)
+    # tokens / cost of each: compared as tokens_f * cost_t > tokens_t * cost_f, so no resample divides by zero
+    wins = drawn_faster[:, 0] * drawn_than[:, 2] > drawn_than[:, 0] * drawn_faster[:, 2]
+    return float(wins.mean())
+
+
+def adapts(
+    adaptive: np.ndarray, alternative: np.ndarray, confidence: float = ADAPT_CONFIDENCE
+) -> tuple[bool, float]:
+    """Whether an adaptive policy replaces a simpler `alternative` on these rows (each (N, 3), as `faster_share`
+    reads them): its walks must decode faster over the rows, and in at least a share `confidence` of the paired
+    bootstrap resamples, so that a gain these prompts show by chance does not cost live; and that share. Every
+    gate between an adaptive choice and the fixed one it would replace asks this."""
+    if not 0.0 <= confidence < 1.0:
+        raise ValueError(f"confidence must be in [0, 1), got {confidence}")
+    share = faster_share(adaptive, alternative)
+    return bool(walked_throughput(adaptive) > walked_throughput(alternative) and share >= confidence), share
+
+
+def walked_throughput(per_row: np.ndarray) -> float:
+    """The modeled throughput of walks given per row, (N, 3) (tokens, cycles, cost)."""
+    tokens, _, cost = per_row.sum(axis=0)
+    return modeled_throughput(float(tokens), float(cost))
 
 
 def put_policy(metrics: dict[str, float], prefix: str, name: str, tokens: float, cycles: float, cost: float) -> None:

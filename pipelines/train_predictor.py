@@ -33,6 +33,7 @@ from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
     block_size_list,
+    confidence_arg,
     fraction_arg,
     from_args,
     non_negative_int_arg,
@@ -43,6 +44,7 @@ from blockpilot.options import (
 from blockpilot.predictor.model import PREDICTOR_KINDS
 from blockpilot.predictor.training import OBJECTIVES
 from blockpilot.scoring import SCORES
+from blockpilot.walks import ADAPT_CONFIDENCE
 
 FINGERPRINT_FILE = "blockpilot_job.json"
 
@@ -89,8 +91,15 @@ class TrainJob:
         True,
         flag="--no-fixed-choices",
         help="do not give every request at a temperature the fastest single shape of the training rows where, on "
-        "the validation rows, it decodes at least as fast as the predictor's choices (such a request needs no "
-        "predictor pass)",
+        "the validation rows, the predictor's choices do not surely decode faster (--adapt-confidence; such a "
+        "request needs no predictor pass)",
+    )
+    adapt_confidence: float = option(
+        ADAPT_CONFIDENCE,
+        type=confidence_arg,
+        help="the predictor's choices serve a temperature only where they decode faster than that fixed shape on the "
+        "validation rows in at least this share of paired bootstrap resamples of their prompts (0: wherever its "
+        "modeled throughput there is higher)",
     )
     seed: int = option(0, type=int, help="seed of the split, the weights and the shuffles")
     workers: int = option(1, type=positive_int_arg, help="Ray Train workers")
@@ -378,7 +387,7 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
     val_arrays = label_arrays(prepared.val, dense, prepared.cost, job.score, over_shapes=job.trees)
     if job.fixed_choices:
         train_arrays = label_arrays(prepared.train, dense, prepared.cost, job.score, over_shapes=job.trees)
-        fixed, comparison = fixed_choices(predictor, train_arrays, val_arrays)
+        fixed, comparison = fixed_choices(predictor, train_arrays, val_arrays, job.adapt_confidence)
         predictor.config = replace(predictor.config, fixed_at=fixed)
         tracker.log_params({"fixed_at": [list(pair) for pair in fixed]})
         tracker.log_metrics({f"fixed_choices/{k}": v for k, v in comparison.items()})

@@ -4,16 +4,16 @@
         --eval /data/heldout --cost /data/cost.json
     blockpilot train-step --labels labels/train --eval labels/heldout [--cost cost.json]   # locally
 
-prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the
-driver (`blockpilot.predictor.step_data`); rows without tables stop the job here. With a --prior, a first fit
-leaves a share of the prompts out and is walked on them beside the prior: where the prior's b0 kept to the end walks
-faster, the model keeps it for requests at that temperature (`prior_temperatures`). fit: a `TorchTrainer` worker
-reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each epoch (and to the MLflow
-run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
-walks the held-out tables with the model's choices and prints, per temperature, tau and modeled throughput of
-fixed B, the best fixed b, the static oracle, the model, the confidence rule fitted on the same tables
-(`blockpilot.predictor.confidence`, saved in the model's folder) and the per-step oracle; the folder and the metrics go
-to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
+prepare: label rows with acceptance tables become (anchor features, regret of every candidate) pairs on the driver
+(`blockpilot.predictor.step_data`); rows without tables stop the job here. With a --prior, a first fit leaves a
+share of the prompts out and is walked on them beside the prior: where its walks are not surely faster
+(`walks.adapts`), the model keeps the prior's b0 for requests at that temperature (`prior_temperatures`). fit: a
+`TorchTrainer` worker reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each
+epoch (and to the MLflow run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`).
+report: the driver walks the held-out tables with the model's choices and prints, per temperature, tau and modeled
+throughput of fixed B, the best fixed b, the static oracle, the model, the confidence rule fitted on the same tables
+(`blockpilot.predictor.confidence`, saved in the model's folder) and the per-step oracle; the folder and the metrics
+go to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
 (its `champion` alias moves when a version beats the champion's held-out modeled throughput). Generate and serve
 take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
 """
@@ -31,6 +31,7 @@ from typing import Any
 from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
+    confidence_arg,
     fraction_arg,
     from_args,
     non_negative_int_arg,
@@ -38,6 +39,7 @@ from blockpilot.options import (
     positive_float_arg,
     positive_int_arg,
 )
+from blockpilot.walks import ADAPT_CONFIDENCE
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,15 @@ class StepTrainJob:
         0.2,
         type=fraction_arg,
         help="with --prior: share of the --labels prompts held out of a first fit, on which its walks and the "
-        "prior's are compared per temperature; where the prior's b0 kept to the end decodes faster, the model (fitted "
-        "again on every prompt) keeps it for requests at that temperature",
+        "prior's are compared per temperature; where the model's walks are not surely faster (--adapt-confidence), "
+        "the model (fitted again on every prompt) keeps the prior's b0 for requests at that temperature",
+    )
+    adapt_confidence: float = option(
+        ADAPT_CONFIDENCE,
+        type=confidence_arg,
+        help="with --prior: the model chooses every cycle at a temperature only where its walks beat the prior's on "
+        "the held-out share in at least this share of paired bootstrap resamples of its prompts (0: wherever its "
+        "modeled throughput there is higher)",
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
@@ -197,7 +206,9 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
                 StepModel(config), *held_out_cycles, epochs=job.epochs, batch_size=job.batch_size, lr=job.lr,
                 seed=job.seed,
             )
-            kept, compared = prior_temperatures(held_out_fit, validation_rows, cost, load=lone)
+            kept, compared = prior_temperatures(
+                held_out_fit, validation_rows, cost, load=lone, confidence=job.adapt_confidence
+            )
             tracker.log_params({"prior_temperatures": list(kept)})
             tracker.log_metrics({f"validation/{k}": v for k, v in compared.items()})
             print(format_prior_temperatures(kept, compared), flush=True)

@@ -38,6 +38,7 @@ from blockpilot.predictor.step_features import NO_TOKEN, TOKEN_FEATURES, CycleVi
 from blockpilot.predictor.step_model import StepModel, StepModelConfig, fit_step_model, regret_loss
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable, tables_from_row
+from blockpilot.walks import ADAPT_CONFIDENCE
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
 VOCAB = 64  # for models that run without a target
@@ -556,9 +557,10 @@ def with_prior_at(model: StepModel, temperatures, kept) -> StepModel:
     return gated.eval()
 
 
-def test_the_prior_is_kept_at_the_temperatures_where_its_walks_beat_the_models(tiny_labels):
+def test_the_prior_is_kept_at_the_temperatures_where_the_models_walks_are_not_surely_faster(tiny_labels):
     """`prior_temperatures` compares the model's walks with the prior's per temperature; a model that keeps the prior
-    there walks, at each temperature, the faster of the two: b0 to the end where kept, its own choices elsewhere."""
+    there walks b0 to the end where kept, its own choices elsewhere: its own only where they were faster in the asked
+    share of resamples, and, asked for no confidence, the faster of the two."""
     table = pq.read_table(tiny_labels["train"])
     candidates = step_rows(table)[0].tables[0].candidates
     vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
@@ -567,12 +569,16 @@ def test_the_prior_is_kept_at_the_temperatures_where_its_walks_beat_the_models(t
     model = random_prior_step_model(11, candidates, 512)
     kept, compared = prior_temperatures(model, rows, cost)
     assert "T = 0" in format_prior_temperatures(kept, compared) and "T = 1" in format_prior_temperatures(kept, compared)
-    for forced in [kept, (0.0,), (1.0,), (0.0, 1.0)]:
+    loose, _ = prior_temperatures(model, rows, cost, confidence=0.0)
+    assert set(loose) <= set(kept)  # a surer gate adapts at fewer temperatures
+    for forced in [kept, loose, (0.0,), (1.0,), (0.0, 1.0)]:
         metrics = evaluate_step_model(with_prior_at(model, (0.0, 1.0), forced), rows, cost)
         for t in (0, 1):
             own, prior = compared[f"T{t}/throughput_step"], compared[f"T{t}/throughput_request"]
             assert metrics[f"T{t}/throughput_step"] == pytest.approx(prior if t in forced else own)
             if forced == kept:
+                assert (t not in kept) == (own > prior and compared[f"T{t}/p_faster"] >= ADAPT_CONFIDENCE)
+            if forced == loose:
                 assert metrics[f"T{t}/throughput_step"] == pytest.approx(max(own, prior))
     with pytest.raises(ValueError, match="before its temperatures are set"):
         prior_temperatures(with_prior_at(model, (0.0, 1.0), (0.0,)), rows, cost)

@@ -10,7 +10,7 @@ import torch
 
 from blockpilot.predictor.model import BlockSizePredictor
 from blockpilot.scoring import LabelArrays, choice_walks, evaluate_choices
-from blockpilot.walks import modeled_throughput, temperature_groups
+from blockpilot.walks import ADAPT_CONFIDENCE, adapts, temperature_groups, walked_throughput
 
 
 @torch.no_grad()
@@ -29,36 +29,38 @@ def evaluate_predictor(model: BlockSizePredictor, arrays: LabelArrays) -> dict[s
 
 
 def fixed_choices(
-    model: BlockSizePredictor, train: LabelArrays, val: LabelArrays
+    model: BlockSizePredictor, train: LabelArrays, val: LabelArrays, confidence: float = ADAPT_CONFIDENCE
 ) -> tuple[tuple[tuple[float, int], ...], dict[str, float]]:
-    """The temperatures at which one fixed shape decodes at least as fast (modeled tokens a second) on the
-    validation rows `val` as the predictor's choices, each with that shape: the fastest single shape on the
-    training rows `train` at that temperature (chosen there, so that the comparison on `val` is fair). A request
-    at such a temperature then needs no predictor pass. Returns `PredictorConfig.fixed_at` and the figures, as
-    `T<t>/throughput_pred` and `T<t>/throughput_fixed`, with `T<t>/fixed_index`."""
+    """The temperatures at which the predictor's choices do not surely decode faster (modeled tokens a second) on
+    the validation rows `val` than one fixed shape (`walks.adapts` at `confidence`), each with that shape: the
+    fastest single shape on the training rows `train` at that temperature (chosen there, so that the comparison on
+    `val` is fair). A request at such a temperature then needs no predictor pass. Returns `PredictorConfig.fixed_at`
+    and the figures, as `T<t>/throughput_pred`, `T<t>/throughput_fixed`, `T<t>/fixed_index` and `T<t>/p_faster`
+    (the share of resamples in which the predictor was faster)."""
     if model.config.fixed_at:
         raise ValueError("fixed_choices compares the predictor's own choices: ask before its fixed_at is set")
     shapes = range(len(model.config.shapes))
-    # One shape's walks over a temperature's rows, as `evaluate_choices` prices a choice (without its oracles).
-    walks = {
-        name: (choice_walks(arrays), temperature_groups(arrays.temperature.tolist()))
-        for name, arrays in (("train", train), ("val", val))
-    }
-
-    def throughput(name: str, group: str, index: int) -> float:
-        shape_walks, groups = walks[name]
-        tokens, _, cost = shape_walks.rows(groups[group]).chosen(np.full(len(groups[group]), index))
-        return modeled_throughput(tokens, cost)
-
-    predicted = evaluate_predictor(model, val)
+    # Each shape's walks over the rows, as `evaluate_choices` prices a choice (without its oracles).
+    train_walks, val_walks = choice_walks(train), choice_walks(val)
+    train_groups = temperature_groups(train.temperature.tolist())
+    val_groups = temperature_groups(val.temperature.tolist())
+    chosen = predict_indices(model, val)
     metrics: dict[str, float] = {}
     fixed = []
     for t in sorted(set(val.temperature.tolist()) & set(train.temperature.tolist())):
-        group, key = f"T{t:g}/", f"T{t:g}/throughput_pred"
-        best = max(shapes, key=lambda index: (throughput("train", group, index), -index))  # ties to the smaller
-        alone = throughput("val", group, best)
-        metrics |= {key: predicted[key], f"T{t:g}/throughput_fixed": alone, f"T{t:g}/fixed_index": float(best)}
-        if alone >= predicted[key]:
+        group = f"T{t:g}/"
+        fitted, rows = train_walks.rows(train_groups[group]), val_walks.rows(val_groups[group])
+        fitted_throughput = [walked_throughput(fitted.per_row(np.full(len(fitted.tokens), i))) for i in shapes]
+        best = max(shapes, key=lambda index: (fitted_throughput[index], -index))  # ties to the smaller
+        predicted, alone = rows.per_row(chosen[val_groups[group]]), rows.per_row(np.full(len(rows.tokens), best))
+        adapted, share = adapts(predicted, alone, confidence)
+        metrics |= {
+            f"{group}throughput_pred": walked_throughput(predicted),
+            f"{group}throughput_fixed": walked_throughput(alone),
+            f"{group}fixed_index": float(best),
+            f"{group}p_faster": share,
+        }
+        if not adapted:
             fixed.append((float(t), best))
     return tuple(fixed), metrics
 
@@ -73,7 +75,11 @@ def format_fixed_choices(model: BlockSizePredictor, metrics: dict[str, float]) -
         name = f"b = {shape[0]}" if shape[1] is None else f"a tree of {shape[1]} nodes"
         who = f"gets the fixed {name}" if t in fixed else "gets the predictor's choice"
         pred, alone = metrics[f"T{t:g}/throughput_pred"], metrics[f"T{t:g}/throughput_fixed"]
-        parts.append(f"T = {t:g} {who} (predictor {pred:,.1f}, fixed {name} {alone:,.1f} modeled tokens/s)")
+        share = metrics[f"T{t:g}/p_faster"]
+        parts.append(
+            f"T = {t:g} {who} (predictor {pred:,.1f}, fixed {name} {alone:,.1f} modeled tokens/s; the predictor "
+            f"faster in {share:.0%} of resamples)"
+        )
     return "[predictor] on the validation rows: " + "; ".join(parts)
 
 

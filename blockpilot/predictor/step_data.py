@@ -26,9 +26,13 @@ from blockpilot.predictor.step_model import StepModel
 from blockpilot.predictor.training import is_validation
 from blockpilot.table import AcceptanceTable, tables_from_row
 from blockpilot.walks import (
+    ADAPT_CONFIDENCE,
     POLICY_COLUMNS,
+    FixedWalks,
+    adapts,
     fixed_walks_of_tables,
     policy_table,
+    put_policy,
     step_oracle,
     temperature_groups,
     tree_walks_of_tables,
@@ -239,6 +243,22 @@ def _rule_walks(row: StepRow, rule: ConfidenceRule, cost: CycleCost) -> tuple[fl
     return tokens, cycles, spent
 
 
+def _priced_at(cost: CycleCost, load: int | None) -> tuple[CycleCost, int]:
+    """The curve that prices cycles at `load` rows (`CycleCost.at_batch`), and that load: by default the smallest
+    batch size of `cost`, the curve `cost(b)` prices with."""
+    if load is None:
+        return cost, nearest_batch_size(cost.seconds, 1)
+    return cost.at_batch(load), load
+
+
+def _request_walks(rows: list[StepRow], walks: FixedWalks) -> np.ndarray | None:
+    """(N, 3) each row's walks under the per-request predictor's b0 kept throughout (None where a row has no b0)."""
+    if any(row.prior_block_size is None for row in rows):
+        return None
+    candidates = rows[0].tables[0].candidates
+    return walks.per_row(np.asarray([candidates.index(row.prior_block_size) for row in rows]))
+
+
 def evaluate_step_model(
     model: StepModel | None,
     rows: list[StepRow],
@@ -257,21 +277,18 @@ def evaluate_step_model(
     candidates = rows[0].tables[0].candidates
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
-    if load is None:
-        load = nearest_batch_size(cost.seconds, 1)  # the curve `cost(b)` prices with by default
-    else:
-        cost = cost.at_batch(load)
+    cost, load = _priced_at(cost, load)
     walks = fixed_walks_of_tables([row.tables for row in rows], cost)
-    policies = {}
-    if all(row.prior_block_size is not None for row in rows):  # the per-request predictor's b0, kept throughout
-        first = np.asarray([candidates.index(row.prior_block_size) for row in rows])
-        policies["request"] = lambda index: walks.rows(index).chosen(first[index])
+    walked = {"request": _request_walks(rows, walks)}
     if model is not None:
-        stepped = np.asarray([_step_walks(row, model, cost, load) for row in rows])
-        policies["step"] = lambda index: tuple(stepped[index].sum(axis=0))
+        walked["step"] = np.asarray([_step_walks(row, model, cost, load) for row in rows])
     if rule is not None:
-        ruled = np.asarray([_rule_walks(row, rule, cost) for row in rows])
-        policies["rule"] = lambda index: tuple(ruled[index].sum(axis=0))
+        walked["rule"] = np.asarray([_rule_walks(row, rule, cost) for row in rows])
+    policies = {
+        name: (lambda index, per_row=per_row: tuple(per_row[index].sum(axis=0)))
+        for name, per_row in walked.items()
+        if per_row is not None
+    }
     oracles = np.asarray([step_oracle(row.tables, cost) for row in rows])
     train = model.config.train_block_size if model is not None else train_block_size
     groups = temperature_groups([row.temperature for row in rows])
@@ -289,18 +306,35 @@ def split_step_rows(rows: list[StepRow], share: float, seed: int) -> tuple[list[
 
 
 def prior_temperatures(
-    model: StepModel, rows: list[StepRow], cost: CycleCost, load: int | None = None
+    model: StepModel,
+    rows: list[StepRow],
+    cost: CycleCost,
+    load: int | None = None,
+    confidence: float = ADAPT_CONFIDENCE,
 ) -> tuple[tuple[float, ...], dict[str, float]]:
-    """The temperatures of `rows` at which the per-request prior's b0, kept to the end, walks faster (modeled
-    tokens a second) than `model` choosing every cycle, and the metrics that say so (`evaluate_step_model`)."""
+    """The temperatures of `rows` at which `model` choosing every cycle does not surely walk faster (modeled tokens a
+    second) than the per-request prior's b0 kept to the end (`walks.adapts` at `confidence`), and the figures that
+    say so: `T<t>/throughput_step`, `T<t>/throughput_request` (and their `tau_`) and `T<t>/p_faster` (the share of
+    resamples in which the model was faster). Priced as `evaluate_step_model` prices them."""
     if not model.config.prior:
         raise ValueError("prior_temperatures compares a step model with its per-request prior: it has none")
     if model.config.prior_temperatures:
         raise ValueError("prior_temperatures compares the model's own choices: ask before its temperatures are set")
-    metrics = evaluate_step_model(model, rows, cost, load=load)
-    temperatures = sorted({row.temperature for row in rows})
-    kept = tuple(t for t in temperatures if metrics[f"T{t:g}/throughput_request"] > metrics[f"T{t:g}/throughput_step"])
-    return kept, metrics
+    cost, load = _priced_at(cost, load)
+    prior = _request_walks(rows, fixed_walks_of_tables([row.tables for row in rows], cost))
+    if prior is None:
+        raise ValueError("prior_temperatures walks the prior's b0: build the rows with it (step_rows(table, prior))")
+    stepped = np.asarray([_step_walks(row, model, cost, load) for row in rows])
+    metrics: dict[str, float] = {}
+    kept = []
+    for group, index in temperature_groups([row.temperature for row in rows]).items():
+        put_policy(metrics, group, "step", *stepped[index].sum(axis=0))
+        put_policy(metrics, group, "request", *prior[index].sum(axis=0))
+        if group:
+            adapted, metrics[f"{group}p_faster"] = adapts(stepped[index], prior[index], confidence)
+            if not adapted:
+                kept.append(rows[index[0]].temperature)
+    return tuple(kept), metrics
 
 
 def format_prior_temperatures(kept: tuple[float, ...], metrics: dict[str, float]) -> str:
@@ -311,7 +345,11 @@ def format_prior_temperatures(kept: tuple[float, ...], metrics: dict[str, float]
     for t in temperatures:
         step, request = metrics[f"T{t:g}/throughput_step"], metrics[f"T{t:g}/throughput_request"]
         who = "keeps the prior's b0" if t in kept else "chooses every cycle"
-        parts.append(f"T = {t:g} {who} (step {step:,.1f}, prior {request:,.1f} modeled tokens/s)")
+        share = metrics[f"T{t:g}/p_faster"]
+        parts.append(
+            f"T = {t:g} {who} (step {step:,.1f}, prior {request:,.1f} modeled tokens/s; the model faster in "
+            f"{share:.0%} of resamples)"
+        )
     return "[step] on the held-out share of --labels: " + "; ".join(parts)
 
 
