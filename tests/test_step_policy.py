@@ -641,14 +641,20 @@ def test_the_prior_is_kept_by_the_nearest_labeled_temperature_and_only_with_a_pr
 def test_a_request_at_a_kept_temperature_drafts_b0_every_cycle(tiny_models, max_batch):
     """Inside the cycle (a lone row) and by the hook (two rows, the batch not choosing): every cycle of a request at
     a temperature where the model keeps the prior drafts b0, cut only by the budget, with no hook asked and, alone,
-    on the cycle that computes no choice (`_kept_cycle`); at another the model chooses as it would without the gate;
-    both decode greedily."""
+    on the cycle that computes no choice (`_kept_cycle`), and with no predictor pass where the prior fixes the
+    shape at that temperature; at another the model chooses as it would without the gate; both decode greedily."""
     vocab = vocab_of(tiny_models)
-    prior = LearnedPolicy(random_predictor(CANDIDATES, vocab, 5))
+    predictor = random_predictor(CANDIDATES, vocab, 5)
+    fixing = type(predictor)(replace(predictor.config, temperatures=(0.0, 1.0), fixed_at=((0.0, 3),)))
+    fixing.load_state_dict(predictor.state_dict())
+    prior = LearnedPolicy(fixing.eval())
+    passes = prior._predicted
     grown = growing_step_model(vocab, prior=True)
     prompts = [tiny_models.encode_prompt(text) for text in ("Write the numbers from 2 to 20.", "Count from 1 to 9.")]
-    results, hooks, kept_cycles = {}, {}, {}
+    results, hooks, kept_cycles, predicted = {}, {}, {}, {}
     for kept in [(), (0.0,), (1.0,)]:
+        asked_prior = predicted[kept] = []
+        prior._predicted = lambda prefills, asked=asked_prior: asked.append(len(prefills)) or passes(prefills)
         policy = PriorStepPolicy(with_prior_at(grown, (0.0, 1.0), kept), prior)
         asked = hooks[kept] = []
         hook = policy.next_block_sizes
@@ -660,6 +666,7 @@ def test_a_request_at_a_kept_temperature_drafts_b0_every_cycle(tiny_models, max_
         requests = [GenerationRequest(p, GenerationConfig(max_new_tokens=40), policy) for p in prompts[:max_batch]]
         results[kept] = generate_many(tiny_models, requests, max_batch=max_batch, engine=engine)
     assert hooks[(0.0,)] == [] and kept_cycles[()] == kept_cycles[(1.0,)] == []
+    assert predicted[(0.0,)] == [] and predicted[()], "the model reads the prior's probabilities where it chooses"
     assert kept_cycles[(0.0,)] and all(rows == 1 for rows, *_ in kept_cycles[(0.0,)])  # alone, as the last one is
     for index, prompt in enumerate(prompts[:max_batch]):
         kept = results[(0.0,)][index]

@@ -473,8 +473,10 @@ class Engine(RowScheduler):
             self._retire(slot, updates)
 
     def _decision_inputs(self, row: Row) -> list[float]:
-        """What the cycle's decision reads of this row's request, where its policy decides in the cycle."""
-        if row.policy is not self._cycle_policy or row.failure is not None or not row.drafter_context:
+        """What the cycle's decision reads of this row's request, where its policy decides in the cycle for it (a row
+        that keeps its b is never asked: its request then runs no predictor pass for the prior's probabilities)."""
+        decides = row.policy is self._cycle_policy and row.drafter_context and not row.keeps_block_size
+        if not decides or row.failure is not None:
             return []
         return self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
 
@@ -583,7 +585,8 @@ class Engine(RowScheduler):
                 row.stop_reason = "length"
             if row.stop_reason is None:
                 anchor = self.decoder.anchor_logits[index]
-                chose = decided if chains and row.policy is self._cycle_policy and decided > 0 else None
+                decides = chains and row.policy is self._cycle_policy and not row.keeps_block_size
+                chose = decided if decides and decided > 0 else None
                 going_on.append((row, len(new_tokens), anchor, quantized / CONFIDENCE_UNITS, chose))
             else:
                 finished.append(index)
