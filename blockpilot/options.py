@@ -67,8 +67,8 @@ def fraction_arg(text: str) -> float:
     return value
 
 
-def confidence_arg(text: str) -> float:
-    """A number in [0, 1): how sure a comparison must be (0: its point estimate alone)."""
+def share_arg(text: str) -> float:
+    """A number in [0, 1): a share, of resamples or of a throughput."""
     value = non_negative_float_arg(text)
     if not value < 1:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")

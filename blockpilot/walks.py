@@ -160,42 +160,54 @@ def modeled_throughput(tokens: float, cost: float) -> float:
     return tokens / cost if cost else math.nan
 
 
-# How sure the validation rows must be (`adapts`) that an adaptive choice decodes faster than the fixed one it would
-# replace: a gain of 1-3% on 14-40 prompts read 0.93-1.02x live (docs/log.md, 2026-11-29).
+# The gate between an adaptive choice and the fixed one it would replace (`adapts`): how sure the validation rows
+# must be, and by how much the adaptive choice must be faster. The margin: a calibrated curve prices two shapes to
+# within a few percent of each other (two compiles of one cycle differ by that much on a CPU), so a smaller modeled
+# gain is not one live. Small zoo, T = 0: a predictor modeled 0.8% faster in 91% of resamples decoded 0.980x live;
+# mini, T = 0: 2.7% faster in 64%, 0.957x (docs/log.md, 2026-11-29).
 ADAPT_CONFIDENCE = 0.9
+ADAPT_MARGIN = 0.02
 
 
 def faster_share(
     faster: np.ndarray,  # (N, 3) each row's (tokens, cycles, cost) under the policy said to be faster
     than: np.ndarray,  # (N, 3) the same rows' under the other policy
+    margin: float = 0.0,
     resamples: int = 2000,
     seed: int = 0,
 ) -> float:
     """The share of paired bootstrap resamples of the rows (a resample draws N rows with replacement, each with both
-    policies' walks) in which `faster` has the higher modeled throughput: how sure these rows make it that `faster`
-    decodes faster on prompts like them, not only on these. 0.0 without rows."""
+    policies' walks) in which `faster`'s modeled throughput is more than (1 + `margin`) times `than`'s: how sure
+    these rows make it that `faster` decodes faster on prompts like them, not only on these. 0.0 without rows."""
     if len(faster) != len(than):
         raise ValueError(f"faster_share compares the same rows: got {len(faster)} and {len(than)}")
     if len(faster) == 0:
         return 0.0
     draws = np.random.default_rng(seed).integers(0, len(faster), size=(resamples, len(faster)))
     drawn_faster, drawn_than = faster[draws].sum(axis=1), than[draws].sum(axis=1)  # (resamples, 3)
-    # tokens / cost of each: compared as tokens_f * cost_t > tokens_t * cost_f, so no resample divides by zero
-    wins = drawn_faster[:, 0] * drawn_than[:, 2] > drawn_than[:, 0] * drawn_faster[:, 2]
+    # tokens / cost of each: compared as tokens_f * cost_t > (1 + margin) tokens_t * cost_f, dividing by no cost
+    wins = drawn_faster[:, 0] * drawn_than[:, 2] > (1.0 + margin) * drawn_than[:, 0] * drawn_faster[:, 2]
     return float(wins.mean())
 
 
 def adapts(
-    adaptive: np.ndarray, alternative: np.ndarray, confidence: float = ADAPT_CONFIDENCE
+    adaptive: np.ndarray,
+    alternative: np.ndarray,
+    confidence: float = ADAPT_CONFIDENCE,
+    margin: float = ADAPT_MARGIN,
 ) -> tuple[bool, float]:
     """Whether an adaptive policy replaces a simpler `alternative` on these rows (each (N, 3), as `faster_share`
-    reads them): its walks must decode faster over the rows, and in at least a share `confidence` of the paired
-    bootstrap resamples, so that a gain these prompts show by chance does not cost live; and that share. Every
-    gate between an adaptive choice and the fixed one it would replace asks this."""
+    reads them), and the share of resamples that says so: its walks must decode more than `margin` faster over the
+    rows, and in at least a share `confidence` of the paired bootstrap resamples, so that a gain these prompts show
+    by chance, or one the cost curve cannot tell, does not cost live. Every gate between an adaptive choice and the
+    fixed one it would replace asks this."""
     if not 0.0 <= confidence < 1.0:
         raise ValueError(f"confidence must be in [0, 1), got {confidence}")
-    share = faster_share(adaptive, alternative)
-    return bool(walked_throughput(adaptive) > walked_throughput(alternative) and share >= confidence), share
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    share = faster_share(adaptive, alternative, margin)
+    faster = walked_throughput(adaptive) > (1.0 + margin) * walked_throughput(alternative)
+    return bool(faster and share >= confidence), share
 
 
 def walked_throughput(per_row: np.ndarray) -> float:

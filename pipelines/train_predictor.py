@@ -33,18 +33,18 @@ from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
     block_size_list,
-    confidence_arg,
     fraction_arg,
     from_args,
     non_negative_int_arg,
     option,
     positive_float_arg,
     positive_int_arg,
+    share_arg,
 )
 from blockpilot.predictor.model import PREDICTOR_KINDS
 from blockpilot.predictor.training import OBJECTIVES
 from blockpilot.scoring import SCORES
-from blockpilot.walks import ADAPT_CONFIDENCE
+from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN
 
 FINGERPRINT_FILE = "blockpilot_job.json"
 
@@ -96,10 +96,17 @@ class TrainJob:
     )
     adapt_confidence: float = option(
         ADAPT_CONFIDENCE,
-        type=confidence_arg,
-        help="the predictor's choices serve a temperature only where they decode faster than that fixed shape on the "
-        "validation rows in at least this share of paired bootstrap resamples of their prompts (0: wherever its "
-        "modeled throughput there is higher)",
+        type=share_arg,
+        help="the predictor's choices serve a temperature only where they decode faster than that fixed shape (by "
+        "--adapt-margin) on the validation rows in at least this share of paired bootstrap resamples of their "
+        "prompts (0: wherever its modeled throughput there is higher)",
+    )
+    adapt_margin: float = option(
+        ADAPT_MARGIN,
+        type=share_arg,
+        help="the predictor's choices serve a temperature only where they decode more than this share faster than "
+        "that fixed shape (modeled) on the validation rows, and so in --adapt-confidence of the resamples (a gain the "
+        "cost curve cannot tell apart is none)",
     )
     seed: int = option(0, type=int, help="seed of the split, the weights and the shuffles")
     workers: int = option(1, type=positive_int_arg, help="Ray Train workers")
@@ -387,7 +394,9 @@ def report(job: TrainJob, prepared: Prepared, predictor: Any, tracker: Any) -> t
     val_arrays = label_arrays(prepared.val, dense, prepared.cost, job.score, over_shapes=job.trees)
     if job.fixed_choices:
         train_arrays = label_arrays(prepared.train, dense, prepared.cost, job.score, over_shapes=job.trees)
-        fixed, comparison = fixed_choices(predictor, train_arrays, val_arrays, job.adapt_confidence)
+        fixed, comparison = fixed_choices(
+            predictor, train_arrays, val_arrays, job.adapt_confidence, job.adapt_margin
+        )
         predictor.config = replace(predictor.config, fixed_at=fixed)
         tracker.log_params({"fixed_at": [list(pair) for pair in fixed]})
         tracker.log_metrics({f"fixed_choices/{k}": v for k, v in comparison.items()})

@@ -31,15 +31,15 @@ from typing import Any
 from blockpilot.home import blockpilot_home
 from blockpilot.options import (
     add_options,
-    confidence_arg,
     fraction_arg,
     from_args,
     non_negative_int_arg,
     option,
     positive_float_arg,
     positive_int_arg,
+    share_arg,
 )
-from blockpilot.walks import ADAPT_CONFIDENCE
+from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,17 @@ class StepTrainJob:
     )
     adapt_confidence: float = option(
         ADAPT_CONFIDENCE,
-        type=confidence_arg,
-        help="with --prior: the model chooses every cycle at a temperature only where its walks beat the prior's on "
-        "the held-out share in at least this share of paired bootstrap resamples of its prompts (0: wherever its "
-        "modeled throughput there is higher)",
+        type=share_arg,
+        help="with --prior: the model chooses every cycle at a temperature only where its walks beat the prior's (by "
+        "--adapt-margin) on the held-out share in at least this share of paired bootstrap resamples of its prompts "
+        "(0: wherever its modeled throughput there is higher)",
+    )
+    adapt_margin: float = option(
+        ADAPT_MARGIN,
+        type=share_arg,
+        help="with --prior: the model chooses every cycle at a temperature only where its walks decode more than this "
+        "share faster than the prior's (modeled) on the held-out share, and so in --adapt-confidence of the "
+        "resamples (a gain the cost curve cannot tell apart is none)",
     )
     hidden_size: int = option(64, type=positive_int_arg, help="hidden units of the step model")
     epochs: int = option(20, type=positive_int_arg, help="training epochs")
@@ -207,7 +214,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
                 seed=job.seed,
             )
             kept, compared = prior_temperatures(
-                held_out_fit, validation_rows, cost, load=lone, confidence=job.adapt_confidence
+                held_out_fit, validation_rows, cost, lone, job.adapt_confidence, job.adapt_margin
             )
             tracker.log_params({"prior_temperatures": list(kept)})
             tracker.log_metrics({f"validation/{k}": v for k, v in compared.items()})

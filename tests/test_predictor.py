@@ -159,17 +159,17 @@ def test_a_fixed_temperature_gets_its_shape_without_a_predictor_pass(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fixed_choices_keep_the_predictor_only_where_it_is_surely_faster_than_the_training_rows_best_shape(seed):
     """For any weights: at each temperature the validation rows decode (modeled) at the predictor's speed where it is
-    faster than the single shape fastest on the training rows in at least the asked share of resamples, at that
-    shape's elsewhere; asked for no confidence, at the faster of the two. A predictor that always picks the worst
-    shape is fixed everywhere, one that picks each row's best nowhere."""
+    faster by the asked margin than the single shape fastest on the training rows, and so in at least the asked
+    share of resamples, at that shape's elsewhere; asked for neither, at the faster of the two. A predictor that
+    always picks the worst shape is fixed everywhere, one that picks each row's best nowhere."""
     rows = label_rows(80)
     train = label_arrays(rows_to_table(rows[:40]))
     val = label_arrays(rows_to_table(rows[40:]))
     torch.manual_seed(seed)
     model = BlockSizePredictor(PredictorConfig("sparse", (2, 3, 4), 10, top_k=4, hidden_size=8, temperatures=(0, 1)))
     before = evaluate_predictor(model, val)
-    for confidence in (0.0, 0.5, 0.9):
-        fixed, metrics = fixed_choices(model, train, val, confidence)
+    for confidence, margin in ((0.0, 0.0), (0.5, 0.0), (0.9, 0.02)):
+        fixed, metrics = fixed_choices(model, train, val, confidence, margin)
         gated = BlockSizePredictor(replace(model.config, fixed_at=fixed))
         gated.load_state_dict(model.state_dict())
         after = evaluate_predictor(gated, val)
@@ -177,10 +177,10 @@ def test_fixed_choices_keep_the_predictor_only_where_it_is_surely_faster_than_th
             pred, alone = metrics[f"T{t}/throughput_pred"], metrics[f"T{t}/throughput_fixed"]
             share = metrics[f"T{t}/p_faster"]
             assert pred == pytest.approx(before[f"T{t}/throughput_pred"]) and 0.0 <= share <= 1.0
-            adapted = pred > alone and share >= confidence
+            adapted = pred > (1 + margin) * alone and share >= confidence
             assert (t not in dict(fixed)) == adapted
             assert after[f"T{t}/throughput_pred"] == pytest.approx(pred if adapted else alone)
-            if confidence == 0.0:
+            if confidence == margin == 0.0:
                 assert after[f"T{t}/throughput_pred"] == pytest.approx(max(pred, alone))
     with pytest.raises(ValueError, match="before its fixed_at is set"):
         fixed_choices(gated, train, val)
@@ -218,24 +218,27 @@ def hand_made_arrays(cost: CycleCost | None = None) -> LabelArrays:
 
 
 def test_an_adaptive_choice_replaces_a_fixed_one_only_where_the_rows_surely_say_it_is_faster():
-    """`adapts`: faster over the rows and in the asked share of paired bootstrap resamples. Walks that tie never
-    adapt; walks faster on every row adapt at any confidence; a gain that one row of twenty carries adapts only
-    for a confidence that a resample without that row still meets."""
+    """`adapts`: faster by the margin over the rows and in the asked share of paired bootstrap resamples. Walks that
+    tie never adapt; walks faster on every row adapt at any confidence, unless by less than the margin; a gain that
+    one row of twenty carries adapts only for a confidence that a resample without that row still meets."""
     from blockpilot.walks import adapts, faster_share
 
     fixed = np.tile([[10.0, 4.0, 4.0]], (20, 1))  # (tokens, cycles, cost) of each row's walks
     assert adapts(fixed, fixed.copy(), 0.0) == (False, 0.0)
-    quicker = fixed * [1.0, 1.0, 0.9]
-    assert adapts(quicker, fixed, 0.99) == (True, 1.0)
+    quicker = fixed * [1.0, 1.0, 0.9]  # 11% faster on every row
+    assert adapts(quicker, fixed, 0.99, margin=0.1) == (True, 1.0)
+    assert adapts(quicker, fixed, 0.0, margin=0.12) == (False, 0.0)  # not by the margin
     lucky = fixed * [1.0, 1.0, 1.01]  # 1% slower on 19 rows, 5x faster on one
     lucky[0, 2] = 0.8
     share = faster_share(lucky, fixed)
     assert share == faster_share(lucky, fixed) and 0.5 < share < 0.9  # seeded; the lucky row is in ~64% of draws
-    assert adapts(lucky, fixed, 0.0) == (True, share) and adapts(lucky, fixed, 0.9) == (False, share)
+    assert adapts(lucky, fixed, 0.0, 0.0) == (True, share) and adapts(lucky, fixed, 0.9, 0.0) == (False, share)
     with pytest.raises(ValueError, match="the same rows"):
         faster_share(lucky, fixed[:3])
-    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"confidence must be in \[0, 1\)"):
         adapts(lucky, fixed, 1.0)
+    with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
+        adapts(lucky, fixed, 0.5, -0.1)
 
 
 def test_metrics_of_choices():

@@ -264,7 +264,7 @@ def test_a_step_model_beside_a_prior_keeps_it_where_the_held_out_share_says_it_w
     from blockpilot.predictor import BlockSizePredictor, PredictorConfig
     from blockpilot.predictor.step_data import regret_dataset, step_rows
     from blockpilot.predictor.step_model import StepModel
-    from blockpilot.walks import ADAPT_CONFIDENCE
+    from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN
     from pipelines.train_step_policy import StepTrainJob, run_step_train_job
 
     table = pq.read_table(tiny_labels["train"])
@@ -286,7 +286,7 @@ def test_a_step_model_beside_a_prior_keeps_it_where_the_held_out_share_says_it_w
     for t in (0, 1):
         step, prior = (run.data.metrics[f"validation/T{t}/throughput_{k}"] for k in ("step", "request"))
         surely = run.data.metrics[f"validation/T{t}/p_faster"] >= ADAPT_CONFIDENCE
-        assert (t not in config.prior_temperatures) == (step > prior and surely)
+        assert (t not in config.prior_temperatures) == (step > (1 + ADAPT_MARGIN) * prior and surely)
     assert json.loads(run.data.params["prior_temperatures"]) == list(config.prior_temperatures)
     # The comparison's fit left the share out; the model's is on every prompt.
     rows = step_rows(table, BlockSizePredictor.load(tmp_path / "prior"))

@@ -38,7 +38,7 @@ from blockpilot.predictor.step_features import NO_TOKEN, TOKEN_FEATURES, CycleVi
 from blockpilot.predictor.step_model import StepModel, StepModelConfig, fit_step_model, regret_loss
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable, tables_from_row
-from blockpilot.walks import ADAPT_CONFIDENCE
+from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
 VOCAB = 64  # for models that run without a target
@@ -559,8 +559,8 @@ def with_prior_at(model: StepModel, temperatures, kept) -> StepModel:
 
 def test_the_prior_is_kept_at_the_temperatures_where_the_models_walks_are_not_surely_faster(tiny_labels):
     """`prior_temperatures` compares the model's walks with the prior's per temperature; a model that keeps the prior
-    there walks b0 to the end where kept, its own choices elsewhere: its own only where they were faster in the asked
-    share of resamples, and, asked for no confidence, the faster of the two."""
+    there walks b0 to the end where kept, its own choices elsewhere: its own only where they were faster by the margin
+    in the asked share of resamples, and, asked for neither, the faster of the two."""
     table = pq.read_table(tiny_labels["train"])
     candidates = step_rows(table)[0].tables[0].candidates
     vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
@@ -569,7 +569,7 @@ def test_the_prior_is_kept_at_the_temperatures_where_the_models_walks_are_not_su
     model = random_prior_step_model(11, candidates, 512)
     kept, compared = prior_temperatures(model, rows, cost)
     assert "T = 0" in format_prior_temperatures(kept, compared) and "T = 1" in format_prior_temperatures(kept, compared)
-    loose, _ = prior_temperatures(model, rows, cost, confidence=0.0)
+    loose, _ = prior_temperatures(model, rows, cost, confidence=0.0, margin=0.0)
     assert set(loose) <= set(kept)  # a surer gate adapts at fewer temperatures
     for forced in [kept, loose, (0.0,), (1.0,), (0.0, 1.0)]:
         metrics = evaluate_step_model(with_prior_at(model, (0.0, 1.0), forced), rows, cost)
@@ -577,7 +577,8 @@ def test_the_prior_is_kept_at_the_temperatures_where_the_models_walks_are_not_su
             own, prior = compared[f"T{t}/throughput_step"], compared[f"T{t}/throughput_request"]
             assert metrics[f"T{t}/throughput_step"] == pytest.approx(prior if t in forced else own)
             if forced == kept:
-                assert (t not in kept) == (own > prior and compared[f"T{t}/p_faster"] >= ADAPT_CONFIDENCE)
+                surely = compared[f"T{t}/p_faster"] >= ADAPT_CONFIDENCE
+                assert (t not in kept) == (own > (1 + ADAPT_MARGIN) * prior and surely)
             if forced == loose:
                 assert metrics[f"T{t}/throughput_step"] == pytest.approx(max(own, prior))
     with pytest.raises(ValueError, match="before its temperatures are set"):

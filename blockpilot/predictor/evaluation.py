@@ -10,7 +10,7 @@ import torch
 
 from blockpilot.predictor.model import BlockSizePredictor
 from blockpilot.scoring import LabelArrays, choice_walks, evaluate_choices
-from blockpilot.walks import ADAPT_CONFIDENCE, adapts, temperature_groups, walked_throughput
+from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN, adapts, temperature_groups, walked_throughput
 
 
 @torch.no_grad()
@@ -29,14 +29,18 @@ def evaluate_predictor(model: BlockSizePredictor, arrays: LabelArrays) -> dict[s
 
 
 def fixed_choices(
-    model: BlockSizePredictor, train: LabelArrays, val: LabelArrays, confidence: float = ADAPT_CONFIDENCE
+    model: BlockSizePredictor,
+    train: LabelArrays,
+    val: LabelArrays,
+    confidence: float = ADAPT_CONFIDENCE,
+    margin: float = ADAPT_MARGIN,
 ) -> tuple[tuple[tuple[float, int], ...], dict[str, float]]:
     """The temperatures at which the predictor's choices do not surely decode faster (modeled tokens a second) on
-    the validation rows `val` than one fixed shape (`walks.adapts` at `confidence`), each with that shape: the
-    fastest single shape on the training rows `train` at that temperature (chosen there, so that the comparison on
-    `val` is fair). A request at such a temperature then needs no predictor pass. Returns `PredictorConfig.fixed_at`
-    and the figures, as `T<t>/throughput_pred`, `T<t>/throughput_fixed`, `T<t>/fixed_index` and `T<t>/p_faster`
-    (the share of resamples in which the predictor was faster)."""
+    the validation rows `val` than one fixed shape (`walks.adapts` at `confidence` and `margin`), each with that
+    shape: the fastest single shape on the training rows `train` at that temperature (chosen there, so that the
+    comparison on `val` is fair). A request at such a temperature then needs no predictor pass. Returns
+    `PredictorConfig.fixed_at` and the figures, as `T<t>/throughput_pred`, `T<t>/throughput_fixed`,
+    `T<t>/fixed_index` and `T<t>/p_faster` (the share of resamples in which the predictor was faster by the margin)."""
     if model.config.fixed_at:
         raise ValueError("fixed_choices compares the predictor's own choices: ask before its fixed_at is set")
     shapes = range(len(model.config.shapes))
@@ -53,7 +57,7 @@ def fixed_choices(
         fitted_throughput = [walked_throughput(fitted.per_row(np.full(len(fitted.tokens), i))) for i in shapes]
         best = max(shapes, key=lambda index: (fitted_throughput[index], -index))  # ties to the smaller
         predicted, alone = rows.per_row(chosen[val_groups[group]]), rows.per_row(np.full(len(rows.tokens), best))
-        adapted, share = adapts(predicted, alone, confidence)
+        adapted, share = adapts(predicted, alone, confidence, margin)
         metrics |= {
             f"{group}throughput_pred": walked_throughput(predicted),
             f"{group}throughput_fixed": walked_throughput(alone),
@@ -78,7 +82,7 @@ def format_fixed_choices(model: BlockSizePredictor, metrics: dict[str, float]) -
         share = metrics[f"T{t:g}/p_faster"]
         parts.append(
             f"T = {t:g} {who} (predictor {pred:,.1f}, fixed {name} {alone:,.1f} modeled tokens/s; the predictor "
-            f"faster in {share:.0%} of resamples)"
+            f"faster by the margin in {share:.0%} of resamples)"
         )
     return "[predictor] on the validation rows: " + "; ".join(parts)
 

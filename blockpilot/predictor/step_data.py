@@ -27,6 +27,7 @@ from blockpilot.predictor.training import is_validation
 from blockpilot.table import AcceptanceTable, tables_from_row
 from blockpilot.walks import (
     ADAPT_CONFIDENCE,
+    ADAPT_MARGIN,
     POLICY_COLUMNS,
     FixedWalks,
     adapts,
@@ -311,11 +312,13 @@ def prior_temperatures(
     cost: CycleCost,
     load: int | None = None,
     confidence: float = ADAPT_CONFIDENCE,
+    margin: float = ADAPT_MARGIN,
 ) -> tuple[tuple[float, ...], dict[str, float]]:
     """The temperatures of `rows` at which `model` choosing every cycle does not surely walk faster (modeled tokens a
-    second) than the per-request prior's b0 kept to the end (`walks.adapts` at `confidence`), and the figures that
-    say so: `T<t>/throughput_step`, `T<t>/throughput_request` (and their `tau_`) and `T<t>/p_faster` (the share of
-    resamples in which the model was faster). Priced as `evaluate_step_model` prices them."""
+    second) than the per-request prior's b0 kept to the end (`walks.adapts` at `confidence` and `margin`), and the
+    figures that say so: `T<t>/throughput_step`, `T<t>/throughput_request` (and their `tau_`) and `T<t>/p_faster`
+    (the share of resamples in which the model was faster by the margin). Priced as `evaluate_step_model` prices
+    them."""
     if not model.config.prior:
         raise ValueError("prior_temperatures compares a step model with its per-request prior: it has none")
     if model.config.prior_temperatures:
@@ -331,7 +334,7 @@ def prior_temperatures(
         put_policy(metrics, group, "step", *stepped[index].sum(axis=0))
         put_policy(metrics, group, "request", *prior[index].sum(axis=0))
         if group:
-            adapted, metrics[f"{group}p_faster"] = adapts(stepped[index], prior[index], confidence)
+            adapted, metrics[f"{group}p_faster"] = adapts(stepped[index], prior[index], confidence, margin)
             if not adapted:
                 kept.append(rows[index[0]].temperature)
     return tuple(kept), metrics
@@ -347,8 +350,8 @@ def format_prior_temperatures(kept: tuple[float, ...], metrics: dict[str, float]
         who = "keeps the prior's b0" if t in kept else "chooses every cycle"
         share = metrics[f"T{t:g}/p_faster"]
         parts.append(
-            f"T = {t:g} {who} (step {step:,.1f}, prior {request:,.1f} modeled tokens/s; the model faster in "
-            f"{share:.0%} of resamples)"
+            f"T = {t:g} {who} (step {step:,.1f}, prior {request:,.1f} modeled tokens/s; the model faster by the "
+            f"margin in {share:.0%} of resamples)"
         )
     return "[step] on the held-out share of --labels: " + "; ".join(parts)
 
