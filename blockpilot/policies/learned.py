@@ -26,6 +26,7 @@ class LearnedPolicy(BlockSizePolicy):
         budgets = predictor.config.tree_budgets
         self.tree_nodes = max(budgets) if budgets else None
         self.tree_depth = predictor.config.tree_depth
+        self._fixed_at: dict[float, int] = {}  # `fixed_index` by temperature, asked once each (tensor ops at admission)
 
     @property
     def block_size_choices(self) -> tuple[int, ...]:
@@ -52,6 +53,13 @@ class LearnedPolicy(BlockSizePolicy):
             prefill.derived[(PRIOR_DECISION, id(self.predictor))] = (shape, probabilities)
         return probabilities
 
+    def _fixed_index(self, temperature: float) -> int:
+        """`PredictorConfig.fixed_index` of a request at `temperature`, computed once per temperature."""
+        if temperature not in self._fixed_at:
+            fixed = self.predictor.config.fixed_index(torch.tensor([temperature], dtype=torch.float32))
+            self._fixed_at[temperature] = int(fixed[0])
+        return self._fixed_at[temperature]
+
     def _predicted(self, prefills: Sequence[PrefillState]) -> tuple[list[tuple[int, int | None]], np.ndarray]:
         """The predictor's pass over these requests: its shapes and probabilities (`decide_shapes`)."""
         config = self.predictor.config
@@ -67,8 +75,8 @@ class LearnedPolicy(BlockSizePolicy):
         undecided = [prefill for prefill in prefills if key not in prefill.derived]
         config = self.predictor.config
         if undecided and config.fixed_at:
-            temperatures = torch.tensor([prefill.temperature for prefill in undecided], dtype=torch.float32)
-            for prefill, index in zip(undecided, config.fixed_index(temperatures).tolist(), strict=True):
+            for prefill in undecided:
+                index = self._fixed_index(prefill.temperature)
                 if index >= 0:
                     prefill.derived[key] = (config.shapes[index], None)
             undecided = [prefill for prefill in undecided if key not in prefill.derived]

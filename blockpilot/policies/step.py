@@ -31,6 +31,7 @@ class StepPolicy(BlockSizePolicy):
         self.model = model
         self.candidates = model.config.candidates
         self.prior = prior
+        self._kept_at: dict[float, bool] = {}  # `keeps_prior` by temperature, asked once each
 
     @property
     def block_size_choices(self) -> tuple[int, ...] | None:
@@ -71,7 +72,9 @@ class StepPolicy(BlockSizePolicy):
         """Whether requests at these temperatures keep the prior's b0 to their end (`StepModelConfig.keeps_prior`)."""
         if not self.model.config.prior_temperatures:  # none kept (every model without a prior): no tensor a cycle
             return [False] * len(temperatures)
-        return self.model.config.keeps_prior(torch.tensor(list(temperatures), dtype=torch.float32)).tolist()
+        for t in set(temperatures) - set(self._kept_at):
+            self._kept_at[t] = bool(self.model.config.keeps_prior(torch.tensor([t], dtype=torch.float32))[0])
+        return [self._kept_at[t] for t in temperatures]
 
     def keeps_block_size_of(self, prefill: PrefillState) -> bool:
         """A request at a temperature where the model keeps the prior's b0 (`keeps_prior`)."""
