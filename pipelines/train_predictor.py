@@ -99,7 +99,7 @@ class TrainJob:
         type=share_arg,
         help="the predictor's choices serve a temperature only where they decode faster than that fixed shape (by "
         "--adapt-margin) on the validation rows in at least this share of paired bootstrap resamples of their "
-        "prompts (0: wherever its modeled throughput there is higher)",
+        "prompts (0: wherever its modeled throughput there is higher by the margin)",
     )
     adapt_margin: float = option(
         ADAPT_MARGIN,

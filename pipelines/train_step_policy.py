@@ -67,7 +67,7 @@ class StepTrainJob:
         type=share_arg,
         help="with --prior: the model chooses every cycle at a temperature only where its walks beat the prior's (by "
         "--adapt-margin) on the held-out share in at least this share of paired bootstrap resamples of its prompts "
-        "(0: wherever its modeled throughput there is higher)",
+        "(0: wherever its modeled throughput there is higher by the margin)",
     )
     adapt_margin: float = option(
         ADAPT_MARGIN,
