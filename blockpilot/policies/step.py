@@ -73,7 +73,7 @@ class StepPolicy(BlockSizePolicy):
         if not self.model.config.prior_temperatures:  # none kept (every model without a prior): no tensor a cycle
             return [False] * len(temperatures)
         for t in set(temperatures) - set(self._kept_at):
-            self._kept_at[t] = bool(self.model.config.keeps_prior(torch.tensor([t], dtype=torch.float32))[0])
+            self._kept_at[t] = self.model.config.keeps_prior_at(t)
         return [self._kept_at[t] for t in temperatures]
 
     def keeps_block_size_of(self, prefill: PrefillState) -> bool:

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from blockpilot.cost import CycleCost, nearest_batch_size
 from blockpilot.predictor.confidence import ConfidenceRule, walk_rule
@@ -182,11 +181,6 @@ def regret_dataset(
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
 
-def _keeps_prior_at(model: StepModel, temperature: float) -> bool:
-    """Whether a request at `temperature` keeps the prior's b0 to its end (`StepModelConfig.keeps_prior`)."""
-    return bool(model.config.keeps_prior(torch.tensor([temperature]))[0])
-
-
 def walk_step_model(
     model: StepModel,
     table: AcceptanceTable,
@@ -201,7 +195,7 @@ def walk_step_model(
     spec, candidates = model.config.features, table.candidates
     if spec.prior and (prior_block_size is None or prior_probabilities is None):
         raise ValueError("this step model reads a per-request prior: walk it with the prior's b0 and probabilities")
-    keeps_prior = _keeps_prior_at(model, anchors.temperature)
+    keeps_prior = model.config.keeps_prior_at(anchors.temperature)
 
     def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
         if prior_block_size is not None and (last_size is None or keeps_prior):
@@ -223,7 +217,7 @@ def walk_step_model(
 def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> tuple[float, float, float]:
     """(tokens, cycles, cost) of the step model's walks over the row's tables: a lone row's cycles priced with the
     model's choice computed in each (`CycleCost.deciding`), unless it keeps the prior's b0 at the row's temperature."""
-    priced = cost if _keeps_prior_at(model, row.temperature) else cost.deciding()
+    priced = cost if model.config.keeps_prior_at(row.temperature) else cost.deciding()
     tokens = cycles = spent = 0.0
     for table, anchors in zip(row.tables, row.anchors, strict=True):
         sizes, _ = walk_step_model(model, table, anchors, row.prior_block_size, row.prior_probabilities, load)

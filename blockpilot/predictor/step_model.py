@@ -100,6 +100,10 @@ class StepModelConfig:
         kept = torch.tensor([t in self.prior_temperatures for t in self.temperatures], device=temperature.device)
         return kept[nearest_labeled(temperature, self.temperatures)]
 
+    def keeps_prior_at(self, temperature: float) -> bool:
+        """`keeps_prior` of one request at `temperature`."""
+        return bool(self.keeps_prior(torch.tensor([temperature], dtype=torch.float32))[0])
+
 
 @dataclass(frozen=True)
 class FoldedHead:
