@@ -472,11 +472,15 @@ class Engine(RowScheduler):
         for slot in reversed(finished):
             self._retire(slot, updates)
 
+    def _cycle_decides(self, row: Row) -> bool:
+        """Whether the cycle computes this row's next b: its policy is the one the cycle decides for, and the row does
+        not keep its b (a kept row runs the cycle without the choice and reads none)."""
+        return row.policy is self._cycle_policy and not row.keeps_block_size
+
     def _decision_inputs(self, row: Row) -> list[float]:
-        """What the cycle's decision reads of this row's request, where its policy decides in the cycle for it (a row
-        that keeps its b is never asked: its request then runs no predictor pass for the prior's probabilities)."""
-        decides = row.policy is self._cycle_policy and row.drafter_context and not row.keeps_block_size
-        if not decides or row.failure is not None:
+        """What the cycle's decision reads of this row's request, where the cycle decides for it (`_cycle_decides`; a
+        row that keeps its b is never asked: its request then runs no predictor pass for the prior's probabilities)."""
+        if not (self._cycle_decides(row) and row.drafter_context) or row.failure is not None:
             return []
         return self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
 
@@ -585,8 +589,7 @@ class Engine(RowScheduler):
                 row.stop_reason = "length"
             if row.stop_reason is None:
                 anchor = self.decoder.anchor_logits[index]
-                decides = chains and row.policy is self._cycle_policy and not row.keeps_block_size
-                chose = decided if decides and decided > 0 else None
+                chose = decided if chains and self._cycle_decides(row) and decided > 0 else None
                 going_on.append((row, len(new_tokens), anchor, quantized / CONFIDENCE_UNITS, chose))
             else:
                 finished.append(index)
