@@ -31,7 +31,11 @@ from blockpilot.options import option, positive_int_arg
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 
 if TYPE_CHECKING:
+    from blockpilot.decoding import GenerationConfig
+    from blockpilot.decoding.engine import Engine
     from blockpilot.decoding.speed import PolicySpeed
+    from blockpilot.models import SpeculativeModels
+    from blockpilot.policies.base import BlockSizePolicy
 
 
 DEFAULT_SIZE = "mini"
@@ -107,6 +111,11 @@ class DemoJob:
 _CHECKABLE_SOURCES = ("count", "arithmetic", "sort", "copy", "reverse")
 STAGES = 7
 LIVE_ROUNDS = 5  # timed rounds of the live table, each decoding every prompt with every decoder
+# The labels' temperatures: the endpoint's policy is held against the fixed shapes at each.
+LIVE_TEMPERATURES = (0.0, 1.0)
+# At T > 0 every decoder samples a prompt with this seed: a row's output for a seed does not depend on its policy, so
+# the decoders decode the same tokens and differ only in speed.
+LIVE_SEED = 0
 # The live table's keys (`walks` policy names): the adaptive policies the endpoint may serve, and the fixed shapes
 # they are held against.
 ADAPTIVE_POLICIES = ("request", "paper", "step", "rule")
@@ -193,14 +202,16 @@ def policy_table(
     prompts: int,
     baseline: PolicySpeed | None = None,
     decoder: str = "",
+    temperature: float = 0.0,
 ) -> str:
-    """Held-out T = 0: tau and modeled throughput from the acceptance tables, tau and tokens/s measured live (by
-    `decoder`, named in the header), and each live speed over `baseline`'s (transformers' plain loop), which closes
-    the table; a dash where a figure was not measured."""
+    """Held-out prompts at `temperature`: tau and modeled throughput from the acceptance tables, tau and tokens/s
+    measured live (by `decoder`, named in the header), and each live speed over `baseline`'s (transformers' plain
+    greedy loop, at T = 0), which closes the table; a dash where a figure was not measured."""
     lines = [
-        f"policies on the held-out prompts at T = 0: tau and modeled throughput (tokens per unit of calibrated "
-        f"cost) walked on their acceptance tables; tau and tokens/s decoded live{decoder}, {prompts} prompts one at a "
-        "time (the median of rounds over every decoder), and the speed over transformers' plain greedy loop",
+        f"policies on the held-out prompts at T = {temperature:g}: tau and modeled throughput (tokens per unit of "
+        f"calibrated cost) walked on their acceptance tables; tau and tokens/s decoded live{decoder}, {prompts} "
+        "prompts one at a time (the median of rounds over every decoder), and the speed over transformers' plain "
+        "greedy loop",
         f"  {'policy':<31} {'tau':>6} {'modeled':>9} {'live tau':>9} {'tokens/s':>9} {'x loop':>7}",
     ]
     rows = [(key, name, live.get(key)) for key, name in specs.items()]
@@ -211,7 +222,8 @@ def policy_table(
         return f"{'-':>{width}}" if value is None or math.isnan(value) else f"{value:>{width}.{digits}f}"
 
     for key, name, speed in rows:
-        tau, modeled = label_metrics.get(f"T0/tau_{key}"), label_metrics.get(f"T0/throughput_{key}")
+        prefix = f"T{temperature:g}/"
+        tau, modeled = label_metrics.get(f"{prefix}tau_{key}"), label_metrics.get(f"{prefix}throughput_{key}")
         over = speed.tokens_per_s / baseline.tokens_per_s if speed and baseline else None
         lines.append(
             f"  {name:<31} {shown(tau, 6, 2)} {shown(modeled, 9, 1)} {shown(speed and speed.tau, 9, 2)} "
@@ -257,6 +269,107 @@ def fastest(live: dict[str, PolicySpeed], keys: tuple[str, ...]) -> str:
     return max(measured, key=lambda key: live[key].tokens_per_s)
 
 
+def fixed_specs(
+    metrics: dict[str, float], temperature: float, block_size: int, depth: int
+) -> dict[str, tuple[str | None, str]]:
+    """The live table's rows at `temperature` other than the adaptive policies, key -> (policy spec, name): the fixed
+    shapes (B, the best fixed b and the best fixed tree of the held-out walks at that temperature, autoregression),
+    then the oracles (walked on the tables only: no spec)."""
+    prefix = f"T{temperature:g}/"
+    best = int(metrics[f"{prefix}best_fixed_b"])
+    specs: dict[str, tuple[str | None, str]] = {
+        "B": (f"fixed:{block_size}", f"fixed B = {block_size}"),
+        "best_fixed": (f"fixed:{best}", f"best fixed b = {best}"),
+        "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
+        "oracle": (None, "static oracle"),
+        "step_oracle": (None, "per-step oracle"),
+    }
+    if f"{prefix}best_tree_nodes" in metrics:
+        nodes = int(metrics[f"{prefix}best_tree_nodes"])
+        specs |= {
+            "best_tree": (f"tree:{nodes}:{depth}", f"best fixed tree ({nodes} nodes)"),
+            "shape_oracle": (None, "shape oracle"),
+        }
+    return specs
+
+
+class LiveDecoders:
+    """The live tables' policies (by spec) and the engines they decode on, built once for every temperature, on
+    engines that sample (a T = 0 row decodes greedily there, as on the endpoint's): one for the chains (every b up to
+    `depth`), one a tree budget, and one for each policy whose lone cycles compute its choice (`decide_in_cycle`), as
+    the endpoint's replica does for its adaptive policy (the other policies' cycles do not pay for it here)."""
+
+    def __init__(self, models: SpeculativeModels, *, compile: str, depth: int) -> None:
+        self.models, self.compile, self.depth = models, compile, depth
+        self.policies: dict[str, BlockSizePolicy] = {}
+        self.engines: dict[tuple, Engine] = {}
+
+    def _engine(self, key: tuple, **kwargs: Any) -> Engine:
+        from blockpilot.decoding.engine import Engine
+
+        if key not in self.engines:
+            self.engines[key] = Engine(self.models, width=self.depth, compile=self.compile, **kwargs)
+        return self.engines[key]
+
+    def __call__(self, spec: str) -> tuple[BlockSizePolicy, Engine]:
+        """`spec`'s policy and the engine it decodes on."""
+        from blockpilot.policies.resolve import resolve_policy
+
+        if spec not in self.policies:
+            self.policies[spec] = resolve_policy(spec, self.models)
+        policy = self.policies[spec]
+        if policy.tree_nodes:
+            return policy, self._engine(("tree", policy.tree_nodes), tree_nodes=policy.tree_nodes)
+        if getattr(policy, "cycle_decision", None) is not None:
+            deciding = self._engine(("deciding", spec))
+            if deciding.decide_in_cycle(policy):
+                return policy, deciding
+        return policy, self._engine(("chains",))
+
+
+def decode_live(
+    models: SpeculativeModels,
+    specs: dict[str, tuple[str | None, str]],
+    prompts_ids: list[list[int]],
+    config: GenerationConfig,
+    decoders: LiveDecoders,
+) -> dict[str, PolicySpeed]:
+    """Every policy of `specs` with a spec decoding the prompts one at a time at `config`'s temperature, on its
+    engine of `decoders`, interleaved (`measure_speeds`); at T = 0 transformers' plain greedy loop too, keyed
+    `loop`."""
+    from blockpilot.decoding.speed import measure_speeds
+
+    runs = {key: decoders(spec) for key, (spec, _) in specs.items() if spec is not None}
+    plain_loop = "loop" if config.temperature == 0 else None  # the plain loop is greedy
+    return measure_speeds(models, prompts_ids, runs, config, rounds=LIVE_ROUNDS, plain_loop_key=plain_loop)
+
+
+def live_metrics(tables: dict[float, dict[str, PolicySpeed]], key: str) -> dict[str, float]:
+    """A policy's live figures at each temperature measured, as MLflow holds them (`live/T<t>/tokens_per_s`, `tau`)."""
+    return {
+        f"live/T{t:g}/{name}": value
+        for t, live in tables.items()
+        if key in live
+        for name, value in (("tokens_per_s", live[key].tokens_per_s), ("tau", live[key].tau))
+    }
+
+
+def serving_policy(tables: dict[float, dict[str, PolicySpeed]]) -> tuple[str, dict[float, tuple[float, str]]]:
+    """The adaptive policy the endpoint serves: of those measured at every temperature, the one whose speed over the
+    fastest fixed shape of a temperature is highest at its worst temperature; and, per temperature, that speed
+    over the fastest fixed shape and that shape's key."""
+    measured = [key for key in ADAPTIVE_POLICIES if all(key in live for live in tables.values())]
+    if not tables or not measured:
+        raise ValueError(f"no adaptive policy of {list(ADAPTIVE_POLICIES)} was measured live at every temperature")
+
+    def margins(key: str) -> dict[float, tuple[float, str]]:
+        fixed = {t: fastest(live, FIXED_SHAPES) for t, live in tables.items()}
+        return {t: (live[key].tokens_per_s / live[fixed[t]].tokens_per_s, fixed[t]) for t, live in tables.items()}
+
+    chosen = max(measured, key=lambda key: min(margin for margin, _ in margins(key).values()))
+    return chosen, margins(chosen)
+
+
 def run_demo(job: DemoJob) -> int:
     import httpx
     import ray
@@ -267,8 +380,8 @@ def run_demo(job: DemoJob) -> int:
     from blockpilot.cost import CycleCost
     from blockpilot.decoding import GenerationConfig, generate
     from blockpilot.decoding.calibration import calibrate
-    from blockpilot.decoding.engine import Engine, keep_compiled_kernels
-    from blockpilot.decoding.speed import measure_speeds
+    from blockpilot.decoding.compiled import compile_mode
+    from blockpilot.decoding.engine import keep_compiled_kernels
     from blockpilot.labeling import LabelSettings
     from blockpilot.models import load_models
     from blockpilot.policies.resolve import resolve_policy
@@ -403,54 +516,46 @@ def run_demo(job: DemoJob) -> int:
         )
     print(result.format_stats())
 
-    clock.start("policies", "every policy on the held-out prompts: tables and live")
+    clock.start("policies", "every policy on the held-out prompts: tables and live, at T = 0 and T = 1")
     # The embedded Ray of the labels and the training, idle, slowed the live table 8-15% on 2 cores, the drafting
     # policies more than autoregression (docs/log.md): it is stopped while the table runs; the endpoint starts its own.
     ray.shutdown()
-    best_fixed = int(step.metrics["T0/best_fixed_b"])
-    specs = {
-        "B": (f"fixed:{recipe.block_size}", f"fixed B = {recipe.block_size}"),
-        "best_fixed": (f"fixed:{best_fixed}", f"best fixed b = {best_fixed}"),
+    models_of = {
         "request": (f"learned:{predictor}", "learned (per request)"),
         "paper": (f"learned:{paper_predictor}", "learned (the paper's predictor)"),
         "step": (adaptive, "learned+step (per step)"),
         "rule": (f"confidence:{step.model_dir}", "confidence rule (per step)"),
-        "autoregressive": ("autoregressive", "autoregressive (b = 1)"),
     }
-    specs |= {"oracle": (None, "static oracle"), "step_oracle": (None, "per-step oracle")}
-    tree_nodes = None
-    if "T0/best_tree_nodes" in step.metrics:
-        tree_nodes = int(step.metrics["T0/best_tree_nodes"])
-        specs["best_tree"] = (f"tree:{tree_nodes}:{depth}", f"best fixed tree ({tree_nodes} nodes)")
-        specs["shape_oracle"] = (None, "shape oracle")
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
-    config = GenerationConfig(max_new_tokens=recipe.response_tokens, stop_token_ids=tuple(models.stop_token_ids()))
-    # The engine, as the cost curve measured it: one for the chains (every b up to the widest candidate), one for
-    # the trees, and one whose lone cycles compute the step model's choice (`decide_in_cycle`), as the endpoint's
-    # replica does for its adaptive policy (the other policies' cycles do not pay for it here).
-    engine = Engine(models, width=depth, compile=job.compile, sampling=False)
-    trees = tree_nodes and Engine(models, width=depth, compile=job.compile, sampling=False, tree_nodes=tree_nodes)
-    runs = {key: resolve_policy(spec, models) for key, (spec, _) in specs.items() if spec is not None}
-    stepping = Engine(models, width=depth, compile=job.compile, sampling=False)
-    stepping = stepping if stepping.decide_in_cycle(runs["step"]) else engine
-    engines = {key: trees if key == "best_tree" else stepping if key == "step" else engine for key in runs}
-    # Every decoder, the plain loop included, interleaved prompt by prompt, so that the machine's drift falls on all
-    # of them alike (one pass each put the same policy anywhere between 1.8x and 2.4x the loop).
-    decoders = {key: (policy, engines[key]) for key, policy in runs.items()}
-    live = measure_speeds(models, prompts_ids, decoders, config, rounds=LIVE_ROUNDS, plain_loop_key="loop")
-    loop = live.pop("loop")
-    names = {key: name for key, (_, name) in specs.items()}
-    decoder = f" on the engine ({engine.decoder.mode})"
-    print(policy_table(step.metrics, live, names, len(prompts_ids), loop, decoder))
+    decoders = LiveDecoders(models, compile=job.compile, depth=depth)
+    tables: dict[float, dict[str, PolicySpeed]] = {}
+    names: dict[float, dict[str, str]] = {}
+    for temperature in LIVE_TEMPERATURES:
+        fixed = fixed_specs(step.metrics, temperature, recipe.block_size, depth)
+        specs = {key: fixed[key] for key in ("B", "best_fixed")} | models_of | fixed  # the table's order
+        config = GenerationConfig(
+            max_new_tokens=recipe.response_tokens,
+            temperature=temperature,
+            seed=LIVE_SEED,
+            stop_token_ids=tuple(models.stop_token_ids()),
+        )
+        live = decode_live(models, specs, prompts_ids, config, decoders)
+        loop = live.pop("loop", None)
+        names[temperature] = {key: name for key, (_, name) in specs.items()}
+        decoder = f" on the engine ({compile_mode(job.compile, models.device)})"
+        print(policy_table(step.metrics, live, names[temperature], len(prompts_ids), loop, decoder, temperature))
+        tables[temperature] = live
     for run, key in ((outcome, "request"), (paper, "paper")):  # each predictor's run gets its live figures
         if run.run_id:
-            log_to_run(run.run_id, {"live/tokens_per_s": live[key].tokens_per_s, "live/tau": live[key].tau})
-    # The endpoint's adaptive policy is the one that decoded fastest here, on this device: what wins depends on it.
-    serving, fixed = fastest(live, ADAPTIVE_POLICIES), fastest(live, FIXED_SHAPES)
-    adaptive = specs[serving][0]
+            log_to_run(run.run_id, live_metrics(tables, key))
+    # The endpoint's adaptive policy is the one that decoded fastest here, on this device, against the fastest fixed
+    # shape at each temperature measured: what wins depends on the device.
+    serving, margins = serving_policy(tables)
+    adaptive = models_of[serving][0]
+    shown = ", ".join(f"T = {t:g}: {margin:.2f}x {names[t][fixed]}" for t, (margin, fixed) in margins.items())
     print(
-        f"the endpoint's adaptive policy: {names[serving]}, the faster adaptive policy live here "
-        f"({live[serving].tokens_per_s / live[fixed].tokens_per_s:.2f}x the fastest fixed shape, {names[fixed]})"
+        f"the endpoint's adaptive policy: {models_of[serving][1]}, the adaptive policy live here whose speed over the "
+        f"fastest fixed shape was the highest at its worst temperature ({shown})"
     )
 
     clock.start("endpoint", f"the endpoint on Ray Serve (127.0.0.1:{job.port}), adaptive = {adaptive}")

@@ -28,9 +28,12 @@ from pipelines.demo import (
     DemoPaths,
     StageClock,
     fastest,
+    fixed_specs,
+    live_metrics,
     pick_example,
     policy_table,
     reference_answers,
+    serving_policy,
 )
 
 
@@ -117,17 +120,58 @@ def test_policy_table_has_a_row_per_policy_and_dashes_where_nothing_ran():
     assert rows["transformers loop"].split()[-5:] == ["-", "-", "1.00", "50.0", "1.00"]
 
 
+def test_the_policy_table_at_t1_reads_that_temperatures_walks_and_has_no_loop():
+    metrics = {"T0/tau_B": 2.5, "T1/tau_B": 1.5, "T1/throughput_B": 60.0}
+    live = {"B": PolicySpeed("fixed", tokens=30, seconds=0.5, tau=1.4)}
+    text = policy_table(metrics, live, {"B": "fixed B = 6"}, 4, temperature=1.0)
+    assert text.startswith("policies on the held-out prompts at T = 1:")
+    [row] = text.splitlines()[2:]
+    assert row.split()[-5:] == ["1.50", "60.0", "1.40", "60.0", "-"]
+
+
+def test_the_fixed_shapes_are_the_best_of_each_temperature():
+    metrics = {"T0/best_fixed_b": 8.0, "T1/best_fixed_b": 1.0, "T0/best_tree_nodes": 15.0}
+    cold, warm = fixed_specs(metrics, 0.0, 6, 8), fixed_specs(metrics, 1.0, 6, 8)
+    assert cold["best_fixed"] == ("fixed:8", "best fixed b = 8") and warm["best_fixed"][0] == "fixed:1"
+    assert cold["best_tree"][0] == "tree:15:8" and "shape_oracle" in cold
+    assert "best_tree" not in warm and "shape_oracle" not in warm  # no tree walked at T = 1: no tree row
+    assert cold["B"] == warm["B"] == ("fixed:6", "fixed B = 6") and cold["oracle"][0] is None
+    with pytest.raises(KeyError):
+        fixed_specs(metrics, 0.5, 6, 8)  # a temperature the walks do not hold
+
+
+def speeds(**tokens_per_s: float) -> dict[str, PolicySpeed]:
+    return {key: PolicySpeed(key, tokens=rate, seconds=1.0, tau=2.0) for key, rate in tokens_per_s.items()}
+
+
 def test_the_endpoint_serves_the_adaptive_policy_that_was_fastest_live():
-    live = {
-        "request": PolicySpeed("learned", tokens=90, seconds=1.0, tau=2.0),
-        "step": PolicySpeed("learned+step", tokens=80, seconds=1.0, tau=2.1),
-        "B": PolicySpeed("fixed", tokens=95, seconds=1.0, tau=2.0),
-    }
+    live = speeds(request=90, step=80, B=95)
     assert fastest(live, ADAPTIVE_POLICIES) == "request" and fastest(live, FIXED_SHAPES) == "B"
     live["step"] = PolicySpeed("learned+step", tokens=99, seconds=1.0, tau=2.1)
     assert fastest(live, ADAPTIVE_POLICIES) == "step"
     with pytest.raises(ValueError, match="measured"):
         fastest(live, ("best_tree",))
+
+
+def test_the_endpoint_serves_the_adaptive_policy_whose_worst_temperature_is_best():
+    # `step` is the fastest at T = 0 but loses at T = 1; `request` is a little behind at T = 0 and ahead at T = 1.
+    tables = {0.0: speeds(request=98, step=105, B=100), 1.0: speeds(request=101, step=90, autoregressive=100, B=80)}
+    chosen, margins = serving_policy(tables)
+    assert chosen == "request"
+    assert margins == {0.0: (0.98, "B"), 1.0: (1.01, "autoregressive")}
+    assert serving_policy({0.0: tables[0.0]})[0] == "step"  # at T = 0 alone, the other
+    # a policy measured at one temperature only is not served
+    assert serving_policy({0.0: speeds(request=90, step=105, B=100), 1.0: speeds(request=90, B=100)})[0] == "request"
+    with pytest.raises(ValueError, match="every temperature"):
+        serving_policy({0.0: speeds(step=105, B=100), 1.0: speeds(B=100)})
+
+
+def test_live_metrics_name_each_temperature():
+    tables = {0.0: speeds(request=90, B=100), 1.0: speeds(request=70)}
+    assert live_metrics(tables, "request") == {
+        "live/T0/tokens_per_s": 90.0, "live/T0/tau": 2.0, "live/T1/tokens_per_s": 70.0, "live/T1/tau": 2.0
+    }
+    assert live_metrics(tables, "B") == {"live/T0/tokens_per_s": 100.0, "live/T0/tau": 2.0}
 
 
 def test_stage_clock_keeps_every_stage_in_order(capsys):
@@ -184,7 +228,8 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(demo_run):
     cached = zoo_cache_dir(RECIPES["tiny"], 0, home)
     assert f"[zoo] reusing {cached}" in printed and "=== 7/7 the endpoint" in printed and "stage times: zoo" in printed
     # The endpoint serves the adaptive policy that decoded fastest live: any of them, as this machine's timing goes.
-    served = printed.split("the endpoint's adaptive policy: ", 1)[1].split(", the faster", 1)[0]
+    line = printed.split("the endpoint's adaptive policy: ", 1)[1].split("\n", 1)[0]
+    served = line.split(", the adaptive policy", 1)[0]
     adaptive = ("learned (per request)", "learned (the paper's predictor)", "learned+step", "confidence rule")
     assert served.startswith(adaptive), f"the endpoint serves {served!r}, not an adaptive policy of the live table"
     # The paper's predictor and the project's, on the same labels: side by side, and nested under one MLflow run
@@ -198,15 +243,19 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(demo_run):
     assert sorted(child.data.tags["configuration"] for child in children) == [PAPER_PREDICTOR, PROJECT_PREDICTOR]
     [parent] = {child.data.tags["mlflow.parentRunId"] for child in children}
     for child in children:
-        named = {"eval/tau_pred", "eval/throughput_pred", "eval/accuracy", "live/tokens_per_s"}
+        named = {"eval/tau_pred", "eval/throughput_pred", "eval/accuracy", "live/T0/tokens_per_s", "live/T1/tau"}
         assert named <= set(child.data.metrics)
     artifacts = [item.path for item in mlflow.MlflowClient().list_artifacts(parent)]
     assert "predictors.png" in artifacts
-    table = printed[printed.index("policies on the held-out prompts") :]
+    cold = printed[printed.index("policies on the held-out prompts at T = 0") :]
+    warm = cold[cold.index("policies on the held-out prompts at T = 1") :]
     rows = [f"fixed B = {RECIPES['tiny'].block_size}", "best fixed b", "learned (per request)", "learned+step"]
-    rows += ["autoregressive", "static oracle", "per-step oracle", "transformers loop"]
-    for row in rows:
-        assert f"\n  {row}" in table, f"the policy table has no {row!r} row:\n{table[:3000]}"
+    rows += ["autoregressive", "static oracle", "per-step oracle"]
+    for table, expected in ((cold[: len(cold) - len(warm)], [*rows, "transformers loop"]), (warm, rows)):
+        for row in expected:
+            assert f"\n  {row}" in table, f"the policy table has no {row!r} row:\n{table[:3000]}"
+    assert "\n  transformers loop" not in warm.split("the endpoint's adaptive policy", 1)[0]  # greedy: T = 0 only
+    assert "T = 0: " in line and "T = 1: " in line  # the served policy's margin at each temperature
     # The traced example and the endpoint's reply are both the target's greedy decoding of one prompt (T = 0).
     traced = printed.split("\nanswer:    ", 1)[1].split("\n", 1)[0]
     assert "POST /v1/chat/completions -> 200" in printed

@@ -493,7 +493,7 @@ def test_the_latest_comparison_is_the_newest_parent_that_nests_runs(tmp_path, mo
         parent = parent_run("blockpilot-predictor", "predictors")
         for tau, name in enumerate(names, start=2):
             with start_run("blockpilot-predictor", tags={PARENT_RUN_TAG: parent, "configuration": name}) as run:
-                run.log_metrics({"eval/tau_pred": tau, "live/tokens_per_s": 10.0 * tau})
+                run.log_metrics({"eval/tau_pred": tau, "live/T0/tokens_per_s": 10.0 * tau})
             time.sleep(0.01)  # runs are ordered by their start time, in milliseconds
         return parent
 
@@ -506,7 +506,7 @@ def test_the_latest_comparison_is_the_newest_parent_that_nests_runs(tmp_path, mo
     assert comparison.parent_id == newer != older
     assert list(comparison.runs) == ["project", "paper"]  # in the order they were trained
     assert comparison.runs["paper"].under("eval/") == {"tau_pred": 3.0}
-    assert comparison.runs["paper"].under("live/") == {"tokens_per_s": 30.0}
+    assert comparison.runs["paper"].under("live/") == {"T0/tokens_per_s": 30.0}
     assert comparison_figure({name: run.under("eval/") for name, run in comparison.runs.items()}) is not None
     with pytest.raises(ValueError, match="no predictors"):
         comparison_figure({})
