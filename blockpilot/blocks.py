@@ -10,6 +10,8 @@ DEFAULT_SPREAD = 2
 # b = 1 is autoregression: no drafter pass, the target's one token a cycle (tau 1, the cheapest cycle). A shape like
 # any other: labeled, walked, priced and chosen beside the chains and trees.
 AUTOREGRESSIVE = 1
+# Positions an autoregressive row that may draft again keeps unencoded before they are written in one pass (a flush).
+PENDING_CONTEXT = 16
 
 
 def candidates_around(train_block_size: int, spread: int = DEFAULT_SPREAD) -> tuple[int, ...]:
@@ -30,3 +32,21 @@ def best_block_size(candidates: Sequence[int], scores: Sequence[float]) -> int:
     """argmax of `scores` over the candidates, ties to the smaller b (NaN never wins)."""
     scored = [(s if not math.isnan(s) else -math.inf, -b, b) for b, s in zip(candidates, scores, strict=True)]
     return max(scored)[2]
+
+
+def flushes(drafts: bool, pending: int) -> bool:
+    """Whether a cycle first writes the drafter's context its rows kept (`pending` positions, the most of any row):
+    before it drafts, or before an autoregressive cycle would keep more than `PENDING_CONTEXT`."""
+    return pending > 0 if drafts else pending >= PENDING_CONTEXT
+
+
+def flush_passes(block_sizes: Sequence[int]) -> int:
+    """The flushes (`flushes`) of a lone row that keeps the option to draft, over cycles of `block_sizes`: each
+    autoregressive cycle keeps its position's context, each drafting one writes what was kept first."""
+    passes = pending = 0
+    for b in block_sizes:
+        drafts = b > AUTOREGRESSIVE
+        if flushes(drafts, pending):
+            passes, pending = passes + 1, 0
+        pending = 0 if drafts else pending + 1
+    return passes

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from blockpilot.blocks import AUTOREGRESSIVE, flush_passes
 from blockpilot.checks import positive_int
 from blockpilot.files import write_text_atomic
 
@@ -53,6 +54,11 @@ class CycleCost:
     # b -> seconds of a lone row's chain cycle that also computes a per-step model's choice (`Engine.decide_in_cycle`),
     # at batch 1, fitted as `seconds` is (none measured: empty, and that choice is priced as free).
     decided: dict[int, float] = field(default_factory=dict)
+    # What keeping a lone row's option to draft costs beyond its cycles, at batch 1 (0: not measured, free): seconds
+    # of the drafter's context a prompt token (written at prefill for a row that starts autoregressive yet may draft),
+    # and of one pass that writes the context its autoregressive cycles kept (`blocks.flush_passes`).
+    context_token: float = 0.0
+    flush: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -65,6 +71,10 @@ class CycleCost:
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"cost of b={b} at batch {batch} must be a positive number, got {value!r}")
+        for name in ("context_token", "flush"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
 
     @classmethod
     def uniform(cls) -> CycleCost:
@@ -104,9 +114,15 @@ class CycleCost:
         nearest = self._nearest_batch(batch)
         measured = {nearest: dict(self.measured[nearest])} if nearest in self.measured else {}
         trees = {batch: dict(self.trees[nearest_batch_size(self.trees, batch)])} if self.trees else {}
-        decided = dict(self.decided) if batch == 1 else {}  # a cycle of several rows computes no such choice
+        lone = batch == 1  # a cycle of several rows computes no such choice, and shares its flushes
         return replace(
-            self, seconds={nearest: dict(self.seconds[nearest])}, measured=measured, trees=trees, decided=decided
+            self,
+            seconds={nearest: dict(self.seconds[nearest])},
+            measured=measured,
+            trees=trees,
+            decided=dict(self.decided) if lone else {},
+            context_token=self.context_token if lone else 0.0,
+            flush=self.flush if lone else 0.0,
         )
 
     def deciding(self) -> CycleCost:
@@ -117,6 +133,14 @@ class CycleCost:
             return self
         lone = {b: max(value, _interpolate(self.decided, b)) for b, value in self.seconds[1].items()}
         return replace(self, seconds={**self.seconds, 1: lone}, decided={})
+
+    def option(self, block_sizes: Sequence[int], prompt_tokens: int) -> float:
+        """Seconds a lone request pays beyond its cycles (`block_sizes`, first to last) for keeping the option to draft:
+        the drafter's context of its `prompt_tokens` where it starts autoregressive (a request that drafts at once
+        writes it in any case, as every drafting walk does), and the flushes of what its autoregressive cycles kept."""
+        starts_autoregressive = bool(block_sizes) and block_sizes[0] == AUTOREGRESSIVE
+        context = self.context_token * prompt_tokens if starts_autoregressive else 0.0
+        return context + self.flush * flush_passes(block_sizes)
 
     def scaled(self, factor: float) -> CycleCost:
         """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
@@ -135,6 +159,8 @@ class CycleCost:
             measured=curves(self.measured),
             trees=curves(self.trees),
             decided=times(self.decided),
+            context_token=self.context_token * factor,
+            flush=self.flush * factor,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,6 +200,8 @@ class CycleCost:
             trees=curve(raw.get("trees", {})),
             tree_depth=raw.get("tree_depth"),
             decided={int(b): float(v) for b, v in raw.get("decided", {}).items()},
+            context_token=float(raw.get("context_token", 0.0)),
+            flush=float(raw.get("flush", 0.0)),
         )
 
     def describe(self) -> str:
@@ -192,7 +220,13 @@ class CycleCost:
             decided = "; a per-step model's choice in the cycle: " + ", ".join(
                 f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.decided.items())
             )
-        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}{decided}"
+        option = ""
+        if self.context_token or self.flush:
+            option = (
+                f"; the option to draft: {self.context_token * 1e6:.1f} us a prompt token, a flush "
+                f"{self.flush * 1e3:.3f} ms"
+            )
+        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}{decided}{option}"
 
 
 def _interpolate(points_by_x: dict[int, float], x: int) -> float:

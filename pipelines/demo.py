@@ -418,8 +418,10 @@ def run_demo(job: DemoJob) -> int:
     clock.start(
         "cost", f"the cost of the engine's cycle ({job.compile}) at each block size and tree budget, here"
     )
-    # A curve from before the cycle's per-step choice was priced (`CycleCost.decided`) is measured again.
-    if not paths.cost.is_file() or not CycleCost.load(paths.cost).decided:
+    # A curve from before the cycle's per-step choice and the option to draft were priced (`CycleCost.decided`,
+    # `CycleCost.flush`) is measured again.
+    cost = CycleCost.load(paths.cost) if paths.cost.is_file() else None
+    if cost is None or not cost.decided or not cost.flush:
         calibrate(
             models, range(1, depth + 1), compile=job.compile, tree_nodes=settings.tree_budgets, step_decision=True
         ).save(paths.cost)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from commands import run, script_module, user_env
 
-from blockpilot.blocks import label_candidates
+from blockpilot.blocks import PENDING_CONTEXT, flush_passes, label_candidates
 from blockpilot.cost import (
     CycleCost,
     load_cost,
@@ -44,6 +44,27 @@ def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plai
     assert list(cost.decided.values()) == sorted(cost.decided.values())
     assert load_cost(cost.save(tmp_path / "cost.json")) == cost
     assert "a per-step model's choice in the cycle: b=1" in cost.describe()
+    # and what keeping a lone row's option to draft costs beyond its cycles
+    assert cost.context_token > 0 and cost.flush > 0 and "the option to draft" in cost.describe()
+
+
+def test_what_keeping_the_option_to_draft_costs_a_lone_request():
+    """A request that keeps the option to draft pays, beyond its cycles, its prompt's drafter context where it starts
+    autoregressive (one that drafts at once writes it anyway), and a flush before each draft that follows
+    autoregressive cycles and before an autoregressive cycle that would keep more than the decoder holds."""
+    assert flush_passes([4, 4]) == 0 and flush_passes([1, 1, 4]) == 1 and flush_passes([1, 4, 1, 4]) == 2
+    assert flush_passes([1] * PENDING_CONTEXT) == 0 and flush_passes([1] * (PENDING_CONTEXT + 1)) == 1
+    assert flush_passes([4, 1, 1]) == 0  # kept to the end: never written
+    cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 6.0}}, context_token=0.01, flush=0.5)
+    assert cost.option([1, 1, 4], 100) == pytest.approx(0.01 * 100 + 0.5)
+    assert cost.option([4, 1, 4], 100) == pytest.approx(0.5) and cost.option([], 100) == 0.0
+    assert cost.at_batch(1).option([1, 4], 100) == cost.option([1, 4], 100) > 0
+    assert cost.at_batch(8).option([1, 4], 100) == 0.0  # several rows share a flush: not a lone row's price
+    assert cost.deciding().flush == 0.5 and cost.scaled(2.0).option([1, 4], 100) == pytest.approx(3.0)
+    assert CycleCost.from_dict(cost.to_dict()) == cost
+    assert CycleCost({1: {1: 1.0}}).option([1, 4], 100) == 0.0  # not measured: free
+    with pytest.raises(ValueError, match="flush must be a number of seconds >= 0"):
+        CycleCost({1: {1: 1.0}}, flush=-1.0)
 
 
 def test_the_curve_a_step_models_walk_pays():

@@ -619,6 +619,33 @@ def test_the_models_walks_pay_the_choice_its_cycle_computes_and_the_prior_kept_p
     assert not np.allclose(plain_regrets, paid_regrets)
 
 
+def test_the_models_walks_pay_for_keeping_the_option_to_draft_and_the_prior_pays_nothing_more(tiny_labels):
+    """Priced with the option to draft (`CycleCost.option`), each walk of the model costs that much more over its
+    cycles, whatever its weights, and the prior's nothing; where it costs more than the model's walks can save, the
+    prior is kept at every temperature."""
+    from blockpilot.predictor.step_data import _step_walks
+
+    table = pq.read_table(tiny_labels["train"])
+    candidates = step_rows(table)[0].tables[0].candidates
+    vocab = max(max(ids) for ids in table["topk_ids"].to_pylist() if ids) + 1
+    rows = [replace(row, prior_block_size=1) for row in step_rows(table, random_predictor(candidates, vocab, 3))]
+    assert all(row.prompt_tokens > 0 for row in rows)
+    cost = CycleCost({1: {b: 1.0 + 0.4 * b for b in candidates}})
+    optioned = replace(cost, context_token=0.01, flush=0.5)
+    model = random_prior_step_model(11, candidates, 512)
+    for row in rows[:8]:
+        walks = [walk_step_model(model, t, a, 1, row.prior_probabilities)[0] for t, a in zip(row.tables, row.anchors)]
+        extra = sum(optioned.option(sizes, row.prompt_tokens) for sizes in walks)
+        assert extra >= 0.01 * row.prompt_tokens * len(walks)  # every walk starts autoregressive: its context
+        assert _step_walks(row, model, optioned, 1)[2] == pytest.approx(_step_walks(row, model, cost, 1)[2] + extra)
+    free, paid = evaluate_step_model(model, rows, cost), evaluate_step_model(model, rows, optioned)
+    for t in (0, 1):
+        assert paid[f"T{t}/throughput_step"] < free[f"T{t}/throughput_step"]
+        assert paid[f"T{t}/throughput_request"] == free[f"T{t}/throughput_request"]
+    kept, _ = prior_temperatures(model, rows, replace(cost, context_token=100.0))
+    assert kept == (0.0, 1.0)
+
+
 def test_the_prior_is_kept_by_the_nearest_labeled_temperature_and_only_with_a_prior(tmp_path):
     config = step_config(prior=True, temperatures=(1.0, 0.0), prior_temperatures=(0.0,))
     assert config.temperatures == (0.0, 1.0)

@@ -4,6 +4,7 @@ the curve itself, its fit and its file are `blockpilot.cost`."""
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -160,7 +161,8 @@ def calibrate(
     With `step_decision` (and batch 1), the lone cycles of each b a step model may choose (`label_candidates`) that
     also compute its choice, on an engine that computes it (`HeldDecisionPolicy`), in the same rounds:
     `CycleCost.decided`, fitted the same way and never below c(b), what a step model's walk pays
-    (`CycleCost.deciding`).
+    (`CycleCost.deciding`). At batch 1 with a drafter, also what keeping a lone row's option to draft costs beyond
+    its cycles (`option_prices`: `CycleCost.context_token`, `CycleCost.flush`).
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -170,6 +172,7 @@ def calibrate(
     fitted: dict[int, dict[int, float]] = {}  # batch -> b -> the curve
     trees: dict[int, dict[int, float]] = {}  # batch -> nodes -> median seconds, before the fit
     decided: dict[int, float] = {}  # b -> seconds of a lone cycle that computes a per-step model's choice
+    context_token = flush = 0.0  # what keeping a lone row's option to draft costs (`option_prices`)
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
@@ -216,6 +219,8 @@ def calibrate(
             decided = {b: max(value, fitted[batch][b]) for b, value in by_b.items()}
         if tree_nodes:
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
+        if batch == 1 and models.drafter is not None:
+            context_token, flush = option_prices(engine, prompt_tokens, warmup, repeats * cycles)
     return CycleCost(
         fitted,
         device=device_name(models.device),
@@ -227,7 +232,34 @@ def calibrate(
         trees=trees,
         tree_depth=depth if tree_nodes else None,
         decided=decided,
+        context_token=context_token,
+        flush=flush,
     )
+
+
+def option_prices(engine: Engine, prompt_tokens: int, warmup: int, repeats: int) -> tuple[float, float]:
+    """(seconds of the drafter's context a prompt token, seconds of one flush pass) on `engine`'s idle decoder, in
+    cache row 0, as its engine runs them (the medians of `repeats` after `warmup`): what keeping a lone row's option
+    to draft costs beyond its cycles (`CycleCost.option`). Nothing a row reads is left behind: the next prefill of
+    row 0 writes its context again, and a flush with nothing kept writes only the row's last cache slot."""
+    decoder = engine.decoder
+    features = decoder.pending_features[:1, :1].new_zeros(1, prompt_tokens, decoder.pending_features.shape[-1])
+
+    def seconds(run: Callable[[], None]) -> float:
+        times = []
+        for attempt in range(warmup + repeats):
+            synchronize(decoder.device)
+            started = time.perf_counter()
+            run()
+            synchronize(decoder.device)
+            if attempt >= warmup:
+                times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        context = seconds(lambda: decoder.keep_context(0, features))
+        flush = seconds(lambda: decoder.flush_context(1))
+    return context / prompt_tokens, flush
 
 
 def device_name(device: Any) -> str:

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
-from blockpilot.blocks import AUTOREGRESSIVE
+from blockpilot.blocks import AUTOREGRESSIVE, flushes
 from blockpilot.checks import positive_int
 from blockpilot.decoding.batch_pricing import Exploration, MeasuredPrices, SlotAcceptance, batch_width
 from blockpilot.decoding.compiled import compile_mode
@@ -54,7 +54,7 @@ from blockpilot.decoding.rows import (
     record_distributions,
     truncate_at_stop,
 )
-from blockpilot.decoding.static import PENDING_CONTEXT, StaticDecoder, span_bucket
+from blockpilot.decoding.static import StaticDecoder, span_bucket
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
@@ -528,7 +528,7 @@ class Engine(RowScheduler):
             context = "defer" if drafts_later else "skip"
         pending = max((row.pending_context for row in rows if row.drafter_context), default=0)
         flushed = 0.0
-        if (context == "encode" and pending) or (context == "defer" and pending >= PENDING_CONTEXT):
+        if flushes(context == "encode", pending):
             flushing = time.perf_counter()
             self.decoder.flush_context(bucket)
             synchronize(self.device)

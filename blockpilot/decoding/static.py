@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from blockpilot.blocks import PENDING_CONTEXT
 from blockpilot.decoding.compiled import compile_mode, inductor_options
 from blockpilot.decoding.forwards import (
     Packing,
@@ -70,7 +71,6 @@ from blockpilot.policies.base import distribution_summary
 from blockpilot.tree import TOP_K, grow_trees
 
 CONTEXT_MODES = ("encode", "defer", "skip")
-PENDING_CONTEXT = 16  # positions an autoregressive row keeps unencoded before they are written in one pass
 
 
 MIN_SPAN = 256

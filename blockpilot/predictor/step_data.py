@@ -79,6 +79,7 @@ class StepRow:
     anchors: list[Anchors]  # one per table
     prior_block_size: int | None = None  # the per-request predictor's b0 for the row, when there is one
     prior_probabilities: np.ndarray | None = None  # (K,) its probability of every candidate
+    prompt_tokens: int = 0  # its prompt's length: the drafter's context a request that keeps the option writes
 
 
 def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
@@ -91,7 +92,8 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
     table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
     priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
     out = []
-    for row, (b0, probabilities) in zip(table.select(STEP_COLUMNS).to_pylist(), priors, strict=True):
+    columns = STEP_COLUMNS + [c for c in ("prompt_tokens",) if c in table.column_names]
+    for row, (b0, probabilities) in zip(table.select(columns).to_pylist(), priors, strict=True):
         tables = tables_from_row(row)
         if not tables:
             continue
@@ -104,7 +106,10 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
             start += t.n - 1
         if start != len(entropy):
             raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
-        out.append(StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0, probabilities))
+        prompt_tokens = int(row.get("prompt_tokens") or 0)
+        out.append(
+            StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0, probabilities, prompt_tokens)
+        )
     if not out:
         raise ValueError("no label row carries an acceptance table with anchor features (label with --mode replay)")
     return out
@@ -215,26 +220,31 @@ def walk_step_model(
 
 
 def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> tuple[float, float, float]:
-    """(tokens, cycles, cost) of the step model's walks over the row's tables: a lone row's cycles priced with the
-    model's choice computed in each (`CycleCost.deciding`), unless it keeps the prior's b0 at the row's temperature."""
-    priced = cost if model.config.keeps_prior_at(row.temperature) else cost.deciding()
+    """(tokens, cycles, cost) of the step model's walks over the row's tables (a request each): a lone row's cycles
+    priced with the model's choice computed in each (`CycleCost.deciding`), and what keeping its option to draft
+    costs beyond them (`CycleCost.option`), unless it keeps the prior's b0 at the row's temperature."""
+    keeps_prior = model.config.keeps_prior_at(row.temperature)
+    priced = cost if keeps_prior else cost.deciding()
     tokens = cycles = spent = 0.0
     for table, anchors in zip(row.tables, row.anchors, strict=True):
         sizes, _ = walk_step_model(model, table, anchors, row.prior_block_size, row.prior_probabilities, load)
         tokens += table.n - 1
         cycles += len(sizes)
         spent += table.walk_cost(sizes, cost=priced)
+        if not keeps_prior:
+            spent += priced.option(sizes, row.prompt_tokens)
     return tokens, cycles, spent
 
 
 def _rule_walks(row: StepRow, rule: ConfidenceRule, cost: CycleCost) -> tuple[float, float, float]:
-    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables."""
+    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables, with what keeping the option to
+    draft costs beyond their cycles (`CycleCost.option`)."""
     tokens = cycles = spent = 0.0
     for table, anchors in zip(row.tables, row.anchors, strict=True):
         sizes = walk_rule(rule, table, anchors)
         tokens += table.n - 1
         cycles += len(sizes)
-        spent += table.walk_cost(sizes, cost=cost)
+        spent += table.walk_cost(sizes, cost=cost) + cost.option(sizes, row.prompt_tokens)
     return tokens, cycles, spent
 
 
