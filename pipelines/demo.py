@@ -320,11 +320,10 @@ class LiveDecoders:
         policy = self.policies[spec]
         if policy.tree_nodes:
             return policy, self._engine(("tree", policy.tree_nodes), tree_nodes=policy.tree_nodes)
-        if getattr(policy, "cycle_decision", None) is not None:
-            deciding = self._engine(("deciding", spec))
-            if deciding.decide_in_cycle(policy):
-                return policy, deciding
-        return policy, self._engine(("chains",))
+        deciding = ("deciding", spec)
+        if deciding not in self.engines and self._engine(("spare",)).decide_in_cycle(policy):
+            self.engines[deciding] = self.engines.pop(("spare",))  # an engine with no decision is the next spare
+        return policy, self.engines.get(deciding) or self._engine(("chains",))
 
 
 def decode_live(
@@ -362,8 +361,9 @@ def serving_policy(tables: dict[float, dict[str, PolicySpeed]]) -> tuple[str, di
     if not tables or not measured:
         raise ValueError(f"no adaptive policy of {list(ADAPTIVE_POLICIES)} was measured live at every temperature")
 
+    fixed = {t: fastest(live, FIXED_SHAPES) for t, live in tables.items()}
+
     def margins(key: str) -> dict[float, tuple[float, str]]:
-        fixed = {t: fastest(live, FIXED_SHAPES) for t, live in tables.items()}
         return {t: (live[key].tokens_per_s / live[fixed[t]].tokens_per_s, fixed[t]) for t, live in tables.items()}
 
     chosen = max(measured, key=lambda key: min(margin for margin, _ in margins(key).values()))
@@ -530,6 +530,7 @@ def run_demo(job: DemoJob) -> int:
     }
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
     decoders = LiveDecoders(models, compile=job.compile, depth=depth)
+    decoder = f" on the engine ({compile_mode(job.compile, models.device)})"
     tables: dict[float, dict[str, PolicySpeed]] = {}
     names: dict[float, dict[str, str]] = {}
     for temperature in LIVE_TEMPERATURES:
@@ -544,7 +545,6 @@ def run_demo(job: DemoJob) -> int:
         live = decode_live(models, specs, prompts_ids, config, decoders)
         loop = live.pop("loop", None)
         names[temperature] = {key: name for key, (_, name) in specs.items()}
-        decoder = f" on the engine ({compile_mode(job.compile, models.device)})"
         print(policy_table(step.metrics, live, names[temperature], len(prompts_ids), loop, decoder, temperature))
         tables[temperature] = live
     for run, key in ((outcome, "request"), (paper, "paper")):  # each predictor's run gets its live figures

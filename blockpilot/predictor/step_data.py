@@ -92,7 +92,7 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
     table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
     priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
     out = []
-    columns = STEP_COLUMNS + [c for c in ("prompt_tokens",) if c in table.column_names]
+    columns = STEP_COLUMNS + (["prompt_tokens"] if "prompt_tokens" in table.column_names else [])
     for row, (b0, probabilities) in zip(table.select(columns).to_pylist(), priors, strict=True):
         tables = tables_from_row(row)
         if not tables:
