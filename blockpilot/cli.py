@@ -172,10 +172,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "batch 1, computing a per-step model's choice: "
             + ", ".join(f"b={b} {s * 1000:.2f} (+{(s / cost(b) - 1) * 100:.1f}%)" for b, s in cost.decided.items())
         )
-    if cost.context_token or cost.flush:
+    if cost.context_token or cost.flush or cost.context_pass:
         print(
-            f"batch 1, keeping a row's option to draft: its prompt's drafter context {cost.context_token * 1e6:.1f} "
-            f"us a token, a flush of what its autoregressive cycles kept {cost.flush * 1000:.3f} ms"
+            f"batch 1, a request that may draft: its prompt's drafter context {cost.context_pass * 1000:.3f} ms + "
+            f"{cost.context_token * 1e6:.1f} us a token; keeping the option, a flush of what its autoregressive "
+            f"cycles kept {cost.flush * 1000:.3f} ms"
         )
     return 0
 

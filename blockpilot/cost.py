@@ -54,11 +54,13 @@ class CycleCost:
     # b -> seconds of a lone row's chain cycle that also computes a per-step model's choice (`Engine.decide_in_cycle`),
     # at batch 1, fitted as `seconds` is (none measured: empty, and that choice is priced as free).
     decided: dict[int, float] = field(default_factory=dict)
-    # What keeping a lone row's option to draft costs beyond its cycles, at batch 1 (0: not measured, free): seconds
-    # of the drafter's context a prompt token (written at prefill for a row that starts autoregressive yet may draft),
-    # and of one pass that writes the context its autoregressive cycles kept (`blocks.flush_passes`).
+    # What a lone request pays beyond its cycles where it may draft, at batch 1 (0: not measured, free): the drafter's
+    # context of its prompt, written once at prefill (`prompt_context`: a pass, plus so much a prompt token), and, for
+    # a request that keeps the option to draft, one pass that writes the context its autoregressive cycles kept
+    # (`blocks.flush_passes`). A request autoregressive for good writes neither.
     context_token: float = 0.0
     flush: float = 0.0
+    context_pass: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -71,7 +73,7 @@ class CycleCost:
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"cost of b={b} at batch {batch} must be a positive number, got {value!r}")
-        for name in ("context_token", "flush"):
+        for name in ("context_token", "flush", "context_pass"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
@@ -123,6 +125,7 @@ class CycleCost:
             decided=dict(self.decided) if lone else {},
             context_token=self.context_token if lone else 0.0,
             flush=self.flush if lone else 0.0,
+            context_pass=self.context_pass if lone else 0.0,
         )
 
     def deciding(self) -> CycleCost:
@@ -134,13 +137,22 @@ class CycleCost:
         lone = {b: max(value, _interpolate(self.decided, b)) for b, value in self.seconds[1].items()}
         return replace(self, seconds={**self.seconds, 1: lone}, decided={})
 
+    def prompt_context(self, prompt_tokens: int) -> float:
+        """Seconds of the drafter's context of a lone request's prompt of `prompt_tokens`: what a request that drafts,
+        or keeps the option to, pays at prefill beyond its cycles, and one autoregressive for good does not."""
+        return self.context_pass + self.context_token * prompt_tokens if prompt_tokens > 0 else 0.0
+
+    def drafting(self, block_sizes: Sequence[int], prompt_tokens: int) -> float:
+        """Seconds a lone request of fixed shape pays beyond its cycles (`block_sizes`): its prompt's drafter context
+        where any cycle drafts (`prompt_context`; a tree always drafts: pass `(0,)`), nothing where none does."""
+        drafts = any(b != AUTOREGRESSIVE for b in block_sizes)
+        return self.prompt_context(prompt_tokens) if drafts else 0.0
+
     def option(self, block_sizes: Sequence[int], prompt_tokens: int) -> float:
-        """Seconds a lone request pays beyond its cycles (`block_sizes`, first to last) for keeping the option to draft:
-        the drafter's context of its `prompt_tokens` where it starts autoregressive (a request that drafts at once
-        writes it in any case, as every drafting walk does), and the flushes of what its autoregressive cycles kept."""
-        starts_autoregressive = bool(block_sizes) and block_sizes[0] == AUTOREGRESSIVE
-        context = self.context_token * prompt_tokens if starts_autoregressive else 0.0
-        return context + self.flush * flush_passes(block_sizes)
+        """Seconds a lone request that keeps the option to draft pays beyond its cycles (`block_sizes`, first to
+        last): its prompt's drafter context, written at prefill whether it drafts at once or later, and the flushes
+        of what its autoregressive cycles kept."""
+        return self.prompt_context(prompt_tokens) + self.flush * flush_passes(block_sizes)
 
     def scaled(self, factor: float) -> CycleCost:
         """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
@@ -161,6 +173,7 @@ class CycleCost:
             decided=times(self.decided),
             context_token=self.context_token * factor,
             flush=self.flush * factor,
+            context_pass=self.context_pass * factor,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +215,7 @@ class CycleCost:
             decided={int(b): float(v) for b, v in raw.get("decided", {}).items()},
             context_token=float(raw.get("context_token", 0.0)),
             flush=float(raw.get("flush", 0.0)),
+            context_pass=float(raw.get("context_pass", 0.0)),
         )
 
     def describe(self) -> str:
@@ -221,10 +235,10 @@ class CycleCost:
                 f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.decided.items())
             )
         option = ""
-        if self.context_token or self.flush:
+        if self.context_token or self.flush or self.context_pass:
             option = (
-                f"; the option to draft: {self.context_token * 1e6:.1f} us a prompt token, a flush "
-                f"{self.flush * 1e3:.3f} ms"
+                f"; the prompt's drafter context: {self.context_pass * 1e3:.3f} ms + {self.context_token * 1e6:.1f} us "
+                f"a token; a flush {self.flush * 1e3:.3f} ms"
             )
         return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}{decided}{option}"
 

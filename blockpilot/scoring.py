@@ -4,6 +4,7 @@ score), and the metrics of per-row choices on them, named as `blockpilot.walks` 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +38,42 @@ def per_choice(chains: np.ndarray, trees: np.ndarray | None) -> np.ndarray:
     return chains if trees is None else np.concatenate([chains, trees], axis=1)
 
 
-def score_matrix(tau: np.ndarray, prices: np.ndarray, score: str) -> np.ndarray:
-    """(N, S) what choosing each shape is worth for each row: its tau, or its tau / its cycle's price
-    (`throughput`); tau (N, S), prices (S,) (`shape_prices`)."""
+def beyond_cycles(
+    candidates: tuple[int, ...],
+    tree_budgets: tuple[int, ...],
+    prompt_tokens: Sequence[int | None],  # (N,)
+    requests: Sequence[float | None],  # (N,) the generations each row's walks sum (its samples)
+    cost: CycleCost,
+) -> np.ndarray:
+    """(N, S) what each row's requests pay beyond their cycles under each shape (`shape_prices`'s order): their
+    prompts' drafter context where the shape drafts (`CycleCost.drafting`; a tree always does), nothing for
+    autoregression."""
+    shapes = [(b,) for b in candidates] + [(0,) for _ in tree_budgets]
+    out = np.zeros((len(prompt_tokens), len(shapes)))
+    for i, (prompt, count) in enumerate(zip(prompt_tokens, requests, strict=True)):
+        if prompt is not None:  # labels without a prompt's length price no context
+            out[i] = [(1 if count is None else count) * cost.drafting(shape, int(prompt)) for shape in shapes]
+    return out
+
+
+def score_matrix(
+    tau: np.ndarray,
+    prices: np.ndarray,
+    score: str,
+    cycles: np.ndarray | None = None,
+    beyond: np.ndarray | None = None,
+) -> np.ndarray:
+    """(N, S) what choosing each shape is worth for each row: its tau, or its walks' committed tokens / their cost
+    (`throughput`): tau / (its cycle's price + what its requests pay `beyond` their `cycles`, a cycle's share); tau,
+    cycles and beyond (N, S), prices (S,) (`shape_prices`)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     if score == "tau":
         return tau.astype(np.float32)
-    return (tau / prices[None, :]).astype(np.float32)
+    per_cycle = np.broadcast_to(prices[None, :], tau.shape).astype(np.float64)
+    if beyond is not None and cycles is not None:
+        per_cycle = per_cycle + np.divide(beyond, cycles, out=np.zeros(tau.shape), where=cycles > 0)
+    return (tau / per_cycle).astype(np.float32)
 
 
 def best_indices(values: np.ndarray) -> np.ndarray:
@@ -72,6 +101,8 @@ class LabelArrays:
     tree_tau: np.ndarray | None = None
     tree_cycles: np.ndarray | None = None
     over_shapes: bool = False  # the choices are shapes (the candidates, then the tree budgets), not b alone
+    prompt_tokens: np.ndarray | None = None  # (N,) each row's prompt length (None: labels without it)
+    requests: np.ndarray | None = None  # (N,) the generations each row's walks sum (its samples)
 
     def __post_init__(self) -> None:
         if self.over_shapes and not self.tree_budgets:
@@ -104,10 +135,20 @@ class LabelArrays:
         """(S,) the cost of one cycle of each choice."""
         return shape_prices(self.candidates, self.tree_budgets if self.over_shapes else (), self.cost)
 
+    def beyond_cycles(self, over_shapes: bool | None = None) -> np.ndarray:
+        """(N, S) what each row's requests pay beyond their cycles under each choice (`beyond_cycles`), the tree
+        budgets' columns too where `over_shapes` (default: this arrays' choices); zero without prompt lengths."""
+        shapes = self.over_shapes if over_shapes is None else over_shapes
+        budgets = self.tree_budgets if shapes else ()
+        if self.prompt_tokens is None:
+            return np.zeros((len(self), len(self.candidates) + len(budgets)))
+        requests = self.requests if self.requests is not None else np.ones(len(self))
+        return beyond_cycles(self.candidates, budgets, self.prompt_tokens, requests, self.cost)
+
     @property
     def scores(self) -> np.ndarray:
-        """(N, S) what a row's choice is worth: tau, or tau / its cycle's cost."""
-        return score_matrix(self.choice_tau, self.cycle_cost, self.score)
+        """(N, S) what a row's choice is worth: tau, or its walks' tokens / their cost (`score_matrix`)."""
+        return score_matrix(self.choice_tau, self.cycle_cost, self.score, self.choice_cycles, self.beyond_cycles())
 
     @property
     def best_index(self) -> np.ndarray:
@@ -121,6 +162,7 @@ class LabelArrays:
 def label_columns(dense: bool = False) -> list[str]:
     """The label columns `label_arrays` reads."""
     scored = ["prompt_id", "source", "train_block_size", "candidates", "tau", "cycles", "max_new_tokens"]
+    scored += ["prompt_tokens", "samples"]
     tables = ["table_commits", "table_anchors", "tree_budgets", "table_tree_commits", "tree_tau", "tree_cycles"]
     return [*scored, *tables, *INPUT_COLUMNS, *([DENSE_COLUMN] if dense else [])]
 
@@ -170,7 +212,18 @@ def label_arrays(
         tables=tables,
         **tree_columns(table),
         over_shapes=over_shapes,
+        **request_columns(table),
     )
+
+
+def request_columns(table: pa.Table) -> dict[str, Any]:
+    """`prompt_tokens` and `requests` (the generations each row's walks sum) of label rows, where they carry both."""
+    if any(name not in table.column_names or table[name].null_count for name in ("prompt_tokens", "samples")):
+        return {}
+    return {
+        "prompt_tokens": np.asarray(table["prompt_tokens"].to_pylist(), dtype=np.int64),
+        "requests": np.asarray(table["samples"].to_pylist(), dtype=np.float64),
+    }
 
 
 def tree_columns(table: pa.Table) -> dict[str, Any]:
@@ -188,22 +241,28 @@ def tree_columns(table: pa.Table) -> dict[str, Any]:
 
 
 def fixed_walks(arrays: LabelArrays) -> FixedWalks:
-    """Each candidate's walks over each row, from the rows' tau and cycles (tables or not)."""
+    """Each candidate's walks over each row, from the rows' tau and cycles (tables or not), with what their requests
+    pay beyond their cycles (`LabelArrays.beyond_cycles`)."""
     price = shape_prices(arrays.candidates, (), arrays.cost)
-    return FixedWalks(arrays.tau * arrays.cycles, arrays.cycles, arrays.cycles * price[None, :])
+    spent = arrays.cycles * price[None, :] + arrays.beyond_cycles(over_shapes=False)
+    return FixedWalks(arrays.tau * arrays.cycles, arrays.cycles, spent)
 
 
 def step_oracles(arrays: LabelArrays) -> np.ndarray | None:
     """(N, 3) each row's per-step oracle (tokens, cycles, cost) over its tables; None without tables."""
     if arrays.tables is None:
         return None
-    return np.asarray([step_oracle(tables, arrays.cost) for tables in arrays.tables])
+    prompts = arrays.prompt_tokens if arrays.prompt_tokens is not None else np.zeros(len(arrays), dtype=np.int64)
+    return np.asarray(
+        [step_oracle(tables, arrays.cost, int(p)) for tables, p in zip(arrays.tables, prompts, strict=True)]
+    )
 
 
 def choice_walks(arrays: LabelArrays) -> FixedWalks:
     """Each choice's walks over each row (the candidates, and the tree budgets `over_shapes`)."""
     cycles = arrays.choice_cycles
-    return FixedWalks(arrays.choice_tau * cycles, cycles, cycles * arrays.cycle_cost[None, :])
+    spent = cycles * arrays.cycle_cost[None, :] + arrays.beyond_cycles()
+    return FixedWalks(arrays.choice_tau * cycles, cycles, spent)
 
 
 def tree_walks(arrays: LabelArrays) -> TreeWalks | None:
@@ -211,7 +270,8 @@ def tree_walks(arrays: LabelArrays) -> TreeWalks | None:
     if arrays.tree_tau is None:
         return None
     cycles = arrays.tree_cycles
-    return TreeWalks.priced_by(arrays.tree_tau * cycles, cycles, arrays.tree_budgets, arrays.cost)
+    beyond = arrays.beyond_cycles(over_shapes=True)[:, len(arrays.candidates)]  # every tree drafts alike
+    return TreeWalks.priced_by(arrays.tree_tau * cycles, cycles, arrays.tree_budgets, arrays.cost, beyond)
 
 
 def evaluate_choices(choice_index: np.ndarray, arrays: LabelArrays) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """The metrics of block-size policies over label rows, defined once: the label summary, the predictor's and the step
 model's reports, MLflow, the demo and the notebooks all read these names.
 
-A policy's walks over a set of rows commit tokens in cycles, each cycle priced by the cost curve c(b):
+A policy's walks over a set of rows commit tokens in cycles, each cycle priced by the cost curve c(b), and a
+request that drafts (or keeps the option to) also pays its prompt's drafter context, written once at prefill
+(`CycleCost.prompt_context`, where the rows carry their prompts' lengths):
 
     tau_<policy>         committed tokens / cycles
     throughput_<policy>  committed tokens / cost (tokens per second with a calibrated curve, per cycle without)
@@ -72,18 +74,25 @@ class FixedWalks:
         return int(np.argmax(rate - 1e-9 * np.arange(len(rate))))
 
 
-def fixed_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: CycleCost) -> FixedWalks:
-    """`FixedWalks` of rows with acceptance tables (each row's tables summed), walked with every candidate."""
+def fixed_walks_of_tables(
+    tables: Sequence[Sequence[AcceptanceTable]],
+    cost: CycleCost,
+    prompt_tokens: Sequence[int] | None = None,
+) -> FixedWalks:
+    """`FixedWalks` of rows with acceptance tables (each row's tables summed, a request each), walked with every
+    candidate; with the rows' `prompt_tokens`, a drafting candidate's request also pays its prompt's drafter context
+    (`CycleCost.drafting`)."""
     candidates = tables[0][0].candidates
     shape = (len(tables), len(candidates))
     tokens, cycles, spent = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     for i, row in enumerate(tables):
+        prompt = prompt_tokens[i] if prompt_tokens is not None else 0
         for table in row:
             for k, b in enumerate(candidates):
                 steps = len(table.walk(b))
                 tokens[i, k] += table.n - 1
                 cycles[i, k] += steps
-                spent[i, k] += table.walk_cost([b] * steps, cost=cost)
+                spent[i, k] += table.walk_cost([b] * steps, cost=cost) + cost.drafting([b], prompt)
     return FixedWalks(tokens, cycles, spent)
 
 
@@ -97,17 +106,33 @@ class TreeWalks:
     priced: bool
 
     @classmethod
-    def priced_by(cls, tokens: np.ndarray, cycles: np.ndarray, budgets: tuple[int, ...], cost: CycleCost) -> TreeWalks:
-        """Walks that committed `tokens` in `cycles` (N, T), each cycle priced `cost.tree(N)` where the curve prices
-        trees (the uniform one does), else 1."""
+    def priced_by(
+        cls,
+        tokens: np.ndarray,
+        cycles: np.ndarray,
+        budgets: tuple[int, ...],
+        cost: CycleCost,
+        beyond_cycles: np.ndarray | None = None,  # (N,) what each row's requests pay beyond their cycles
+    ) -> TreeWalks:
+        """Walks that committed `tokens` in `cycles` (N, T), each cycle priced `cost.tree(N)` and each row's requests
+        `beyond_cycles` (their prompts' drafter context) where the curve prices trees (the uniform one does), else
+        each cycle 1."""
         priced = cost.is_uniform or bool(cost.trees)
         price = np.asarray([cost.tree(n) if priced else 1.0 for n in budgets])
-        return cls(FixedWalks(tokens, cycles, cycles * price[None, :]), budgets, priced)
+        spent = cycles * price[None, :]
+        if priced and beyond_cycles is not None:
+            spent = spent + np.asarray(beyond_cycles, dtype=np.float64)[:, None]
+        return cls(FixedWalks(tokens, cycles, spent), budgets, priced)
 
 
-def tree_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: CycleCost) -> TreeWalks | None:
+def tree_walks_of_tables(
+    tables: Sequence[Sequence[AcceptanceTable]],
+    cost: CycleCost,
+    prompt_tokens: Sequence[int] | None = None,
+) -> TreeWalks | None:
     """`TreeWalks` of every tree budget over rows whose tables hold trees (None when they do not), each cycle
-    priced `cost.tree(N)` (1 a cycle where the curve prices no trees)."""
+    priced `cost.tree(N)` (1 a cycle where the curve prices no trees); with the rows' `prompt_tokens`, each request
+    also pays its prompt's drafter context (a tree drafts)."""
     budgets = tables[0][0].tree_budgets if tables and tables[0] else ()
     if not budgets or any(table.tree_budgets != budgets for row in tables for table in row):
         return None
@@ -118,7 +143,9 @@ def tree_walks_of_tables(tables: Sequence[Sequence[AcceptanceTable]], cost: Cycl
             for j, nodes in enumerate(budgets):
                 tokens[i, j] += table.n - 1
                 cycles[i, j] += len(table.walk_tree(nodes))
-    return TreeWalks.priced_by(tokens, cycles, budgets, cost)
+    prompts = prompt_tokens if prompt_tokens is not None else [0] * len(tables)
+    beyond = np.asarray([len(row) * cost.prompt_context(prompt) for row, prompt in zip(tables, prompts, strict=True)])
+    return TreeWalks.priced_by(tokens, cycles, budgets, cost, beyond)
 
 
 def put_tree_policies(metrics: dict[str, float], prefix: str, chains: FixedWalks, tree_walks: TreeWalks, rows: np.ndarray) -> None:
@@ -146,12 +173,27 @@ def put_tree_policies(metrics: dict[str, float], prefix: str, chains: FixedWalks
     metrics[f"{prefix}best_tree_nodes"] = float(budgets[best])
 
 
-def step_oracle(tables: Sequence[AcceptanceTable], cost: CycleCost) -> tuple[float, float, float]:
-    """(tokens, cycles, cost) of the per-step oracle over `tables`: the walk of the lowest cost (its cycles counted
-    on that walk's price; with a uniform price, the fewest cycles)."""
+def step_oracle(
+    tables: Sequence[AcceptanceTable], cost: CycleCost, prompt_tokens: int = 0
+) -> tuple[float, float, float]:
+    """(tokens, cycles, cost) of the per-step oracle over `tables` (a request each): the walk of the lowest cost (its
+    cycles counted on that walk's price; with a uniform price, the fewest cycles). With `prompt_tokens`, a walk that
+    drafts also pays its prompt's drafter context (`CycleCost.prompt_context`): the cheapest walk is then the cheapest
+    of all (the dynamic program's) with that price added, or autoregression's throughout where that costs less."""
     tokens = float(sum(t.n - 1 for t in tables))
     cycles = float(sum(t.cost_to_go(CycleCost.uniform())[0][1] for t in tables))
-    spent = cycles if cost.is_uniform else float(sum(t.cost_to_go(cost)[0][1] for t in tables))
+    if cost.is_uniform:
+        return tokens, cycles, cycles
+    spent = 0.0
+    context = cost.prompt_context(prompt_tokens)
+    for table in tables:
+        cheapest = float(table.cost_to_go(cost)[0][1])
+        if context and AUTOREGRESSIVE in table.candidates:
+            alone = table.walk_cost([AUTOREGRESSIVE] * (table.n - 1), cost=cost)
+            cheapest = alone if cheapest >= alone else min(alone, cheapest + context)
+        elif context:
+            cheapest += context
+        spent += cheapest
     return tokens, cycles, spent
 
 

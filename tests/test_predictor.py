@@ -30,7 +30,7 @@ from blockpilot.predictor.training import (
     training_columns,
     valid_rows,
 )
-from blockpilot.scoring import LabelArrays, evaluate_choices, label_arrays
+from blockpilot.scoring import LabelArrays, choice_walks, evaluate_choices, label_arrays
 
 
 def random_inputs(n: int, vocab: int, k: int, seed: int = 0) -> PredictorInputs:
@@ -413,6 +413,36 @@ def test_training_columns_from_a_numpy_batch():
     batch = {name: np.asarray(trees[name].to_pylist(), dtype=object) for name in trees.column_names}
     columns = training_columns(batch, over_shapes=True)
     assert columns["score"].shape == (5, 5) and columns["best_index"].tolist() == [4] * 5
+
+
+def test_a_drafting_choice_pays_its_prompts_drafter_context_and_autoregression_does_not():
+    """Priced with the prompt's drafter context (`CycleCost.prompt_context`), every drafting choice of a row (a chain,
+    a tree) costs that much more a request than its cycles, autoregression nothing: a row's best choice moves to
+    autoregression where its drafts save less than the context costs, and the scores training reads from a batch
+    are the ones the walks price."""
+    rows = [
+        {**row, "candidates": [1, 2, 4], "tau": [1.0, 1.5, 2.0], "cycles": [20, 14, 10], "prompt_tokens": 10 * (i + 1),
+         "samples": 1 + i % 2, "tree_budgets": [8], "tree_tau": [2.5], "tree_cycles": [8]}
+        for i, row in enumerate(label_rows(6))
+    ]
+    table = rows_to_table(rows)
+    plain = CycleCost({1: {1: 1.0, 2: 1.1, 4: 1.2}}, trees={1: {8: 1.3}}, tree_depth=4)
+    priced = replace(plain, context_pass=1.0, context_token=0.1)
+    free, paid = (label_arrays(table, cost=c, score="throughput", over_shapes=True) for c in (plain, priced))
+    walks, walks_free = choice_walks(paid), choice_walks(free)
+    for i, row in enumerate(rows):
+        context = row["samples"] * (1.0 + 0.1 * row["prompt_tokens"])
+        assert walks.cost[i].tolist() == pytest.approx((walks_free.cost[i] + [0.0, context, context, context]).tolist())
+        assert paid.scores[i] == pytest.approx(walks.tokens[i] / walks.cost[i], rel=1e-6)
+    assert paid.scores[:, 0].tolist() == free.scores[:, 0].tolist()  # autoregression pays no context
+    assert (paid.best_index == 0).any() and not (free.best_index == 0).any()  # short prompts still draft
+    assert paid.best_index[0] != 0 and paid.best_index[-1] == 0
+    batch = {name: np.asarray(table[name].to_pylist(), dtype=object) for name in table.column_names}
+    columns = training_columns(batch, cost=priced, score="throughput", over_shapes=True)
+    assert columns["score"] == pytest.approx(paid.scores) and columns["best_index"].tolist() == paid.best_index.tolist()
+    metrics = evaluate_choices(np.zeros(len(rows), dtype=np.int64), paid)  # autoregression chosen for every row
+    assert metrics["throughput_pred"] == pytest.approx(metrics["throughput_autoregressive"])
+    assert metrics["throughput_shape_oracle"] >= max(metrics["throughput_best_shape"], metrics["throughput_pred"])
 
 
 @pytest.mark.parametrize("dense", [False, True])

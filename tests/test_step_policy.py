@@ -38,7 +38,7 @@ from blockpilot.predictor.step_features import NO_TOKEN, TOKEN_FEATURES, CycleVi
 from blockpilot.predictor.step_model import StepModel, StepModelConfig, fit_step_model, regret_loss
 from blockpilot.sweep import SweepConfig, sweep_prompt
 from blockpilot.table import AcceptanceTable, tables_from_row
-from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN
+from blockpilot.walks import ADAPT_CONFIDENCE, ADAPT_MARGIN, fixed_walks_of_tables, step_oracle
 
 CANDIDATES = (1, 2, 3, 4, 5, 6)
 VOCAB = 64  # for models that run without a target
@@ -257,6 +257,27 @@ def test_a_model_that_follows_the_oracle_walks_it():
     sizes, _ = table.walk_policy(lambda cursor, *_: (1, 2, 3)[int(np.argmin(q[:, cursor - 1]))])
     assert table.walk_cost(sizes, cost=cost) == pytest.approx(best[1])
     assert best[1] < min(len(table.walk(b)) for b in (1, 2, 3))
+
+
+def test_a_walk_that_drafts_pays_its_prompts_context_and_the_oracle_weighs_it():
+    """With the prompt's drafter context priced, a fixed walk that drafts pays it once a request and autoregression
+    never; the per-step oracle is the cheaper of autoregression throughout and the cheapest walk with the context
+    added, never dearer than a fixed walk, and autoregression's once the context outweighs what drafting saves."""
+    commits = np.asarray([[1, 1, 1, 1, 1, 1, 1], [2, 1, 2, 2, 1, 2, 1], [3, 1, 1, 1, 2, 2, 1]], dtype=np.int16)
+    table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8)
+    cost = CycleCost({1: {1: 1.0, 2: 1.2, 3: 1.3}})
+    alone = table.walk_cost([1] * (table.n - 1), cost=cost)
+    drafting = table.cost_to_go(cost)[0][1]
+    assert drafting < alone
+    for context_pass, expected in ((0.0, drafting), (0.5, drafting + 0.5), (100.0, alone)):
+        priced = replace(cost, context_pass=context_pass)
+        walks = fixed_walks_of_tables([[table, table]], priced, [16])
+        plain = fixed_walks_of_tables([[table, table]], cost)
+        assert walks.cost[0] == pytest.approx(plain.cost[0] + [0.0, 2 * context_pass, 2 * context_pass])
+        tokens, _, spent = step_oracle([table], priced, 16)
+        assert tokens == table.n - 1 and spent == pytest.approx(min(expected, alone))
+        assert spent <= walks.cost[0].min() / 2 + 1e-9
+        assert step_oracle([table], priced)[2] == pytest.approx(drafting)  # no prompt length: no context
 
 
 def test_training_cycles_carry_the_last_cycle_of_their_walk():

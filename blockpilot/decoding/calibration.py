@@ -162,7 +162,7 @@ def calibrate(
     also compute its choice, on an engine that computes it (`HeldDecisionPolicy`), in the same rounds:
     `CycleCost.decided`, fitted the same way and never below c(b), what a step model's walk pays
     (`CycleCost.deciding`). At batch 1 with a drafter, also what keeping a lone row's option to draft costs beyond
-    its cycles (`option_prices`: `CycleCost.context_token`, `CycleCost.flush`).
+    its cycles (`option_prices`: `CycleCost.context_pass`, `CycleCost.context_token`, `CycleCost.flush`).
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -172,7 +172,7 @@ def calibrate(
     fitted: dict[int, dict[int, float]] = {}  # batch -> b -> the curve
     trees: dict[int, dict[int, float]] = {}  # batch -> nodes -> median seconds, before the fit
     decided: dict[int, float] = {}  # b -> seconds of a lone cycle that computes a per-step model's choice
-    context_token = flush = 0.0  # what keeping a lone row's option to draft costs (`option_prices`)
+    context_token = flush = context_pass = 0.0  # what a lone row that may draft pays beyond its cycles
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
@@ -220,7 +220,7 @@ def calibrate(
         if tree_nodes:
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
         if batch == 1 and models.drafter is not None:
-            context_token, flush = option_prices(engine, prompt_tokens, warmup, repeats * cycles)
+            context_token, flush, context_pass = option_prices(engine, prompt_tokens, warmup, repeats * cycles)
     return CycleCost(
         fitted,
         device=device_name(models.device),
@@ -234,32 +234,37 @@ def calibrate(
         decided=decided,
         context_token=context_token,
         flush=flush,
+        context_pass=context_pass,
     )
 
 
-def option_prices(engine: Engine, prompt_tokens: int, warmup: int, repeats: int) -> tuple[float, float]:
-    """(seconds of the drafter's context a prompt token, seconds of one flush pass) on `engine`'s idle decoder, in
-    cache row 0, as its engine runs them (the medians of `repeats` after `warmup`): what keeping a lone row's option
-    to draft costs beyond its cycles (`CycleCost.option`). Nothing a row reads is left behind: the next prefill of
-    row 0 writes its context again, and a flush with nothing kept writes only the row's last cache slot."""
+def option_prices(engine: Engine, prompt_tokens: int, warmup: int, repeats: int) -> tuple[float, float, float]:
+    """(seconds of the drafter's context a prompt token, seconds of one flush pass, seconds of a context pass beside
+    its tokens) on `engine`'s idle decoder, in cache row 0, as its engine runs them (the medians of `repeats` after
+    `warmup`): what a lone request that may draft pays beyond its cycles (`CycleCost.prompt_context`,
+    `CycleCost.option`). The context is timed at `prompt_tokens` and at a quarter of that, interleaved, and fitted as
+    a pass plus so much a token: a short prompt's context is mostly the pass. Nothing a row reads is left behind: the
+    next prefill of row 0 writes its context again, and a flush with nothing kept writes only the row's last cache
+    slot."""
     decoder = engine.decoder
-    features = decoder.pending_features[:1, :1].new_zeros(1, prompt_tokens, decoder.pending_features.shape[-1])
-
-    def seconds(run: Callable[[], None]) -> float:
-        times = []
-        for attempt in range(warmup + repeats):
-            synchronize(decoder.device)
-            started = time.perf_counter()
-            run()
-            synchronize(decoder.device)
-            if attempt >= warmup:
-                times.append(time.perf_counter() - started)
-        return statistics.median(times)
-
+    width = decoder.pending_features.shape[-1]
+    lengths = (max(prompt_tokens // 4, 1), prompt_tokens)
+    features = {n: decoder.pending_features[:1, :1].new_zeros(1, n, width) for n in lengths}
+    runs: dict[Any, Callable[[], None]] = {n: (lambda n=n: decoder.keep_context(0, features[n])) for n in lengths}
+    runs["flush"] = lambda: decoder.flush_context(1)
+    times: dict[Any, list[float]] = {key: [] for key in runs}
     with torch.inference_mode():
-        context = seconds(lambda: decoder.keep_context(0, features))
-        flush = seconds(lambda: decoder.flush_context(1))
-    return context / prompt_tokens, flush
+        for attempt in range(warmup + repeats):  # round by round: a drift moves every price alike
+            for key, run in runs.items():
+                synchronize(decoder.device)
+                started = time.perf_counter()
+                run()
+                synchronize(decoder.device)
+                if attempt >= warmup:
+                    times[key].append(time.perf_counter() - started)
+    short, long = (statistics.median(times[n]) for n in lengths)
+    per_token = max(long - short, 0.0) / max(lengths[1] - lengths[0], 1)
+    return per_token, statistics.median(times["flush"]), max(long - per_token * lengths[1], 0.0)
 
 
 def device_name(device: Any) -> str:

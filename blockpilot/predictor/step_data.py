@@ -79,7 +79,7 @@ class StepRow:
     anchors: list[Anchors]  # one per table
     prior_block_size: int | None = None  # the per-request predictor's b0 for the row, when there is one
     prior_probabilities: np.ndarray | None = None  # (K,) its probability of every candidate
-    prompt_tokens: int = 0  # its prompt's length: the drafter's context a request that keeps the option writes
+    prompt_tokens: int = 0  # its prompt's length: the drafter's context a request that may draft writes
 
 
 def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
@@ -222,7 +222,8 @@ def walk_step_model(
 def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> tuple[float, float, float]:
     """(tokens, cycles, cost) of the step model's walks over the row's tables (a request each): a lone row's cycles
     priced with the model's choice computed in each (`CycleCost.deciding`), and what keeping its option to draft
-    costs beyond them (`CycleCost.option`), unless it keeps the prior's b0 at the row's temperature."""
+    costs beyond them (`CycleCost.option`), unless it keeps the prior's b0 at the row's temperature (then its
+    prompt's drafter context where b0 drafts, as a fixed walk pays: `CycleCost.drafting`)."""
     keeps_prior = model.config.keeps_prior_at(row.temperature)
     priced = cost if keeps_prior else cost.deciding()
     tokens = cycles = spent = 0.0
@@ -231,7 +232,9 @@ def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> t
         tokens += table.n - 1
         cycles += len(sizes)
         spent += table.walk_cost(sizes, cost=priced)
-        if not keeps_prior:
+        if keeps_prior:
+            spent += priced.drafting(sizes, row.prompt_tokens)
+        else:
             spent += priced.option(sizes, row.prompt_tokens)
     return tokens, cycles, spent
 
@@ -283,7 +286,8 @@ def evaluate_step_model(
     if model is not None and model.config.candidates != candidates:
         raise ValueError(f"the step model's candidates {list(model.config.candidates)} are not the labels' {list(candidates)}")
     cost, load = _priced_at(cost, load)
-    walks = fixed_walks_of_tables([row.tables for row in rows], cost)
+    tables, prompts = [row.tables for row in rows], [row.prompt_tokens for row in rows]
+    walks = fixed_walks_of_tables(tables, cost, prompts)
     walked = {"request": _request_walks(rows, walks)}
     if model is not None:
         walked["step"] = np.asarray([_step_walks(row, model, cost, load) for row in rows])
@@ -294,10 +298,10 @@ def evaluate_step_model(
         for name, per_row in walked.items()
         if per_row is not None
     }
-    oracles = np.asarray([step_oracle(row.tables, cost) for row in rows])
+    oracles = np.asarray([step_oracle(row.tables, cost, row.prompt_tokens) for row in rows])
     train = model.config.train_block_size if model is not None else train_block_size
     groups = temperature_groups([row.temperature for row in rows])
-    trees = tree_walks_of_tables([row.tables for row in rows], cost)
+    trees = tree_walks_of_tables(tables, cost, prompts)
     return walk_metrics(walks, groups, candidates, train, policies, oracles, trees)
 
 
@@ -328,7 +332,9 @@ def prior_temperatures(
     if model.config.prior_temperatures:
         raise ValueError("prior_temperatures compares the model's own choices: ask before its temperatures are set")
     cost, load = _priced_at(cost, load)
-    prior = _request_walks(rows, fixed_walks_of_tables([row.tables for row in rows], cost))
+    prior = _request_walks(
+        rows, fixed_walks_of_tables([row.tables for row in rows], cost, [row.prompt_tokens for row in rows])
+    )
     if prior is None:
         raise ValueError("prior_temperatures walks the prior's b0: build the rows with it (step_rows(table, prior))")
     stepped = np.asarray([_step_walks(row, model, cost, load) for row in rows])

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from blockpilot.checks import positive_int
 from blockpilot.cost import CycleCost
 from blockpilot.predictor.inputs import INPUT_COLUMNS, PredictorInputs, input_arrays
-from blockpilot.scoring import LabelArrays, best_indices, candidates_of, per_choice, score_matrix, shape_prices
+from blockpilot.scoring import (
+    LabelArrays,
+    best_indices,
+    beyond_cycles,
+    candidates_of,
+    per_choice,
+    score_matrix,
+    shape_prices,
+)
 
 Objective = Literal["ce", "expected-tau", "normalized-gain"]
 OBJECTIVES: tuple[str, ...] = ("ce", "expected-tau", "normalized-gain")
@@ -123,8 +131,13 @@ def training_columns(
     def matrix(column: str) -> np.ndarray:
         return np.stack([np.asarray(x, dtype=np.float32) for x in batch[column]])
 
+    cost = cost or CycleCost.uniform()
     tau = per_choice(matrix("tau"), matrix("tree_tau") if over_shapes else None)
-    values = score_matrix(tau, shape_prices(candidates, budgets, cost or CycleCost.uniform()), score)
+    cycles = per_choice(matrix("cycles"), matrix("tree_cycles") if over_shapes else None)
+    beyond = None
+    if "prompt_tokens" in batch and "samples" in batch:  # what a drafting request pays beyond its cycles
+        beyond = beyond_cycles(candidates, budgets, list(batch["prompt_tokens"]), list(batch["samples"]), cost)
+    values = score_matrix(tau, shape_prices(candidates, budgets, cost), score, cycles, beyond)
     return {**input_arrays(batch, dense), "score": values, "best_index": best_indices(values)}
 
 
