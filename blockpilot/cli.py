@@ -132,6 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
+    from blockpilot.cost import REQUEST_PRICES
     from blockpilot.decoding.calibration import calibrate
     from blockpilot.decoding.engine import keep_compiled_kernels
     from blockpilot.models.loading import load_models
@@ -172,12 +173,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "batch 1, computing a per-step model's choice: "
             + ", ".join(f"b={b} {s * 1000:.2f} (+{(s / cost(b) - 1) * 100:.1f}%)" for b, s in cost.decided.items())
         )
-    if cost.context_token or cost.flush or cost.context_pass:
-        print(
-            f"batch 1, a request that may draft: its prompt's drafter context {cost.context_pass * 1000:.3f} ms + "
-            f"{cost.context_token * 1e6:.1f} us a token; keeping the option, a flush of what its autoregressive "
-            f"cycles kept {cost.flush * 1000:.3f} ms"
-        )
+    if any(getattr(cost, name) for name in REQUEST_PRICES):
+        print(f"batch 1, beyond a request's cycles: {cost.describe_request()}")
     return 0
 
 

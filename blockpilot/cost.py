@@ -26,6 +26,10 @@ from blockpilot.files import write_text_atomic
 Timed = TypeVar("Timed")  # what a calibration round times: a block size, or a (kind of cycle, block size)
 
 
+# `CycleCost`'s prices of what a lone request pays beyond its cycles (`CycleCost.request`), in seconds.
+REQUEST_PRICES = ("context_token", "flush", "context_pass", "start_pass", "start_token")
+
+
 def nearest_batch_size(measured: Iterable[int], batch: int) -> int:
     """The measured batch size that stands for `batch`: the nearest, ties to the smaller."""
     return min(measured, key=lambda size: (abs(size - batch), size))
@@ -54,13 +58,16 @@ class CycleCost:
     # b -> seconds of a lone row's chain cycle that also computes a per-step model's choice (`Engine.decide_in_cycle`),
     # at batch 1, fitted as `seconds` is (none measured: empty, and that choice is priced as free).
     decided: dict[int, float] = field(default_factory=dict)
-    # What a lone request pays beyond its cycles where it may draft, at batch 1 (0: not measured, free): the drafter's
-    # context of its prompt, written once at prefill (`prompt_context`: a pass, plus so much a prompt token), and, for
-    # a request that keeps the option to draft, one pass that writes the context its autoregressive cycles kept
+    # What a lone request pays beyond its cycles, at batch 1 (0: not measured, free; `request`): its start, common to
+    # every shape (admission, the prompt's prefill and first token: a pass, plus so much a prompt token); where it may
+    # draft, the drafter's context of its prompt, written once at prefill (`prompt_context`, likewise); and, for a
+    # request that keeps the option to draft, one pass that writes the context its autoregressive cycles kept
     # (`blocks.flush_passes`). A request autoregressive for good writes neither.
     context_token: float = 0.0
     flush: float = 0.0
     context_pass: float = 0.0
+    start_pass: float = 0.0
+    start_token: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -73,7 +80,7 @@ class CycleCost:
             for b, value in by_b.items():
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"cost of b={b} at batch {batch} must be a positive number, got {value!r}")
-        for name in ("context_token", "flush", "context_pass"):
+        for name in REQUEST_PRICES:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
@@ -123,9 +130,7 @@ class CycleCost:
             measured=measured,
             trees=trees,
             decided=dict(self.decided) if lone else {},
-            context_token=self.context_token if lone else 0.0,
-            flush=self.flush if lone else 0.0,
-            context_pass=self.context_pass if lone else 0.0,
+            **{name: getattr(self, name) if lone else 0.0 for name in REQUEST_PRICES},
         )
 
     def deciding(self) -> CycleCost:
@@ -138,21 +143,23 @@ class CycleCost:
         return replace(self, seconds={**self.seconds, 1: lone}, decided={})
 
     def prompt_context(self, prompt_tokens: int) -> float:
-        """Seconds of the drafter's context of a lone request's prompt of `prompt_tokens`: what a request that drafts,
-        or keeps the option to, pays at prefill beyond its cycles, and one autoregressive for good does not."""
+        """Seconds of the drafter's context of a lone request's prompt of `prompt_tokens` (0: not known, not priced):
+        what a request that drafts, or keeps the option to, pays at prefill; one autoregressive for good does not."""
         return self.context_pass + self.context_token * prompt_tokens if prompt_tokens > 0 else 0.0
 
-    def drafting(self, block_sizes: Sequence[int], prompt_tokens: int) -> float:
-        """Seconds a lone request of fixed shape pays beyond its cycles (`block_sizes`): its prompt's drafter context
-        where any cycle drafts (`prompt_context`; a tree always drafts: pass `(0,)`), nothing where none does."""
-        drafts = any(b != AUTOREGRESSIVE for b in block_sizes)
-        return self.prompt_context(prompt_tokens) if drafts else 0.0
-
-    def option(self, block_sizes: Sequence[int], prompt_tokens: int) -> float:
-        """Seconds a lone request that keeps the option to draft pays beyond its cycles (`block_sizes`, first to
-        last): its prompt's drafter context, written at prefill whether it drafts at once or later, and the flushes
-        of what its autoregressive cycles kept."""
-        return self.prompt_context(prompt_tokens) + self.flush * flush_passes(block_sizes)
+    def request(self, block_sizes: Sequence[int], prompt_tokens: int, keeps_option: bool = False) -> float:
+        """Seconds a lone request pays beyond its cycles (`block_sizes`, first to last; a tree's cycles draft: any b
+        but `AUTOREGRESSIVE` does), for a prompt of `prompt_tokens` (0: not known, nothing priced): its start, every
+        shape's alike; its prompt's drafter context where a cycle drafts or it `keeps_option` to draft (written at
+        prefill whether it drafts at once or later); and, keeping the option, the flushes of what its autoregressive
+        cycles kept."""
+        if prompt_tokens <= 0:
+            return 0.0
+        start = self.start_pass + self.start_token * prompt_tokens
+        drafts = keeps_option or any(b != AUTOREGRESSIVE for b in block_sizes)
+        context = self.prompt_context(prompt_tokens) if drafts else 0.0
+        flushes = self.flush * flush_passes(block_sizes) if keeps_option else 0.0
+        return start + context + flushes
 
     def scaled(self, factor: float) -> CycleCost:
         """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
@@ -171,9 +178,7 @@ class CycleCost:
             measured=curves(self.measured),
             trees=curves(self.trees),
             decided=times(self.decided),
-            context_token=self.context_token * factor,
-            flush=self.flush * factor,
-            context_pass=self.context_pass * factor,
+            **{name: getattr(self, name) * factor for name in REQUEST_PRICES},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,9 +218,7 @@ class CycleCost:
             trees=curve(raw.get("trees", {})),
             tree_depth=raw.get("tree_depth"),
             decided={int(b): float(v) for b, v in raw.get("decided", {}).items()},
-            context_token=float(raw.get("context_token", 0.0)),
-            flush=float(raw.get("flush", 0.0)),
-            context_pass=float(raw.get("context_pass", 0.0)),
+            **{name: float(raw.get(name, 0.0)) for name in REQUEST_PRICES},
         )
 
     def describe(self) -> str:
@@ -234,13 +237,16 @@ class CycleCost:
             decided = "; a per-step model's choice in the cycle: " + ", ".join(
                 f"b={b}: {v * 1000:.2f} ms" for b, v in sorted(self.decided.items())
             )
-        option = ""
-        if self.context_token or self.flush or self.context_pass:
-            option = (
-                f"; the prompt's drafter context: {self.context_pass * 1e3:.3f} ms + {self.context_token * 1e6:.1f} us "
-                f"a token; a flush {self.flush * 1e3:.3f} ms"
-            )
-        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}{decided}{option}"
+        request = f"; {self.describe_request()}" if any(getattr(self, name) for name in REQUEST_PRICES) else ""
+        return f"{self.device} {self.dtype}, batch {batch}: {curve}{trees}{decided}{request}"
+
+    def describe_request(self) -> str:
+        """What a lone request pays beyond its cycles (`request`), in words."""
+        return (
+            f"a request's start {self.start_pass * 1e3:.3f} ms + {self.start_token * 1e6:.1f} us a prompt token; its "
+            f"prompt's drafter context {self.context_pass * 1e3:.3f} ms + {self.context_token * 1e6:.1f} us a token; "
+            f"a flush {self.flush * 1e3:.3f} ms"
+        )
 
 
 def _interpolate(points_by_x: dict[int, float], x: int) -> float:

@@ -16,6 +16,7 @@ from blockpilot.predictor.inputs import DENSE_COLUMN, INPUT_COLUMNS, PredictorIn
 from blockpilot.table import AcceptanceTable, tables_from_row
 from blockpilot.walks import (
     POLICY_COLUMNS,
+    TREE,
     FixedWalks,
     TreeWalks,
     policy_table,
@@ -45,14 +46,14 @@ def beyond_cycles(
     requests: Sequence[float | None],  # (N,) the generations each row's walks sum (its samples)
     cost: CycleCost,
 ) -> np.ndarray:
-    """(N, S) what each row's requests pay beyond their cycles under each shape (`shape_prices`'s order): their
-    prompts' drafter context where the shape drafts (`CycleCost.drafting`; a tree always does), nothing for
-    autoregression."""
-    shapes = [(b,) for b in candidates] + [(0,) for _ in tree_budgets]
+    """(N, S) what each row's requests pay beyond their cycles under each shape (`shape_prices`'s order;
+    `CycleCost.request`): their start, and their prompts' drafter context where the shape drafts (a tree always
+    does, autoregression never)."""
+    shapes = [(b,) for b in candidates] + [TREE for _ in tree_budgets]
     out = np.zeros((len(prompt_tokens), len(shapes)))
     for i, (prompt, count) in enumerate(zip(prompt_tokens, requests, strict=True)):
         if prompt is not None:  # labels without a prompt's length price no context
-            out[i] = [(1 if count is None else count) * cost.drafting(shape, int(prompt)) for shape in shapes]
+            out[i] = [(1 if count is None else count) * cost.request(shape, int(prompt)) for shape in shapes]
     return out
 
 

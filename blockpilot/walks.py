@@ -1,9 +1,9 @@
 """The metrics of block-size policies over label rows, defined once: the label summary, the predictor's and the step
 model's reports, MLflow, the demo and the notebooks all read these names.
 
-A policy's walks over a set of rows commit tokens in cycles, each cycle priced by the cost curve c(b), and a
-request that drafts (or keeps the option to) also pays its prompt's drafter context, written once at prefill
-(`CycleCost.prompt_context`, where the rows carry their prompts' lengths):
+A policy's walks over a set of rows commit tokens in cycles, each cycle priced by the cost curve c(b), and each
+request what it pays beyond its cycles (`CycleCost.request`, where the rows carry their prompts' lengths): its start,
+every shape's alike, and, where it drafts or keeps the option to, its prompt's drafter context:
 
     tau_<policy>         committed tokens / cycles
     throughput_<policy>  committed tokens / cost (tokens per second with a calibrated curve, per cycle without)
@@ -40,6 +40,10 @@ import numpy as np
 from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.cost import CycleCost
 from blockpilot.table import AcceptanceTable
+
+
+# The block sizes `CycleCost.request` reads for a tree's cycles: any that drafts.
+TREE = (0,)
 
 
 @dataclass
@@ -80,8 +84,8 @@ def fixed_walks_of_tables(
     prompt_tokens: Sequence[int] | None = None,
 ) -> FixedWalks:
     """`FixedWalks` of rows with acceptance tables (each row's tables summed, a request each), walked with every
-    candidate; with the rows' `prompt_tokens`, a drafting candidate's request also pays its prompt's drafter context
-    (`CycleCost.drafting`)."""
+    candidate; with the rows' `prompt_tokens`, each request also pays what it does beyond its cycles
+    (`CycleCost.request`: its start, and its prompt's drafter context where the candidate drafts)."""
     candidates = tables[0][0].candidates
     shape = (len(tables), len(candidates))
     tokens, cycles, spent = np.zeros(shape), np.zeros(shape), np.zeros(shape)
@@ -92,7 +96,7 @@ def fixed_walks_of_tables(
                 steps = len(table.walk(b))
                 tokens[i, k] += table.n - 1
                 cycles[i, k] += steps
-                spent[i, k] += table.walk_cost([b] * steps, cost=cost) + cost.drafting([b], prompt)
+                spent[i, k] += table.walk_cost([b] * steps, cost=cost) + cost.request([b], prompt)
     return FixedWalks(tokens, cycles, spent)
 
 
@@ -115,8 +119,8 @@ class TreeWalks:
         beyond_cycles: np.ndarray | None = None,  # (N,) what each row's requests pay beyond their cycles
     ) -> TreeWalks:
         """Walks that committed `tokens` in `cycles` (N, T), each cycle priced `cost.tree(N)` and each row's requests
-        `beyond_cycles` (their prompts' drafter context) where the curve prices trees (the uniform one does), else
-        each cycle 1."""
+        `beyond_cycles` (`CycleCost.request`) where the curve prices trees (the uniform one does), else each cycle
+        1."""
         priced = cost.is_uniform or bool(cost.trees)
         price = np.asarray([cost.tree(n) if priced else 1.0 for n in budgets])
         spent = cycles * price[None, :]
@@ -132,7 +136,7 @@ def tree_walks_of_tables(
 ) -> TreeWalks | None:
     """`TreeWalks` of every tree budget over rows whose tables hold trees (None when they do not), each cycle
     priced `cost.tree(N)` (1 a cycle where the curve prices no trees); with the rows' `prompt_tokens`, each request
-    also pays its prompt's drafter context (a tree drafts)."""
+    also pays what it does beyond its cycles (`CycleCost.request`; a tree drafts)."""
     budgets = tables[0][0].tree_budgets if tables and tables[0] else ()
     if not budgets or any(table.tree_budgets != budgets for row in tables for table in row):
         return None
@@ -144,7 +148,7 @@ def tree_walks_of_tables(
                 tokens[i, j] += table.n - 1
                 cycles[i, j] += len(table.walk_tree(nodes))
     prompts = prompt_tokens if prompt_tokens is not None else [0] * len(tables)
-    beyond = np.asarray([len(row) * cost.prompt_context(prompt) for row, prompt in zip(tables, prompts, strict=True)])
+    beyond = np.asarray([len(row) * cost.request(TREE, prompt) for row, prompt in zip(tables, prompts, strict=True)])
     return TreeWalks.priced_by(tokens, cycles, budgets, cost, beyond)
 
 
@@ -177,23 +181,22 @@ def step_oracle(
     tables: Sequence[AcceptanceTable], cost: CycleCost, prompt_tokens: int = 0
 ) -> tuple[float, float, float]:
     """(tokens, cycles, cost) of the per-step oracle over `tables` (a request each): the walk of the lowest cost (its
-    cycles counted on that walk's price; with a uniform price, the fewest cycles). With `prompt_tokens`, a walk that
-    drafts also pays its prompt's drafter context (`CycleCost.prompt_context`): the cheapest walk is then the cheapest
-    of all (the dynamic program's) with that price added, or autoregression's throughout where that costs less."""
+    cycles counted on that walk's price; with a uniform price, the fewest cycles). With `prompt_tokens`, each request
+    also pays what it does beyond its cycles (`CycleCost.request`), so the cheapest walk is the cheaper of
+    autoregression throughout and the cheapest of all (the dynamic program's) with its drafter context added."""
     tokens = float(sum(t.n - 1 for t in tables))
     cycles = float(sum(t.cost_to_go(CycleCost.uniform())[0][1] for t in tables))
     if cost.is_uniform:
         return tokens, cycles, cycles
     spent = 0.0
-    context = cost.prompt_context(prompt_tokens)
     for table in tables:
         cheapest = float(table.cost_to_go(cost)[0][1])
-        if context and AUTOREGRESSIVE in table.candidates:
-            alone = table.walk_cost([AUTOREGRESSIVE] * (table.n - 1), cost=cost)
-            cheapest = alone if cheapest >= alone else min(alone, cheapest + context)
-        elif context:
-            cheapest += context
-        spent += cheapest
+        drafted = cheapest + cost.request(TREE, prompt_tokens)
+        if AUTOREGRESSIVE in table.candidates:
+            alone = [AUTOREGRESSIVE] * (table.n - 1)
+            spent += min(table.walk_cost(alone, cost=cost) + cost.request(alone, prompt_tokens), drafted)
+        else:
+            spent += drafted
     return tokens, cycles, spent
 
 

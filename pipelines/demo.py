@@ -418,10 +418,10 @@ def run_demo(job: DemoJob) -> int:
     clock.start(
         "cost", f"the cost of the engine's cycle ({job.compile}) at each block size and tree budget, here"
     )
-    # A curve from before the cycle's per-step choice, the option to draft and the prompt's drafter context as a pass
-    # were priced (`CycleCost.decided`, `CycleCost.flush`, `CycleCost.context_pass`) is measured again.
+    # A curve from before the cycle's per-step choice and what a request pays beyond its cycles were priced
+    # (`CycleCost.decided`, `CycleCost.request`) is measured again.
     cost = CycleCost.load(paths.cost) if paths.cost.is_file() else None
-    if cost is None or not cost.decided or not cost.flush or not cost.context_pass:
+    if cost is None or not cost.decided or not cost.flush or not cost.start_pass:
         calibrate(
             models, range(1, depth + 1), compile=job.compile, tree_nodes=settings.tree_budgets, step_decision=True
         ).save(paths.cost)

@@ -153,6 +153,6 @@ def test_calibrate_writes_the_fitted_curve_and_prints_every_point(random_zoo, ca
         line = next(line for line in printed if line.startswith(f"batch {batch}: "))
         assert all(f"b={b} {cost['seconds'][batch][b] * 1000:.2f}" in line for b in ("1", "2", "3"))
         assert list(cost["seconds"][batch].values()) == sorted(cost["seconds"][batch].values())
-    option = next(line for line in printed if line.startswith("batch 1, a request that may draft"))
-    assert f"{cost['flush'] * 1000:.3f}" in option and f"{cost['context_pass'] * 1000:.3f}" in option
-    assert cost["context_token"] + cost["context_pass"] > 0
+    request = next(line for line in printed if line.startswith("batch 1, beyond a request's cycles"))
+    assert f"{cost['flush'] * 1000:.3f}" in request and f"{cost['start_pass'] * 1000:.3f}" in request
+    assert cost["context_token"] + cost["context_pass"] > 0 and cost["start_token"] + cost["start_pass"] > 0

@@ -47,32 +47,40 @@ def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plai
     assert "a per-step model's choice in the cycle: b=1" in cost.describe()
     # and what keeping a lone row's option to draft costs beyond its cycles
     assert cost.context_token >= 0 and cost.context_pass >= 0 and cost.prompt_context(16) > 0 and cost.flush > 0
-    assert "the prompt's drafter context" in cost.describe()
+    assert cost.start_token >= 0 and cost.start_pass >= 0 and cost.request([1], 16) > 0
+    assert cost.request([4], 16) > cost.request([1], 16) and "a request's start" in cost.describe()
 
 
-def test_what_keeping_the_option_to_draft_costs_a_lone_request():
-    """A request that may draft pays, beyond its cycles, its prompt's drafter context (a pass and so much a token),
-    whether it drafts at once or keeps the option from autoregressive cycles; one that keeps the option also pays a
-    flush before each draft that follows autoregressive cycles and before an autoregressive cycle that would keep
-    more than the decoder holds. A request autoregressive for good pays neither."""
+def test_what_a_lone_request_pays_beyond_its_cycles():
+    """A request pays its start (every shape alike); one that may draft also pays its prompt's drafter context (a
+    pass and so much a token), whether it drafts at once or keeps the option from autoregressive cycles; one that
+    keeps the option also pays a flush before each draft that follows autoregressive cycles and before an
+    autoregressive cycle that would keep more than the decoder holds. A request autoregressive for good pays its start
+    alone; one of unknown length (0 tokens) nothing."""
     assert flush_passes([4, 4]) == 0 and flush_passes([1, 1, 4]) == 1 and flush_passes([1, 4, 1, 4]) == 2
     assert flush_passes([1] * PENDING_CONTEXT) == 0 and flush_passes([1] * (PENDING_CONTEXT + 1)) == 1
     assert flush_passes([4, 1, 1]) == 0  # kept to the end: never written
-    cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 6.0}}, context_token=0.01, flush=0.5, context_pass=0.2)
-    assert cost.prompt_context(100) == pytest.approx(0.2 + 0.01 * 100) and cost.prompt_context(0) == 0.0
-    assert cost.option([1, 1, 4], 100) == pytest.approx(1.2 + 0.5)
-    assert cost.option([4, 1, 4], 100) == pytest.approx(1.2 + 0.5) and cost.option([4, 4], 100) == pytest.approx(1.2)
-    assert cost.drafting([4, 4], 100) == cost.drafting([1, 4], 100) == pytest.approx(1.2)  # a fixed shape that drafts
-    assert cost.drafting([1, 1], 100) == 0.0 and cost.drafting([], 100) == 0.0  # autoregressive for good
-    assert cost.at_batch(1).option([1, 4], 100) == cost.option([1, 4], 100) > 0
-    assert cost.at_batch(8).option([1, 4], 100) == 0.0  # several rows share a flush: not a lone row's price
-    assert cost.deciding().flush == 0.5 and cost.scaled(2.0).option([1, 4], 100) == pytest.approx(3.4)
+    prices = dict(context_token=0.01, flush=0.5, context_pass=0.2, start_pass=3.0, start_token=0.02)
+    cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 6.0}}, **prices)
+    start, context = 3.0 + 0.02 * 100, 0.2 + 0.01 * 100
+    assert cost.prompt_context(100) == pytest.approx(context) and cost.prompt_context(0) == 0.0
+    assert cost.request([1, 1], 100) == pytest.approx(start) and cost.request([], 100) == pytest.approx(start)
+    assert cost.request([4, 4], 100) == cost.request([1, 4], 100) == pytest.approx(start + context)
+    assert cost.request([1, 1, 4], 100, keeps_option=True) == pytest.approx(start + context + 0.5)
+    assert cost.request([4, 1, 4], 100, keeps_option=True) == pytest.approx(start + context + 0.5)
+    assert cost.request([1, 1], 100, keeps_option=True) == pytest.approx(start + context)  # written, never read
+    assert cost.request([4, 1, 4], 0, keeps_option=True) == 0.0
+    assert cost.at_batch(1).request([1, 4], 100, True) == cost.request([1, 4], 100, True) > 0
+    assert cost.at_batch(8).request([1, 4], 100, True) == 0.0  # several rows share them: not a lone row's prices
+    assert cost.deciding().flush == 0.5
+    assert cost.scaled(2.0).request([1, 4], 100, True) == pytest.approx(2 * cost.request([1, 4], 100, True))
     assert CycleCost.from_dict(cost.to_dict()) == cost
-    assert CycleCost({1: {1: 1.0}}).option([1, 4], 100) == 0.0  # not measured: free
+    assert CycleCost({1: {1: 1.0}}).request([1, 4], 100, True) == 0.0  # not measured: free
+    assert "a request's start 3000.000 ms" in cost.describe()
     with pytest.raises(ValueError, match="flush must be a number of seconds >= 0"):
         CycleCost({1: {1: 1.0}}, flush=-1.0)
-    with pytest.raises(ValueError, match="context_pass must be a number of seconds >= 0"):
-        CycleCost({1: {1: 1.0}}, context_pass=math.nan)
+    with pytest.raises(ValueError, match="start_pass must be a number of seconds >= 0"):
+        CycleCost({1: {1: 1.0}}, start_pass=math.nan)
 
 
 def test_the_curve_a_step_models_walk_pays():

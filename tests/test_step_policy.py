@@ -260,9 +260,10 @@ def test_a_model_that_follows_the_oracle_walks_it():
 
 
 def test_a_walk_that_drafts_pays_its_prompts_context_and_the_oracle_weighs_it():
-    """With the prompt's drafter context priced, a fixed walk that drafts pays it once a request and autoregression
-    never; the per-step oracle is the cheaper of autoregression throughout and the cheapest walk with the context
-    added, never dearer than a fixed walk, and autoregression's once the context outweighs what drafting saves."""
+    """Priced beyond its cycles (`CycleCost.request`), every fixed walk pays its request's start once, one that drafts
+    its prompt's drafter context too, and autoregression never that; the per-step oracle is the cheaper of
+    autoregression throughout and the cheapest walk with the context added, never dearer than a fixed walk, and
+    autoregression's once the context outweighs what drafting saves."""
     commits = np.asarray([[1, 1, 1, 1, 1, 1, 1], [2, 1, 2, 2, 1, 2, 1], [3, 1, 1, 1, 2, 2, 1]], dtype=np.int16)
     table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8)
     cost = CycleCost({1: {1: 1.0, 2: 1.2, 3: 1.3}})
@@ -270,14 +271,14 @@ def test_a_walk_that_drafts_pays_its_prompts_context_and_the_oracle_weighs_it():
     drafting = table.cost_to_go(cost)[0][1]
     assert drafting < alone
     for context_pass, expected in ((0.0, drafting), (0.5, drafting + 0.5), (100.0, alone)):
-        priced = replace(cost, context_pass=context_pass)
+        priced = replace(cost, context_pass=context_pass, start_pass=0.25)
         walks = fixed_walks_of_tables([[table, table]], priced, [16])
         plain = fixed_walks_of_tables([[table, table]], cost)
-        assert walks.cost[0] == pytest.approx(plain.cost[0] + [0.0, 2 * context_pass, 2 * context_pass])
+        assert walks.cost[0] == pytest.approx(plain.cost[0] + 0.5 + np.asarray([0.0, 2 * context_pass, 2 * context_pass]))
         tokens, _, spent = step_oracle([table], priced, 16)
-        assert tokens == table.n - 1 and spent == pytest.approx(min(expected, alone))
+        assert tokens == table.n - 1 and spent == pytest.approx(0.25 + min(expected, alone))
         assert spent <= walks.cost[0].min() / 2 + 1e-9
-        assert step_oracle([table], priced)[2] == pytest.approx(drafting)  # no prompt length: no context
+        assert step_oracle([table], priced)[2] == pytest.approx(drafting)  # no prompt length: nothing beyond cycles
 
 
 def test_training_cycles_carry_the_last_cycle_of_their_walk():
@@ -641,7 +642,7 @@ def test_the_models_walks_pay_the_choice_its_cycle_computes_and_the_prior_kept_p
 
 
 def test_the_models_walks_pay_for_keeping_the_option_to_draft_and_the_prior_pays_nothing_more(tiny_labels):
-    """Priced with the option to draft (`CycleCost.option`), each walk of the model costs that much more over its
+    """Priced with the option to draft (`CycleCost.request`), each walk of the model costs that much more over its
     cycles, whatever its weights, and the prior's nothing; where it costs more than the model's walks can save, the
     prior is kept at every temperature."""
     from blockpilot.predictor.step_data import _step_walks
@@ -656,7 +657,7 @@ def test_the_models_walks_pay_for_keeping_the_option_to_draft_and_the_prior_pays
     model = random_prior_step_model(11, candidates, 512)
     for row in rows[:8]:
         walks = [walk_step_model(model, t, a, 1, row.prior_probabilities)[0] for t, a in zip(row.tables, row.anchors)]
-        extra = sum(optioned.option(sizes, row.prompt_tokens) for sizes in walks)
+        extra = sum(optioned.request(sizes, row.prompt_tokens, keeps_option=True) for sizes in walks)
         assert extra >= 0.01 * row.prompt_tokens * len(walks)  # every walk starts autoregressive: its context
         assert _step_walks(row, model, optioned, 1)[2] == pytest.approx(_step_walks(row, model, cost, 1)[2] + extra)
     free, paid = evaluate_step_model(model, rows, cost), evaluate_step_model(model, rows, optioned)

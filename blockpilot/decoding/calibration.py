@@ -7,12 +7,13 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from blockpilot.blocks import label_candidates
+from blockpilot.blocks import AUTOREGRESSIVE, label_candidates
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
 from blockpilot.decoding.engine import Engine
@@ -161,8 +162,8 @@ def calibrate(
     With `step_decision` (and batch 1), the lone cycles of each b a step model may choose (`label_candidates`) that
     also compute its choice, on an engine that computes it (`HeldDecisionPolicy`), in the same rounds:
     `CycleCost.decided`, fitted the same way and never below c(b), what a step model's walk pays
-    (`CycleCost.deciding`). At batch 1 with a drafter, also what keeping a lone row's option to draft costs beyond
-    its cycles (`option_prices`: `CycleCost.context_pass`, `CycleCost.context_token`, `CycleCost.flush`).
+    (`CycleCost.deciding`). At batch 1 with a drafter, also what a lone request pays beyond its cycles: its start, its
+    prompt's drafter context and a flush (`request_prices`, `CycleCost.request`).
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -172,7 +173,7 @@ def calibrate(
     fitted: dict[int, dict[int, float]] = {}  # batch -> b -> the curve
     trees: dict[int, dict[int, float]] = {}  # batch -> nodes -> median seconds, before the fit
     decided: dict[int, float] = {}  # b -> seconds of a lone cycle that computes a per-step model's choice
-    context_token = flush = context_pass = 0.0  # what a lone row that may draft pays beyond its cycles
+    prices: dict[str, float] = {}  # what a lone request pays beyond its cycles (`request_prices`)
     depth = max(block_sizes)
     for batch in batch_sizes:
         prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
@@ -220,7 +221,7 @@ def calibrate(
         if tree_nodes:
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
         if batch == 1 and models.drafter is not None:
-            context_token, flush, context_pass = option_prices(engine, prompt_tokens, warmup, repeats * cycles)
+            prices = request_prices(models, engine, prompt_tokens, warmup, repeats * cycles, generator)
     return CycleCost(
         fitted,
         device=device_name(models.device),
@@ -232,29 +233,39 @@ def calibrate(
         trees=trees,
         tree_depth=depth if tree_nodes else None,
         decided=decided,
-        context_token=context_token,
-        flush=flush,
-        context_pass=context_pass,
+        **prices,
     )
 
 
-def option_prices(engine: Engine, prompt_tokens: int, warmup: int, repeats: int) -> tuple[float, float, float]:
-    """(seconds of the drafter's context a prompt token, seconds of one flush pass, seconds of a context pass beside
-    its tokens) on `engine`'s idle decoder, in cache row 0, as its engine runs them (the medians of `repeats` after
-    `warmup`): what a lone request that may draft pays beyond its cycles (`CycleCost.prompt_context`,
-    `CycleCost.option`). The context is timed at `prompt_tokens` and at a quarter of that, interleaved, and fitted as
-    a pass plus so much a token: a short prompt's context is mostly the pass. Nothing a row reads is left behind: the
-    next prefill of row 0 writes its context again, and a flush with nothing kept writes only the row's last cache
-    slot."""
+def request_prices(
+    models: Any, engine: Engine, prompt_tokens: int, warmup: int, repeats: int, generator: torch.Generator
+) -> dict[str, float]:
+    """What a lone request pays beyond its cycles on `engine` (idle), as its engine runs it, in seconds
+    (`CycleCost.request`; the medians of `repeats` after `warmup`, round by round: a drift moves every price alike):
+    its start (`start_pass`, `start_token`: an autoregressive request of one token, admitted, prefilled and answered),
+    its prompt's drafter context (`context_pass`, `context_token`, written in cache row 0) and one flush pass
+    (`flush`). A start and a context are timed at `prompt_tokens` and at a quarter of that, and fitted as a pass plus
+    so much a token: a short prompt's are mostly the pass. Nothing a row reads is left behind: the next prefill of row
+    0 writes its context again, and a flush with nothing kept writes only the row's last cache slot."""
     decoder = engine.decoder
     width = decoder.pending_features.shape[-1]
     lengths = (max(prompt_tokens // 4, 1), prompt_tokens)
+    prompts = dict(zip(lengths, (random_prompts(models, 1, n, generator)[0] for n in lengths), strict=True))
     features = {n: decoder.pending_features[:1, :1].new_zeros(1, n, width) for n in lengths}
-    runs: dict[Any, Callable[[], None]] = {n: (lambda n=n: decoder.keep_context(0, features[n])) for n in lengths}
-    runs["flush"] = lambda: decoder.flush_context(1)
+
+    def start(prompt: list[int]) -> None:
+        engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=1), FixedBlockSize(AUTOREGRESSIVE)))
+        while engine.busy:
+            engine.step()
+
+    runs: dict[Any, Callable[[], None]] = {
+        ("context", n): partial(decoder.keep_context, 0, features[n]) for n in lengths
+    }
+    runs |= {("start", n): partial(start, prompts[n]) for n in lengths}
+    runs["flush"] = partial(decoder.flush_context, 1)
     times: dict[Any, list[float]] = {key: [] for key in runs}
     with torch.inference_mode():
-        for attempt in range(warmup + repeats):  # round by round: a drift moves every price alike
+        for attempt in range(warmup + repeats):
             for key, run in runs.items():
                 synchronize(decoder.device)
                 started = time.perf_counter()
@@ -262,9 +273,12 @@ def option_prices(engine: Engine, prompt_tokens: int, warmup: int, repeats: int)
                 synchronize(decoder.device)
                 if attempt >= warmup:
                     times[key].append(time.perf_counter() - started)
-    short, long = (statistics.median(times[n]) for n in lengths)
-    per_token = max(long - short, 0.0) / max(lengths[1] - lengths[0], 1)
-    return per_token, statistics.median(times["flush"]), max(long - per_token * lengths[1], 0.0)
+    prices = {"flush": statistics.median(times["flush"])}
+    for kind in ("context", "start"):
+        short, long = (statistics.median(times[(kind, n)]) for n in lengths)
+        per_token = max(long - short, 0.0) / max(lengths[1] - lengths[0], 1)
+        prices |= {f"{kind}_token": per_token, f"{kind}_pass": max(long - per_token * lengths[1], 0.0)}
+    return prices
 
 
 def device_name(device: Any) -> str:

@@ -222,8 +222,8 @@ def walk_step_model(
 def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> tuple[float, float, float]:
     """(tokens, cycles, cost) of the step model's walks over the row's tables (a request each): a lone row's cycles
     priced with the model's choice computed in each (`CycleCost.deciding`), and what keeping its option to draft
-    costs beyond them (`CycleCost.option`), unless it keeps the prior's b0 at the row's temperature (then its
-    prompt's drafter context where b0 drafts, as a fixed walk pays: `CycleCost.drafting`)."""
+    costs beyond them (`CycleCost.request`), unless it keeps the prior's b0 at the row's temperature (then what a
+    fixed walk pays)."""
     keeps_prior = model.config.keeps_prior_at(row.temperature)
     priced = cost if keeps_prior else cost.deciding()
     tokens = cycles = spent = 0.0
@@ -232,22 +232,19 @@ def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> t
         tokens += table.n - 1
         cycles += len(sizes)
         spent += table.walk_cost(sizes, cost=priced)
-        if keeps_prior:
-            spent += priced.drafting(sizes, row.prompt_tokens)
-        else:
-            spent += priced.option(sizes, row.prompt_tokens)
+        spent += priced.request(sizes, row.prompt_tokens, keeps_option=not keeps_prior)
     return tokens, cycles, spent
 
 
 def _rule_walks(row: StepRow, rule: ConfidenceRule, cost: CycleCost) -> tuple[float, float, float]:
-    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables, with what keeping the option to
-    draft costs beyond their cycles (`CycleCost.option`)."""
+    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables, with what a request that keeps
+    the option to draft pays beyond its cycles (`CycleCost.request`)."""
     tokens = cycles = spent = 0.0
     for table, anchors in zip(row.tables, row.anchors, strict=True):
         sizes = walk_rule(rule, table, anchors)
         tokens += table.n - 1
         cycles += len(sizes)
-        spent += table.walk_cost(sizes, cost=cost) + cost.option(sizes, row.prompt_tokens)
+        spent += table.walk_cost(sizes, cost=cost) + cost.request(sizes, row.prompt_tokens, keeps_option=True)
     return tokens, cycles, spent
 
 
