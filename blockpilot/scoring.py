@@ -52,7 +52,7 @@ def beyond_cycles(
     shapes = [(b,) for b in candidates] + [TREE for _ in tree_budgets]
     out = np.zeros((len(prompt_tokens), len(shapes)))
     for i, (prompt, count) in enumerate(zip(prompt_tokens, requests, strict=True)):
-        if prompt is not None:  # labels without a prompt's length price no context
+        if prompt is not None:  # labels without a prompt's length price nothing beyond their cycles
             out[i] = [(1 if count is None else count) * cost.request(shape, int(prompt)) for shape in shapes]
     return out
 
