@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets, mean_or_nan
 from blockpilot.models.drafter import Blocks, DeferredSlots
 from blockpilot.models.loading import SpeculativeModels
@@ -134,14 +135,26 @@ class AcceptanceTable:
     def cost_to_go(self, cost: CostFn = unit_cost) -> tuple[np.ndarray, np.ndarray]:
         """The per-step oracle by dynamic programming: (J (n + 1,) cost from each cursor to the end, J[n] = 0,
         and Q (K, n - 1) the cost of choosing each candidate at each cursor and acting optimally after)."""
+        best, q = self.cost_to_go_keeping_option(cost, 0.0)
+        return best[0], q[0]
+
+    def cost_to_go_keeping_option(self, cost: CostFn, flush: float) -> tuple[np.ndarray, np.ndarray]:
+        """`cost_to_go` of a lone row that keeps the option to draft: a cycle that drafts after autoregressive ones
+        first pays `flush`, the pass that writes the drafter context they kept (`blocks.flushes`; context kept to the
+        end is never written; the flush of a run of more than `PENDING_CONTEXT` autoregressive positions is left
+        out). (J (2, n + 1), Q (2, K, n - 1)) by what the row holds before the cycle: 0, nothing kept (after a draft,
+        or before the first cycle); 1, kept by the autoregressive cycle before."""
         n, k = self.n, len(self.candidates)
-        best = np.zeros(n + 1)
-        q = np.zeros((k, max(n - 1, 0)))
+        best = np.zeros((2, n + 1))
+        q = np.zeros((2, k, max(n - 1, 0)))
         for cursor in range(n - 1, 0, -1):
             for index, b in enumerate(self.candidates):
                 step = int(self.commits[index, cursor - 1])
-                q[index, cursor - 1] = cost(self.block_size_at(cursor, b)) + best[cursor + step]
-            best[cursor] = q[:, cursor - 1].min()
+                drafts = b != AUTOREGRESSIVE
+                rest = best[0 if drafts else 1, cursor + step]
+                q[0, index, cursor - 1] = cost(self.block_size_at(cursor, b)) + rest
+                q[1, index, cursor - 1] = q[0, index, cursor - 1] + (flush if drafts else 0.0)
+            best[:, cursor] = q[:, :, cursor - 1].min(axis=1)
         return best, q
 
 

@@ -41,7 +41,6 @@ from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.cost import CycleCost
 from blockpilot.table import AcceptanceTable
 
-
 # The block sizes `CycleCost.request` reads for a tree's cycles: any that drafts.
 TREE = (0,)
 
@@ -183,14 +182,15 @@ def step_oracle(
     """(tokens, cycles, cost) of the per-step oracle over `tables` (a request each): the walk of the lowest cost (its
     cycles counted on that walk's price; with a uniform price, the fewest cycles). With `prompt_tokens`, each request
     also pays what it does beyond its cycles (`CycleCost.request`), so the cheapest walk is the cheaper of
-    autoregression throughout and the cheapest of all (the dynamic program's) with its drafter context added."""
+    autoregression throughout and the cheapest of all (the dynamic program's, a draft after autoregressive cycles
+    paying their flush) with its drafter context added."""
     tokens = float(sum(t.n - 1 for t in tables))
     cycles = float(sum(t.cost_to_go(CycleCost.uniform())[0][1] for t in tables))
     if cost.is_uniform:
         return tokens, cycles, cycles
     spent = 0.0
     for table in tables:
-        cheapest = float(table.cost_to_go(cost)[0][1])
+        cheapest = float(table.cost_to_go_keeping_option(cost, cost.flush)[0][0, 1])
         drafted = cheapest + cost.request(TREE, prompt_tokens)
         if AUTOREGRESSIVE in table.candidates:
             alone = [AUTOREGRESSIVE] * (table.n - 1)

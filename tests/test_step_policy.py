@@ -14,6 +14,7 @@ import pytest
 import torch
 from support import check_stats_invariants, greedy_reference
 
+from blockpilot.blocks import flush_passes
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
 from blockpilot.decoding.engine import Engine
@@ -259,6 +260,32 @@ def test_a_model_that_follows_the_oracle_walks_it():
     assert best[1] < min(len(table.walk(b)) for b in (1, 2, 3))
 
 
+def test_the_option_oracle_prices_a_flush_before_each_draft_after_autoregressive_cycles():
+    """Keeping the option to draft, a draft after autoregressive cycles pays their flush (`blocks.flush_passes`): on
+    a hand-made table the oracle's Q, read in what the row kept before each cycle, adds up along any walk to its
+    cycles plus its flushes; without a flush it is `cost_to_go`'s; and a dear flush never makes it cheaper."""
+    commits = np.asarray([[1, 1, 1, 1, 1, 1, 1], [2, 1, 2, 2, 1, 2, 1], [3, 1, 1, 1, 2, 2, 1]], dtype=np.int16)
+    table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8)
+    cost = CycleCost({1: {1: 1.0, 2: 1.2, 3: 1.3}})
+    best, q = table.cost_to_go(cost)
+    free_best, free_q = table.cost_to_go_keeping_option(cost, 0.0)
+    assert np.allclose(free_best[0], best) and np.allclose(free_best[1], best) and np.allclose(free_q[0], q)
+    flush = 0.4
+    best, q = table.cost_to_go_keeping_option(cost, flush)
+    for pattern in ([1, 2], [2, 1, 1], [1, 1, 3], [3, 2]):
+        cursor, held, regret, walked = 1, 0, 0.0, []
+        while cursor < table.n:
+            b = pattern[len(walked) % len(pattern)]
+            index = table.candidates.index(b)
+            regret += q[held, index, cursor - 1] - best[held, cursor]
+            walked.append(b)
+            cursor, held = cursor + int(commits[index, cursor - 1]), int(b == 1)
+        spent = table.walk_cost(walked, cost=cost) + flush * flush_passes(walked)
+        assert regret == pytest.approx(spent - best[0, 1])
+    dear = table.cost_to_go_keeping_option(cost, 100.0)[0][0, 1]
+    assert free_best[0, 1] <= best[0, 1] <= dear <= table.walk_cost([1] * (table.n - 1), cost=cost)
+
+
 def test_a_walk_that_drafts_pays_its_prompts_context_and_the_oracle_weighs_it():
     """Priced beyond its cycles (`CycleCost.request`), every fixed walk pays its request's start once, one that drafts
     its prompt's drafter context too, and autoregression never that; the per-step oracle is the cheaper of
@@ -333,15 +360,18 @@ def test_the_folded_choice_is_the_forward_argmax_for_every_head_and_token():
     assert model.choose(features).tolist() == scores.argmax(dim=-1).tolist()
 
 
-def test_the_regrets_of_a_walk_add_up_to_its_cost_over_the_per_step_oracle(tiny_labels):
+@pytest.mark.parametrize("flush", [0.0, 0.7])
+def test_the_regrets_of_a_walk_add_up_to_its_cost_over_the_per_step_oracle(tiny_labels, flush):
     """A regret is what a choice adds to the cost of the rest of the generation, so along every walk they sum to the
-    walk's cost minus the per-step oracle's (in cycles of the smallest candidate): the mean regret is the loss."""
+    walk's cost minus the per-step oracle's (in cycles of the smallest candidate): the mean regret is the loss. With
+    the flush of the option to draft priced, the oracle is the option's and each cycle's regret is read in what the
+    row kept before it."""
     rows = step_rows(pq.read_table(tiny_labels["train"]))
-    cost = CycleCost({1: {1: 1.0, 8: 3.0}})  # a wider block costs more
+    cost = CycleCost({1: {1: 1.0, 8: 3.0}}, flush=flush)  # a wider block costs more
     _, regret = regret_dataset(rows, random_step_model(0, rows[0].tables[0].candidates, 512), cost)
     start = 0
     for t in (t for row in rows for t in row.tables if t.n >= 2):
-        oracle, unit = t.cost_to_go(cost)[0][1], cost(min(t.candidates))
+        oracle, unit = t.cost_to_go_keeping_option(cost, flush)[0][0, 1], cost(min(t.candidates))
         for k, b in enumerate(t.candidates):
             cycles = len(t.walk(b))
             excess = t.walk_cost([b] * cycles, cost=cost) - oracle

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.cost import CycleCost, nearest_batch_size
 from blockpilot.predictor.confidence import ConfidenceRule, walk_rule
 from blockpilot.predictor.step_features import CycleView, anchor_tokens
@@ -155,7 +156,8 @@ def regret_dataset(
     (`fixed_walk_cycles`), and the regret of choosing each candidate there: Q(i, b) - min_b Q(i, b), what the choice
     adds to the cost of the rest of the generation, in cycles of the smallest candidate at the price used. For a
     load-aware model, every cycle once per load n, priced with c(b, n). A lone row's cycles are priced as the model's
-    own walk pays them, its choice computed in each (`CycleCost.deciding`).
+    own walk pays them, its choice computed in each (`CycleCost.deciding`), and a draft after autoregressive cycles
+    also pays the flush of what they kept (`AcceptanceTable.cost_to_go_keeping_option`, by the cycle's last b).
 
     Since Q(i, b) = c(b) + min Q at the cursor the cycle lands on, the regrets of any walk's cycles add up to that
     walk's cost over the per-step oracle's: the mean regret is what a policy loses, cycle for cycle. A relative
@@ -169,9 +171,11 @@ def regret_dataset(
             for t, anchors in zip(row.tables, row.anchors, strict=True):
                 if t.n < 2:
                     continue
-                _, q = t.cost_to_go(priced)  # (K, n - 1)
+                _, by_state = t.cost_to_go_keeping_option(priced, priced.flush)  # (2, K, n - 1)
                 unit = priced(min(t.candidates))
                 cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
+                held = (last_sizes == AUTOREGRESSIVE).astype(np.int64)  # what the row kept before the cycle
+                q = by_state[held, :, cursors - 1]  # (M, K)
                 view = anchors.view(
                     t,
                     cursors,
@@ -182,7 +186,7 @@ def regret_dataset(
                     batch_rows=load or 1,
                 )
                 features.append(spec.build(view))
-                regrets.append(((q - q.min(axis=0, keepdims=True)) / unit).T[cursors - 1])
+                regrets.append((q - q.min(axis=1, keepdims=True)) / unit)
     return np.concatenate(features).astype(np.float32), np.concatenate(regrets).astype(np.float32)
 
 
