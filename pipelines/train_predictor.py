@@ -4,8 +4,9 @@
     blockpilot train --labels labels/ --eval heldout-labels/ --kind sparse        # locally, embedded Ray
 
 prepare: the labels are read and checked on the driver (missing columns, mismatched candidates or zero valid
-rows stop here, naming the problem) and split by prompt (or `--val`). fit: a `TorchTrainer` reads the
-training rows and the validation rows as Ray Datasets; every epoch rank 0 validates, logs to the MLflow run
+rows stop here, naming the problem) and split by prompt (or `--val`). fit: a `TorchTrainer`'s workers get
+the training columns (converted once, on the driver) and the validation rows through the object store, each
+worker a share of the training rows; every epoch rank 0 validates, logs to the MLflow run
 and reports a checkpoint; a worker that dies restarts from the last one (`FailureConfig`). report: the driver
 scores the predictor on the validation and held-out labels (tau and modeled throughput), logs the figures,
 the label sets as the run's inputs and the predictor folder, registers a version of `blockpilot-predictor`
@@ -255,7 +256,8 @@ def _check_run_folder(job: TrainJob, prepared: Prepared, storage: Path) -> None:
 
 def _worker(config: dict[str, Any]) -> None:
     """The training loop of one Ray Train worker."""
-    import pyarrow as pa
+    import numpy as np
+    import ray
     import ray.train
     import ray.train.torch
     import torch
@@ -275,19 +277,20 @@ def _worker(config: dict[str, Any]) -> None:
     optimizer = make_optimizer(model, train_config)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
-    shard = ray.train.get_dataset_shard("train")
+    # This worker's share of the training rows (every world_size-th), shuffled anew each epoch.
+    world = ray.train.get_context().get_world_size()
+    shard = {name: column[rank::world] for name, column in ray.get(config["train_columns"]).items()}
     val = None
     if rank == 0:
-        rows = pa.concat_tables(list(ray.train.get_dataset_shard("val").iter_batches(batch_format="pyarrow")))
-        val = label_arrays(rows, dense, config["cost"], config["score"], over_shapes=config["over_shapes"])
+        val = label_arrays(
+            ray.get(config["val_rows"]), dense, config["cost"], config["score"], over_shapes=config["over_shapes"]
+        )
 
     def batches(epoch: int):
-        yield from shard.iter_batches(
-            batch_size=train_config.batch_size,
-            batch_format="numpy",
-            local_shuffle_buffer_size=4 * train_config.batch_size,
-            local_shuffle_seed=train_config.seed + epoch,
-        )
+        order = np.random.default_rng(train_config.seed + epoch).permutation(len(shard["score"]))
+        for start in range(0, len(order), train_config.batch_size):
+            rows = order[start : start + train_config.batch_size]
+            yield {name: column[rows] for name, column in shard.items()}
 
     def on_epoch(epoch: int, loss: float) -> None:
         metrics = {"epoch": epoch, "train/loss": loss, "train/resumed_from_epoch": start_epoch}
@@ -317,32 +320,30 @@ def _worker(config: dict[str, Any]) -> None:
 def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[Any, int, int]:
     """(trained predictor, first epoch of the last attempt, last epoch) from a `TorchTrainer` run."""
     import ray
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from blockpilot.predictor.model import BlockSizePredictor
     from blockpilot.predictor.training import PredictorTrainConfig, training_columns
     from blockpilot.scoring import label_columns
     from blockpilot.tracking import tracking_uri
-    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_run_config
+    from pipelines.ray_runtime import ensure_ray, train_run_config
 
     storage = job.storage or blockpilot_home() / "ray_results" / "predictor"
     _check_run_folder(job, prepared, storage)
     ensure_ray()
-    quiet_ray_data()
     dense = job.kind == "dense"
+    scored = [c for c in label_columns(dense) if c in prepared.train.column_names and not c.startswith("table_")]
     columns = {"dense": dense, "cost": prepared.cost, "score": job.score, "over_shapes": job.trees}
     val_columns = [c for c in label_columns(dense) if c in prepared.val.column_names]
-    datasets = {
-        # Materialized once: every epoch then reads the prepared blocks instead of redoing the conversion.
-        "train": ray.data.from_arrow(prepared.train)
-        .map_batches(training_columns, fn_kwargs=columns, batch_format="numpy")
-        .materialize(),
-        "val": ray.data.from_arrow(prepared.val.select(val_columns)),
-    }
     trainer = TorchTrainer(
         _worker,
         train_loop_config={
+            # The rows go to the workers through the object store, converted once: a Ray Dataset's executor
+            # started four actors (stats, autoscaling, split coordinator, dataset manager), about 20 s of a
+            # 2-core machine's CPU and of the run's start, to hand over a table the driver already holds.
+            "train_columns": ray.put(training_columns(prepared.train.select(scored).to_pydict(), **columns)),
+            "val_rows": ray.put(prepared.val.select(val_columns)),
             "predictor": prepared.predictor_config,
             "train": PredictorTrainConfig(job.epochs, job.batch_size, job.lr, objective=job.objective, seed=job.seed),
             "dense": dense,
@@ -359,8 +360,6 @@ def fit_on_ray(job: TrainJob, prepared: Prepared, run_id: str | None) -> tuple[A
             failure_config=FailureConfig(max_failures=job.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
-        datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     result = trainer.fit()
     with result.checkpoint.as_directory() as directory:

@@ -8,14 +8,15 @@ prepare: label rows with acceptance tables become (anchor features, regret of ev
 (`blockpilot.predictor.step_data`); rows without tables stop the job here. With a --prior, a first fit leaves a
 share of the prompts out and is walked on them beside the prior: where its walks are not surely faster
 (`walks.adapts`), the model keeps the prior's b0 for requests at that temperature (`prior_temperatures`). fit: a
-`TorchTrainer` worker reads them as a Ray Dataset and fits every candidate's regret (`regret_loss`), reporting each
-epoch (and to the MLflow run) with a checkpoint; a worker that dies restarts from the last one (`FailureConfig`).
-report: the driver walks the held-out tables with the model's choices and prints, per temperature, tau and modeled
-throughput of fixed B, the best fixed b, the static oracle, the model, the confidence rule fitted on the same tables
-(`blockpilot.predictor.confidence`, saved in the model's folder) and the per-step oracle; the folder and the metrics
-go to MLflow, the label sets as the run's dataset inputs, and the model is registered as `blockpilot-step-policy`
-(its `champion` alias moves when a version beats the champion's held-out modeled throughput). Generate and serve
-take `learned-step:FOLDER` or `learned-step:models:/blockpilot-step-policy@champion`.
+`TorchTrainer` worker gets them through the object store and fits every candidate's regret (`regret_loss`),
+reporting each epoch (and to the MLflow run) with a checkpoint; a worker that dies restarts from the last one
+(`FailureConfig`). report: the driver walks the held-out tables with the model's choices and prints, per
+temperature, tau and modeled throughput of fixed B, the best fixed b, the static oracle, the model, the confidence
+rule fitted on the same tables (`blockpilot.predictor.confidence`, saved in the model's folder) and the per-step
+oracle; the folder and the metrics go to MLflow, the label sets as the run's dataset inputs, and the model is
+registered as `blockpilot-step-policy` (its `champion` alias moves when a version beats the champion's held-out
+modeled throughput). Generate and serve take `learned-step:FOLDER` or
+`learned-step:models:/blockpilot-step-policy@champion`.
 """
 
 from __future__ import annotations
@@ -110,9 +111,7 @@ def _worker(config: dict[str, Any]) -> None:
     from pipelines.train_checkpoints import report_epoch, restore_fit
 
     torch.manual_seed(config["seed"])
-    rows = list(ray.train.get_dataset_shard("train").iter_batches(batch_size=None, batch_format="numpy"))
-    features = np.concatenate([b["features"] for b in rows]).astype(np.float32)
-    regret = np.concatenate([b["regret"] for b in rows]).astype(np.float32)
+    features, regret = (np.asarray(values, dtype=np.float32) for values in ray.get(config["cycles"]))
     restored, optimizer_state, first_epoch = restore_fit(lambda folder: StepModel.load(folder / "step"))
     model = restored or StepModel(StepModelConfig.from_dict(config["model"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
@@ -163,7 +162,7 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         start_run,
         tracking_uri,
     )
-    from pipelines.ray_runtime import ensure_ray, quiet_ray_data, train_run_config
+    from pipelines.ray_runtime import ensure_ray, train_run_config
     from pipelines.train_checkpoints import refuse_existing_run
 
     storage = job.storage or blockpilot_home() / "ray_results" / "step"
@@ -201,7 +200,6 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
     with start_run("blockpilot-step-policy", job.name, enabled=job.track, tags={"stage": "train-step"}) as tracker:
         tracker.log_params({**asdict(job), "training_cycles": len(features), "candidates": list(config.candidates)})
         ensure_ray()
-        quiet_ray_data()
         kept: tuple[float, ...] = ()
         if validation_rows:  # fitted without them to compare on them, then again on every row
             lone = min(loads) if loads else None  # the model chooses for lone rows; under load the batch does
@@ -222,6 +220,9 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         trainer = TorchTrainer(
             _worker,
             train_loop_config={
+                # Through the object store: a Ray Dataset's executor started four actors (about 20 s of a 2-core
+                # machine's CPU and of the run's start) to hand over arrays the driver already holds.
+                "cycles": ray.put((features, regret)),
                 "model": config.to_dict(),
                 "epochs": job.epochs,
                 "batch_size": job.batch_size,
@@ -237,7 +238,6 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
                 failure_config=FailureConfig(max_failures=job.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
             ),
-            datasets={"train": ray.data.from_items([{"features": x, "regret": r} for x, r in zip(features, regret)])},
         )
         result = trainer.fit()
         with result.checkpoint.as_directory() as directory:

@@ -1,6 +1,6 @@
 """Training the block-size predictor on label rows, Ray-free: label checks, the split, objectives, epochs.
 
-`pipelines/train_predictor.py` runs `fit_epochs` on Ray Train workers over a Ray Dataset of the labels;
+`pipelines/train_predictor.py` runs `fit_epochs` on Ray Train workers over the labels' `training_columns`;
 the checks, the split and the objectives live here, the metrics in `evaluation.py`.
 """
 
@@ -122,7 +122,7 @@ def training_columns(
     score: str = "tau",
     over_shapes: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Label rows (a numpy batch from Ray Data, or pyarrow columns) -> the fixed-shape arrays a training batch
+    """Label rows (columns of lists, or of numpy arrays) -> the fixed-shape arrays a training batch
     holds: the predictor's inputs, each row's `score` vector and the index of its best choice (B*; with
     `over_shapes`, the choices are the candidates, then the tree budgets)."""
     candidates = tuple(int(b) for b in batch["candidates"][0])
@@ -179,7 +179,7 @@ def fit_epochs(
         total, count = 0.0, 0
         for batch in batches(epoch):
             logits = model(PredictorInputs.from_arrays(batch).to(device))
-            # torch.tensor copies: Ray Data hands out read-only arrays, which torch warns about.
+            # torch.tensor copies: Ray's object store hands out read-only arrays, which torch warns about.
             loss = predictor_loss(
                 logits,
                 torch.tensor(batch["score"], dtype=torch.float32, device=device),
