@@ -111,7 +111,8 @@ def _worker(config: dict[str, Any]) -> None:
     from pipelines.train_checkpoints import report_epoch, restore_fit
 
     torch.manual_seed(config["seed"])
-    features, regret = (np.asarray(values, dtype=np.float32) for values in ray.get(config["cycles"]))
+    # Copies: arrays from the object store are read-only, which torch warns about.
+    features, regret = (np.array(values, dtype=np.float32) for values in ray.get(config["cycles"]))
     restored, optimizer_state, first_epoch = restore_fit(lambda folder: StepModel.load(folder / "step"))
     model = restored or StepModel(StepModelConfig.from_dict(config["model"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
