@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from commands import ROOT, user_env
 
@@ -29,17 +30,17 @@ sys.exit(3)
 """
 
 
+def run_python(code: str, home: Path) -> subprocess.CompletedProcess:
+    """`code` run by this venv's Python in the repository, with `home` as BLOCKPILOT_HOME."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=user_env(home), capture_output=True, text=True, timeout=120
+    )
+
+
 def test_a_sigterm_after_ray_started_runs_the_processs_own_handler(tmp_path):
     """Ray's driver installs a failure handler for SIGTERM that printed a stack trace and killed the process before
     `blockpilot serve` could stop its Ray (a process manager's stop during a replica's start left it running)."""
-    completed = subprocess.run(
-        [sys.executable, "-c", KEEPS_SIGTERM],
-        cwd=ROOT,
-        env=user_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_python(KEEPS_SIGTERM, tmp_path)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
     assert "stopped by our handler" in completed.stdout and "SIGTERM received" not in completed.stderr
 
@@ -58,13 +59,6 @@ print(heavy, logging.getLogger(context).level == logging.WARNING)
 def test_a_workers_setup_hook_quiets_trains_context_without_importing_train(tmp_path):
     """Every worker of an embedded cluster runs the hook: importing Ray Train there cost each Serve replica, Data
     actor and idle worker 2.5-3.7 s of CPU."""
-    completed = subprocess.run(
-        [sys.executable, "-c", QUIETS_WORKER],
-        cwd=ROOT,
-        env=user_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_python(QUIETS_WORKER, tmp_path)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.split() == ["[]", "True"]
