@@ -221,8 +221,8 @@ def run_step_train_job(job: StepTrainJob) -> StepOutcome:
         trainer = TorchTrainer(
             _worker,
             train_loop_config={
-                # Through the object store: a Ray Dataset's executor started four actors (about 20 s of a 2-core
-                # machine's CPU and of the run's start) to hand over arrays the driver already holds.
+                # Through the object store, as the predictor's rows (`pipelines.train_predictor.fit_on_ray`): a
+                # Ray Dataset added Ray Data's actors to hand over arrays the driver already holds.
                 "cycles": ray.put((features, regret)),
                 "model": config.to_dict(),
                 "epochs": job.epochs,
