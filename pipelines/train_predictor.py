@@ -256,7 +256,6 @@ def _check_run_folder(job: TrainJob, prepared: Prepared, storage: Path) -> None:
 
 def _worker(config: dict[str, Any]) -> None:
     """The training loop of one Ray Train worker."""
-    import numpy as np
     import ray
     import ray.train
     import ray.train.torch
@@ -264,7 +263,7 @@ def _worker(config: dict[str, Any]) -> None:
 
     from blockpilot.predictor.evaluation import evaluate_predictor
     from blockpilot.predictor.model import BlockSizePredictor, PredictorConfig
-    from blockpilot.predictor.training import fit_epochs, make_optimizer
+    from blockpilot.predictor.training import fit_epochs, make_optimizer, shuffled_batches
     from blockpilot.scoring import label_arrays
     from pipelines.train_checkpoints import report_epoch, restore_fit
 
@@ -285,12 +284,6 @@ def _worker(config: dict[str, Any]) -> None:
         val = label_arrays(
             ray.get(config["val_rows"]), dense, config["cost"], config["score"], over_shapes=config["over_shapes"]
         )
-
-    def batches(epoch: int):
-        order = np.random.default_rng(train_config.seed + epoch).permutation(len(shard["score"]))
-        for start in range(0, len(order), train_config.batch_size):
-            rows = order[start : start + train_config.batch_size]
-            yield {name: column[rows] for name, column in shard.items()}
 
     def on_epoch(epoch: int, loss: float) -> None:
         metrics = {"epoch": epoch, "train/loss": loss, "train/resumed_from_epoch": start_epoch}
@@ -314,6 +307,7 @@ def _worker(config: dict[str, Any]) -> None:
             )
         report_epoch(metrics, epoch, optimizer, save=lambda folder: unwrapped.save(folder / "predictor"))
 
+    batches = shuffled_batches(shard, train_config.batch_size, train_config.seed)
     fit_epochs(model, optimizer, range(start_epoch, train_config.epochs), batches, train_config, on_epoch)
 
 

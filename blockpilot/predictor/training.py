@@ -199,18 +199,22 @@ def fit_epochs(
         on_epoch(epoch, total / max(count, 1))
 
 
-def local_batches(arrays: LabelArrays, batch_size: int, seed: int) -> Callable[[int], Iterator[dict[str, Any]]]:
-    """`batches(epoch)` over in-memory arrays, shuffled per epoch (what runs without Ray)."""
-    values, best = arrays.scores, arrays.best_index
+def shuffled_batches(
+    columns: dict[str, np.ndarray], batch_size: int, seed: int
+) -> Callable[[int], Iterator[dict[str, Any]]]:
+    """`batches(epoch)` over in-memory training columns (`training_columns`' arrays), shuffled anew each epoch."""
+    count = len(columns["score"])
 
     def batches(epoch: int) -> Iterator[dict[str, Any]]:
-        order = np.random.default_rng(seed + epoch).permutation(len(arrays))
-        for start in range(0, len(order), batch_size):
+        order = np.random.default_rng(seed + epoch).permutation(count)
+        for start in range(0, count, batch_size):
             rows = order[start : start + batch_size]
-            yield {
-                **{name: column[rows] for name, column in arrays.inputs.items()},
-                "score": values[rows],
-                "best_index": best[rows],
-            }
+            yield {name: column[rows] for name, column in columns.items()}
 
     return batches
+
+
+def local_batches(arrays: LabelArrays, batch_size: int, seed: int) -> Callable[[int], Iterator[dict[str, Any]]]:
+    """`batches(epoch)` over label arrays, shuffled per epoch (what runs without Ray)."""
+    columns = {**arrays.inputs, "score": arrays.scores, "best_index": arrays.best_index}
+    return shuffled_batches(columns, batch_size, seed)
