@@ -338,6 +338,30 @@ class Accumulator:
         return self.state * scale
 
 
+@pytest.mark.slow
+def test_a_compiled_prefill_serves_prompts_at_any_cache_row_as_the_eager_pass_does(tiny_models):
+    """`compile_prefill` (a replica's start) compiles the whole-prompt prefill once. Frozen, prompts of other lengths
+    at other cache rows run that compiled pass, never the eager one, and write what the eager pass writes (the pass
+    once took its rows as a slice, whose bounds dynamo specialized: every prompt joining at another row ran eagerly)."""
+    compiled = StaticDecoder(tiny_models, rows=4, width=4, capacity=64, compile="compile")
+    eager = StaticDecoder(tiny_models, rows=4, width=4, capacity=64, compile="off")
+    compiled.compile_prefill()
+    compiled.steps.frozen = True
+    fell_back, eager_pass = [], compiled._prefill_pass
+    compiled._prefill_pass = lambda *args: fell_back.append(args) or eager_pass(*args)  # what a recompile runs
+    for first, length in [(3, 9), (1, 4), (0, 6)]:
+        prompt = [torch.arange(1, length + 1)]
+        logits, features = compiled.prefill(first, prompt, context=False)
+        expected_logits, expected_features = eager.prefill(first, prompt, context=False)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(features, expected_features, atol=1e-4, rtol=1e-4)
+        for name in ("keys_0", "values_1"):
+            written, expected = getattr(compiled.target.body, name), getattr(eager.target.body, name)
+            assert written[first, :length].abs().sum() > 0
+            torch.testing.assert_close(written[first, :length], expected[first, :length], atol=1e-4, rtol=1e-4)
+    assert not fell_back
+
+
 def test_a_compiled_step_replays_without_dynamo_what_dynamo_computes():
     options = dict(fullgraph=True, dynamic=False, options=inductor_options(torch.device("cpu")))
     replayed, reference = Accumulator(), Accumulator()

@@ -273,9 +273,14 @@ class _Layers(nn.Module):
         q = rotated(q, self.heads, a.q_norm) if q is not None else None
         return q, rotated(k, self.kv_heads, a.k_norm), v.reshape(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
 
-    def write(self, index: int, rows: slice, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys and values (n, kv_heads, S, d) into the cache rows `rows` (n of them) at `slots` (n, S)."""
-        row_ids = torch.arange(rows.start, rows.stop, device=slots.device)[:, None]
+    def write(
+        self, index: int, rows: slice | torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Keys and values (n, kv_heads, S, d) into the cache rows `rows` (n of them: a slice, or their ids (n,)) at
+        `slots` (n, S)."""
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop, device=slots.device)
+        row_ids = rows[:, None]
         getattr(self, f"keys_{index}").index_put_((row_ids, slots), k.transpose(1, 2))
         getattr(self, f"values_{index}").index_put_((row_ids, slots), v.transpose(1, 2))
 
@@ -286,7 +291,15 @@ class _Layers(nn.Module):
         return keys[rows, :span].transpose(1, 2), values[rows, :span].transpose(1, 2)
 
     def layer(
-        self, index: int, x: torch.Tensor, cos, sin, rows: slice, slots, mask, packing: Packing | None = None
+        self,
+        index: int,
+        x: torch.Tensor,
+        cos,
+        sin,
+        rows: slice | torch.Tensor,
+        slots,
+        mask,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
         """One whole decoder layer: its block's keys and values written at `slots`, then attention over the
         cache's first `span` slots (mask (n, 1, S, span), True = seen) and the MLP. With no mask the block is a
@@ -352,7 +365,8 @@ class StaticTarget(nn.Module):
         slots: torch.Tensor,  # (n, S) cache slots the tokens' keys and values go to (== positions for a chain)
         mask: torch.Tensor | None,  # (n, 1, S, span) bool: which of the first `span` slots each token sees (itself
         # too); None: the tokens are whole prompts from slot 0, each seeing the ones before it
-        rows: slice | None = None,  # the n cache rows (default: the first n)
+        rows: slice | torch.Tensor | None = None,  # the n cache rows, or their ids (n,) with no mask (default: the
+        # first n)
         logits_at: torch.Tensor | None = None,  # (n,) the one entry of each row whose logits are wanted
         packing: Packing | None = None,  # computes only the packed entries (the others' logits and features are 0)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -622,9 +622,12 @@ class StaticDecoder:
         if start > 0:  # a chunk reads its prompt's earlier chunks there
             mask = (self.slot_range[: start + max(lengths)][None, None, :] <= positions[:, :, None])[:, None]
         if mask is not None or context or self._prefill_compiled is None:
-            return self._prefill_pass(ids, positions, mask, first, last, context)
+            return self._prefill_pass(ids, positions, mask, slice(first, first + k), last, context)
+        # The rows as a tensor of ids: dynamo specializes a slice's bounds, so a slice would hold the compiled pass to
+        # the cache row it was first called at (every prompt joining at another row ran eagerly).
+        rows = torch.arange(first, first + k, device=self.device)
         compiled, eager = self._prefill_compiled, self._prefill_pass
-        return self.steps.compiled_or_eager(compiled, eager, ids, positions, None, first, last)
+        return self.steps.compiled_or_eager(compiled, eager, ids, positions, None, rows, last)
 
     @torch.inference_mode()
     def keep_context(self, first: int, features: torch.Tensor) -> None:
@@ -652,8 +655,11 @@ class StaticDecoder:
         self._prefill_compiled = torch.compile(self._prefill_pass, fullgraph=True, dynamic=True, options=options)
         if self.drafter is not None:
             self._context_compiled = torch.compile(self._context_pass, fullgraph=True, dynamic=True, options=options)
-        _, features = self.prefill(0, [torch.arange(1, 3)], context=False)  # a length past 1: not specialized
-        self.keep_context(0, features)
+        # Floats as constants (an RMSNorm's eps, RoPE's scaling): dynamic=True traces them as symbols, then restarts
+        # the whole analysis to specialize them (5-7 s of a cold compile of 25-30 s on the tiny zoo).
+        with torch._dynamo.config.patch(specialize_float=True):
+            _, features = self.prefill(0, [torch.arange(1, 3)], context=False)  # a length past 1: not specialized
+            self.keep_context(0, features)
         self.free(0, clear=True)
         self.steps.add_seconds(time.perf_counter() - started)
 
@@ -662,11 +668,10 @@ class StaticDecoder:
         ids: torch.Tensor,
         positions: torch.Tensor,
         mask: torch.Tensor | None,
-        first: int,
+        rows: slice | torch.Tensor,  # the prompts' cache rows: a slice, or their ids (k,)
         last: torch.Tensor,
         context: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows = slice(first, first + ids.shape[0])
         logits, features = self.target(ids, positions, positions, mask, rows, logits_at=last)
         if self.drafter is not None and context:
             self.drafter.encode(features, positions, positions, rows)
