@@ -347,18 +347,24 @@ def test_a_compiled_prefill_serves_prompts_at_any_cache_row_as_the_eager_pass_do
     eager = StaticDecoder(tiny_models, rows=4, width=4, capacity=64, compile="off")
     compiled.compile_prefill()
     compiled.steps.frozen = True
-    fell_back, eager_pass = [], compiled._prefill_pass
-    compiled._prefill_pass = lambda *args: fell_back.append(args) or eager_pass(*args)  # what a recompile runs
+    fell_back = []  # what a recompile would have run instead: the eager passes
+    for name in ("_prefill_pass", "_context_pass"):
+        eager_pass = getattr(compiled, name)
+        setattr(compiled, name, lambda *args, run=eager_pass, name=name: fell_back.append(name) or run(*args))
     for first, length in [(3, 9), (1, 4), (0, 6)]:
         prompt = [torch.arange(1, length + 1)]
         logits, features = compiled.prefill(first, prompt, context=False)
+        compiled.keep_context(first, features)
         expected_logits, expected_features = eager.prefill(first, prompt, context=False)
+        eager.keep_context(first, expected_features)
         torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(features, expected_features, atol=1e-4, rtol=1e-4)
-        for name in ("keys_0", "values_1"):
-            written, expected = getattr(compiled.target.body, name), getattr(eager.target.body, name)
-            assert written[first, :length].abs().sum() > 0
-            torch.testing.assert_close(written[first, :length], expected[first, :length], atol=1e-4, rtol=1e-4)
+        for model in ("target", "drafter"):
+            for name in ("keys_0", "values_0"):
+                written = getattr(getattr(compiled, model).body, name)[first, :length]
+                expected = getattr(getattr(eager, model).body, name)[first, :length]
+                assert written.abs().sum() > 0
+                torch.testing.assert_close(written, expected, atol=1e-4, rtol=1e-4)
     assert not fell_back
 
 
