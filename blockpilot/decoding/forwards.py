@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from blockpilot.models.drafter import apply_rotary, default_inverse_frequencies, rms_norm, rotary_cos_sin
 from blockpilot.models.features import decoder_layers
@@ -57,17 +58,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     interleaved): autoregressive 0.252 -> 0.199 ms, b = 4 0.942 -> 0.683 ms, the tokens the same; 8 rows fused
     were slower there (b = 8 0.976 -> 1.068 ms), hence FEW_ROWS (docs/log.md). Eager the reduction would
     materialize its products: there, and for prompts (dynamic shapes), F.linear."""
-    dims = x.shape[:-1]
-    if (
-        not few_rows
-        or x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or not torch.compiler.is_compiling()
-        or not all(type(d) is int for d in dims)
-    ):
+    if not few_rows or x.device.type != "cpu" or x.dtype != torch.float32 or not torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
+    dims = x.shape[:-1]
     rows = math.prod(dims)
-    if rows > few_rows:
+    # Asked without a guard: a prompt's length is symbolic, and `rows > few_rows` would guard the compiled prefill to
+    # prompts of at most few_rows tokens (every longer one ran eagerly). Dynamo calls a symbolic size an int.
+    if not statically_known_true(rows <= few_rows):
         return F.linear(x, weight, bias)
     # Rows outer, the reduced dimension inner and contiguous: the layout inductor vectorizes (the weight-outer form
     # left the next projection reading a transposed input, one parallel region per output: 30x slower).
