@@ -626,6 +626,8 @@ class StaticDecoder:
         # The rows as a tensor of ids: dynamo specializes a slice's bounds, so a slice would hold the compiled pass to
         # the cache row it was first called at (every prompt joining at another row ran eagerly).
         rows = torch.arange(first, first + k, device=self.device)
+        for tensor in (ids, positions):  # the prompt's length: the one size the compiled pass does not fix
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
         compiled, eager = self._prefill_compiled, self._prefill_pass
         return self.steps.compiled_or_eager(compiled, eager, ids, positions, None, rows, last)
 
@@ -635,11 +637,13 @@ class StaticDecoder:
         positions 0 .. P - 1 of cache rows first .. first + k - 1."""
         if self.drafter is None:
             return
+        rows = torch.arange(first, first + features.shape[0], device=self.device)  # as the prefill's, a tensor
         compiled = self._context_compiled
         if compiled is None:
-            self._context_pass(features, first)
+            self._context_pass(features, rows)
         else:
-            self.steps.compiled_or_eager(compiled, self._context_pass, features, first)
+            torch._dynamo.maybe_mark_dynamic(features, 1)
+            self.steps.compiled_or_eager(compiled, self._context_pass, features, rows)
 
     def compile_prefill(self) -> None:
         """Compile the whole-prompt prefill of one prompt (any length past 1, dynamic shapes), on a CPU in a mode that
@@ -652,14 +656,13 @@ class StaticDecoder:
             return
         started = time.perf_counter()
         options = inductor_options(self.device)
-        self._prefill_compiled = torch.compile(self._prefill_pass, fullgraph=True, dynamic=True, options=options)
+        # Static but for the prompt's length, which `prefill` and `keep_context` mark dynamic: the weights' sizes stay
+        # constants (dynamic=True made them symbols too, and its floats, then restarted the analysis to fix those).
+        self._prefill_compiled = torch.compile(self._prefill_pass, fullgraph=True, dynamic=False, options=options)
         if self.drafter is not None:
-            self._context_compiled = torch.compile(self._context_pass, fullgraph=True, dynamic=True, options=options)
-        # Floats as constants (an RMSNorm's eps, RoPE's scaling): dynamic=True traces them as symbols, then restarts
-        # the whole analysis to specialize them (5-7 s of a cold compile of 25-30 s on the tiny zoo).
-        with torch._dynamo.config.patch(specialize_float=True):
-            _, features = self.prefill(0, [torch.arange(1, 3)], context=False)  # a length past 1: not specialized
-            self.keep_context(0, features)
+            self._context_compiled = torch.compile(self._context_pass, fullgraph=True, dynamic=False, options=options)
+        _, features = self.prefill(0, [torch.arange(1, 3)], context=False)  # a length past 1: not specialized
+        self.keep_context(0, features)
         self.free(0, clear=True)
         self.steps.add_seconds(time.perf_counter() - started)
 
@@ -677,10 +680,10 @@ class StaticDecoder:
             self.drafter.encode(features, positions, positions, rows)
         return logits[:, 0], features
 
-    def _context_pass(self, features: torch.Tensor, first: int) -> None:
+    def _context_pass(self, features: torch.Tensor, rows: torch.Tensor) -> None:
         k, length = features.shape[:2]
         positions = torch.arange(length, device=self.device)[None].expand(k, -1)
-        self.drafter.encode(features, positions, positions, slice(first, first + k))
+        self.drafter.encode(features, positions, positions, rows)
 
     def pick(
         self,
