@@ -621,7 +621,7 @@ class StaticDecoder:
         mask = None  # whole prompts attend to themselves, without reading the cache back
         if start > 0:  # a chunk reads its prompt's earlier chunks there
             mask = (self.slot_range[: start + max(lengths)][None, None, :] <= positions[:, :, None])[:, None]
-        if mask is not None or context or self._prefill_compiled is None:
+        if mask is not None or context or not self._fits_compiled_prefill(ids) or self._prefill_compiled is None:
             return self._prefill_pass(ids, positions, mask, slice(first, first + k), last, context)
         # The rows as a tensor of ids: dynamo specializes a slice's bounds, so a slice would hold the compiled pass to
         # the cache row it was first called at (every prompt joining at another row ran eagerly).
@@ -639,19 +639,19 @@ class StaticDecoder:
             return
         rows = torch.arange(first, first + features.shape[0], device=self.device)  # as the prefill's, a tensor
         compiled = self._context_compiled
-        if compiled is None:
+        if compiled is None or not self._fits_compiled_prefill(features):
             self._context_pass(features, rows)
         else:
             torch._dynamo.maybe_mark_dynamic(features, 1)
             self.steps.compiled_or_eager(compiled, self._context_pass, features, rows)
 
     def compile_prefill(self) -> None:
-        """Compile the whole-prompt prefill of one prompt (any length past 1, dynamic shapes), on a CPU in a mode that
-        compiles, and warm it up (cache row 0 is left free and clean). Eager, its few hundred small operations were a
-        fifth of a mini-zoo request's time (0.8-0.9 ms saved a request); several prompts in one pass share that cost
-        and run eagerly (dynamo specializes the prompt count, so each count would be a compile of its own: two counts
-        cost 30 s cold on the tiny zoo, one 20 s). A long-lived engine pays it as it starts, a one-off generation not.
-        (On a GPU the prefill stays eager: not measured there.)"""
+        """Compile the whole-prompt prefill and drafter-context passes of one prompt (any length past 1, at any cache
+        row), on a CPU in a mode that compiles, and warm them up (cache row 0 is left free and clean). Eager, their few
+        hundred small operations cost one mini-zoo prompt 1.55 ms against 0.96-1.17 compiled (docs/log.md); several
+        prompts in one pass share that cost and run eagerly (each prompt count would be a compile of its own, about
+        20 s cold on the tiny zoo). A long-lived engine pays it as it starts, a one-off generation not. (On a GPU the
+        prefill stays eager: not measured there.)"""
         if "compile" not in self.mode or self.device.type != "cpu" or self._prefill_compiled is not None:
             return
         started = time.perf_counter()
@@ -665,6 +665,13 @@ class StaticDecoder:
         self.keep_context(0, features)
         self.free(0, clear=True)
         self.steps.add_seconds(time.perf_counter() - started)
+
+    @staticmethod
+    def _fits_compiled_prefill(batch: torch.Tensor) -> bool:
+        """Whether the compiled prefill and context passes (`compile_prefill`: one prompt of at least 2 tokens) take
+        `batch` (k, P, ...) as it is. Others run eagerly at once: called compiled, they would first fail its guards
+        (about 2 ms of a mini-zoo join)."""
+        return batch.shape[0] == 1 and batch.shape[1] > 1
 
     def _prefill_pass(
         self,

@@ -98,7 +98,8 @@ class Steps:
             self.built[(name, *shape)] = self._build(name, *shape)
 
     def compiled_or_eager(self, compiled: Callable, eager: Callable, *args: object) -> object:
-        """`compiled(*args)`; once frozen, `eager(*args)` where the compiled form would recompile."""
+        """`compiled(*args)`; once frozen, `eager(*args)` where the compiled form would recompile (logged once a
+        function: its callers send it only what it was compiled for, so this is a pass slower than it should be)."""
         if not self.frozen:
             return compiled(*args)
         try:
@@ -107,6 +108,10 @@ class Steps:
         except RuntimeError as error:  # these shapes would recompile: eager, the same pass
             if "recompile" not in str(error).lower():
                 raise
+            name = getattr(eager, "__name__", repr(eager))
+            if (name,) not in self._eager:
+                self._eager.add((name,))
+                logger.warning("the compiled %s would compile again for these inputs: it runs eagerly", name)
             return eager(*args)
 
     def add_seconds(self, seconds: float) -> None:
