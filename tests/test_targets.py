@@ -98,10 +98,12 @@ def test_drafts_that_accept_commit_several_tokens_a_cycle_and_the_output_stays_g
 
 
 @pytest.mark.slow
-def test_a_moe_target_compiled_decodes_its_greedy_output(monkeypatch):
+def test_a_moe_target_compiled_decodes_its_greedy_output(monkeypatch, caplog):
     """The compiled cycle (inductor) over a Qwen3-MoE target, one row at b = 2: its 2-token steps gather their
     chosen experts (the wide form is the einsum over every expert, compiled in the same way: checked by hand), and
-    its projections are the fused few-row products (`forwards.linear`), whatever this CPU's MKL measured."""
+    its projections are the fused few-row products (`forwards.linear`), whatever this CPU's MKL measured. A replica's
+    compiled prefill (symbolic lengths: the einsum) takes prompts of any length without falling back, the logits the
+    eager pass's."""
     monkeypatch.setattr(forwards, "few_rows", forwards.FEW_ROWS)
     models = family_models("qwen3-moe")
     requests = [GenerationRequest(prompts(1)[0], GenerationConfig(max_new_tokens=16), FixedBlockSize(2))]
@@ -109,6 +111,15 @@ def test_a_moe_target_compiled_decodes_its_greedy_output(monkeypatch):
     results = generate_many(models, requests, engine=engine)
     assert results[0].token_ids == greedy_reference(models.target, prompts(1)[0], 16)
     assert engine.decoder.built_shapes == [("_cycle", 1, 96, 2, False, False)]
+    decoder = engine.decoder
+    decoder.compile_prefill()  # warmed up on 2 tokens, where the narrow form would gather
+    decoder.steps.frozen = True
+    with caplog.at_level("WARNING", logger="blockpilot.decoding.steps"):
+        for prompt in prompts(4)[1:]:
+            logits, _ = decoder.prefill(0, [torch.tensor(prompt)], context=False)
+            expected = models.target(torch.tensor([prompt])).logits[:, -1].float()
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert "would compile again" not in caplog.text
 
 
 def _tiny_config(kind: str):

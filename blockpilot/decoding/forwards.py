@@ -164,7 +164,8 @@ class _Experts:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         experts = self.router.shape[0]
-        if flat.shape[0] * self.top_k < experts:
+        # Asked without a guard, as in `linear`: a prompt's length is symbolic, and a prompt runs every expert.
+        if statically_known_true(flat.shape[0] * self.top_k < experts):
             gate, up = (self.gate_up[chosen] @ flat[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)  # (T, k, I)
             out = (self.down[chosen] @ (F.silu(gate) * up)[..., None]).squeeze(-1)  # (T, k, hidden)
             return (out * weights[..., None]).sum(dim=1).reshape(shape)
