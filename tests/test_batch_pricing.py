@@ -155,14 +155,32 @@ def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_mod
     # A fixed b is the request's own choice: its batch drafts whatever it costs.
     fixed = decode(tiny_models, slow_drafts(), [Drafts(4), FixedBlockSize(4)])
     assert all(b > 1 for result in fixed for b in result.block_sizes[:-1])
-    # A lone row: the policy's choice stands.
-    (alone,) = decode(tiny_models, slow_drafts(), [Drafts(4)])
-    assert set(alone.block_sizes[:-1]) == {4}
     # Drafting that pays is kept.
     cheap_drafts = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1.0, draft=1.0)
     assert all(
         b > 1 for result in decode(tiny_models, cheap_drafts, [Drafts(4)] * 3) for b in result.block_sizes[:-1]
     )
+
+
+def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says_its_chain_loses(tiny_models):
+    """A lone row that keeps the chain its adaptive policy chose drafts it while, at the row's slot acceptance rate
+    (shrunk toward every row's) and what a lone row's cycles cost here (`LonePeriods`), the chain commits more
+    tokens a second than autoregression; once it would not, the row decodes autoregressive for good, without the drafter.
+    A fixed b is the request's own, and prices not measured decide nothing. Greedy either way."""
+
+    def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float):
+        engine = Engine(tiny_models, max_batch=1, width=4)
+        for width, seconds in ((1, autoregressive), (4, draft)):
+            if seconds is not None:
+                engine.lone_periods.observe(width, seconds)  # as if lone cycles had taken it
+        engine.acceptance.add(4, 2)  # one drafted slot seen
+        return decode(tiny_models, engine, [policy])[0]
+
+    slow = alone(Drafts(4), autoregressive=1e-6, draft=1.0)
+    assert slow.block_sizes[0] == 4 and set(slow.block_sizes[1:]) == {1} and slow.drafter_forward_passes == 1
+    for kept in (alone(Drafts(4), autoregressive=1.0, draft=1e-6), alone(FixedBlockSize(4), 1e-6, 1.0)):
+        assert before_the_budget(kept) == {4}
+    assert before_the_budget(alone(Drafts(4), autoregressive=None, draft=1.0)) == {4}
 
 
 def test_an_autoregressive_price_not_measured_is_measured_first(tiny_models):

@@ -5,7 +5,9 @@ every adaptive row drafts the whole width (`Engine._widened`). A chain cycle of 
 (a fixed b is the request's own choice) runs the width, among those the engine measured at that row bucket
 (`MeasuredPrices`: compared under the same conditions), autoregression included, at which its rows commit the most
 expected tokens a second (`batch_width`); lossless, as any b is, and each policy chooses again after it. At one row
-the policy's own choice stands.
+the policy's own choice stands, but for a row that keeps a chain: where, at its own acceptance so far and what a lone
+row's cycles cost (`LonePeriods`), the chain would commit fewer tokens a second than autoregression, the row decodes
+autoregressive for good (`Engine._drafts_at_a_loss`).
 
 A chain's expected tokens at b: its slots accepted independently at a slot acceptance rate a (drafted slots kept over
 those tried up to each first rejection) commit (1 - a^b) / (1 - a) tokens, the target's own included. A row's: the
@@ -30,6 +32,10 @@ from dataclasses import dataclass, field
 from blockpilot.blocks import AUTOREGRESSIVE
 
 PRIOR_SLOTS = 4  # how many drafted slots the engine-wide rate counts for in a row's own
+# ... in a lone row's own, where its chain is weighed against autoregression for the rest of the row
+# (`Engine._drafts_at_a_loss`): a row's acceptance comes in bursts, and at 16 slots rows whose chains paid were
+# switched (docs/log.md, "a lone row's chain priced")
+LONE_PRIOR_SLOTS = 64
 PRICE_WARM_UP = 2  # a shape's first passes (building it, cold caches) are no price
 PRICE_WEIGHT = 0.1  # the newest measurement's weight in a measured price
 LEVEL_FRESH = 4  # priced cycles after which a row bucket's level is set again by its next cycle
@@ -38,6 +44,7 @@ REMEASURE_FIRST = 32  # cycles of one width at a row bucket before the runner-up
 REMEASURE_MOST = 512  # ... doubling each time the choice stands, up to this many
 SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
 EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
+LONE_PERIODS = 64  # a lone row's cycles at a width whose median prices that width (`LonePeriods`)
 
 
 def moving_price(old: float | None, seconds: float) -> float:
@@ -138,6 +145,27 @@ class MeasuredPrices:
         return True
 
 
+class LonePeriods:
+    """What a lone row's cycle costs at each width bucket, all in: from its start to the next cycle's start, so with
+    what the host spends after it (the engine's step, a server handing out its tokens: per cycle, so more a token
+    for autoregression); the median of the last `LONE_PERIODS` at that width. `MeasuredPrices` compares a width
+    with the others by the first cycle after a switch, and a cycle right after another width's runs cold: in a
+    served replica, where such a switch comes with a request's start, its level and factors priced an
+    autoregressive cycle of 0.61 ms at 0.84-1.31 ms, and a width-8 one of 1.45-1.53 ms at 1.25-1.66 ms
+    (docs/log.md, "a lone row's chain priced"). So only a cycle that follows one of its own width counts."""
+
+    def __init__(self) -> None:
+        self._periods: dict[int, deque[float]] = {}
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A lone cycle at width bucket `width`, after one at the same width, took `seconds` to the next's start."""
+        self._periods.setdefault(width, deque(maxlen=LONE_PERIODS)).append(seconds)
+
+    def at(self) -> dict[int, float]:
+        """Width bucket -> the median period of its counted cycles (the widths with at least one; 0.6 us each)."""
+        return {width: statistics.median(periods) for width, periods in self._periods.items()}
+
+
 @dataclass
 class SlotAcceptance:
     """The drafted slots a row (or every row) kept, and how many of its drafting cycles rejected one."""
@@ -160,9 +188,9 @@ class SlotAcceptance:
         """The slot acceptance rate as counted (at least one slot tried)."""
         return self.accepted / self.tried
 
-    def rate(self, prior: float) -> float:
-        """The slot acceptance rate, shrunk toward `prior` by `PRIOR_SLOTS` slots."""
-        return (self.accepted + PRIOR_SLOTS * prior) / (self.tried + PRIOR_SLOTS)
+    def rate(self, prior: float, slots: int = PRIOR_SLOTS) -> float:
+        """The slot acceptance rate, shrunk toward `prior` by `slots` slots."""
+        return (self.accepted + slots * prior) / (self.tried + slots)
 
 
 def expected_commits(rate: float, block_size: int) -> float:

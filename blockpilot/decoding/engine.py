@@ -38,7 +38,15 @@ import torch
 
 from blockpilot.blocks import AUTOREGRESSIVE, flushes
 from blockpilot.checks import positive_int
-from blockpilot.decoding.batch_pricing import Exploration, MeasuredPrices, SlotAcceptance, batch_width
+from blockpilot.decoding.batch_pricing import (
+    LONE_PRIOR_SLOTS,
+    Exploration,
+    LonePeriods,
+    MeasuredPrices,
+    SlotAcceptance,
+    batch_width,
+    expected_commits,
+)
 from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.decoding.rows import (
@@ -179,6 +187,9 @@ class Engine(RowScheduler):
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
+        self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
+        # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
+        self._last_lone: tuple[float, int, bool] | None = None
 
     @property
     def capacity(self) -> int:
@@ -320,6 +331,8 @@ class Engine(RowScheduler):
         updates: list[RowUpdate] = []
         self._drop_cancelled(updates)
         joining = self._joining()
+        if joining or self.prefilling is not None:  # a prefill comes between this step's cycle and the last
+            self._last_lone = None
         batch_rows = len(self.rows) + len(joining)
         for group in prefill_groups([row.prompt.numel() for row in joining], PREFILL_MAX_PADDING):
             rows = [joining[i] for i in group]
@@ -508,6 +521,9 @@ class Engine(RowScheduler):
     def _cycle(self, updates: list[RowUpdate]) -> None:
         started = time.perf_counter()
         rows, n = self.rows, len(self.rows)
+        last = self._last_lone
+        if n == 1 and last is not None and last[2]:
+            self.lone_periods.observe(last[1], started - last[0])
         chosen = [min(row.block_size, self.width) for row in rows]
         bucket = next(b for b in self.buckets if b >= n)
         chains = all(row.tree_budget is None for row in rows)
@@ -587,6 +603,8 @@ class Engine(RowScheduler):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= row.config.max_new_tokens:
                 row.stop_reason = "length"
+            if row.stop_reason is None and n == 1 and self._drafts_at_a_loss(row):
+                row.block_size, row.drafter_context = AUTOREGRESSIVE, False
             if row.stop_reason is None:
                 anchor = self.decoder.anchor_logits[index]
                 chose = decided if chains and self._cycle_decides(row) and decided > 0 else None
@@ -594,6 +612,8 @@ class Engine(RowScheduler):
             else:
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)
+        lone = n == 1 and chains
+        self._last_lone = (started, width, last is not None and last[1] == width) if lone else None
 
     @staticmethod
     def _widened(rows: list[Row], chosen: list[int], width: int) -> list[int]:
@@ -646,6 +666,22 @@ class Engine(RowScheduler):
         width, whatever its policy would answer (`_batch_width`): the hook, 10% of such a row's time at 4 rows through
         the endpoint on a 2-core CPU (docs/log.md), is asked only before a cycle it runs alone."""
         return self.batch_pricing and batch_rows > 1 and row.batch_chooses and row.tree_budget is None
+
+    def _drafts_at_a_loss(self, row: Row) -> bool:
+        """Whether a lone row that keeps the chain its adaptive policy chose for the request would commit fewer
+        expected tokens a second drafting it than decoding autoregressively: at its own slot acceptance rate so far
+        (shrunk toward every row's by `LONE_PRIOR_SLOTS` slots) and what a lone row's cycles cost here, all in
+        (`LonePeriods`). Such a row decodes autoregressive for good from its next cycle. A per-request choice is
+        made from the prompt, on labels priced by a cost curve of another spell; this one is the row's own, here and
+        now (docs/log.md, "a lone row's chain priced")."""
+        if not (row.keeps_block_size and row.policy.adapts and row.drafter_context and row.tree_budget is None):
+            return False
+        b = min(row.block_size, self.width)
+        width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
+        if b == AUTOREGRESSIVE or not {AUTOREGRESSIVE, width} <= periods.keys() or not self.acceptance.tried:
+            return False
+        tokens = expected_commits(row.acceptance.rate(self.acceptance.measured, LONE_PRIOR_SLOTS), b)
+        return tokens / periods[width] < 1.0 / periods[AUTOREGRESSIVE]
 
     def _observe_savings(self, row: Row, size: int, committed: int, seconds: float) -> None:
         """A lone cycle of a row that started autoregressive and keeps the option to draft: what its policy's drafts
