@@ -151,7 +151,7 @@ class LonePeriods:
     for autoregression); the median of the last `LONE_PERIODS` at that width. `MeasuredPrices` compares a width
     with the others by the first cycle after a switch, and a cycle right after another width's runs cold: in a
     served replica, where such a switch comes with a request's start, its level and factors priced an
-    autoregressive cycle of 0.61 ms at 0.84-1.31 ms, and a width-8 one of 1.45-1.53 ms at 1.25-1.66 ms
+    autoregressive cycle of 0.61-0.64 ms at 0.84-1.31 ms, and a width-8 one of 1.38-1.53 ms at 1.25-1.66 ms
     (docs/log.md, "a lone row's chain priced"). So only a cycle that follows one of its own width counts."""
 
     def __init__(self) -> None:
