@@ -165,8 +165,8 @@ def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_mod
 def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says_its_chain_loses(tiny_models):
     """A lone row that keeps the chain its adaptive policy chose drafts it while, at the row's slot acceptance rate
     (shrunk toward every row's) and what a lone row's cycles cost here (`LonePeriods`), the chain commits more
-    tokens a second than autoregression; once it would not, the row decodes autoregressive for good, without the drafter.
-    A fixed b is the request's own, and prices not measured decide nothing. Greedy either way."""
+    tokens a second than autoregression; once it would not, the row decodes autoregressive for good, without the
+    drafter. A fixed b is the request's own, and prices not measured decide nothing. Greedy either way."""
 
     def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float):
         engine = Engine(tiny_models, max_batch=1, width=4)

@@ -677,8 +677,10 @@ class Engine(RowScheduler):
         if not (row.keeps_block_size and row.policy.adapts and row.drafter_context and row.tree_budget is None):
             return False
         b = min(row.block_size, self.width)
+        if b == AUTOREGRESSIVE or not self.acceptance.tried:
+            return False
         width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
-        if b == AUTOREGRESSIVE or not {AUTOREGRESSIVE, width} <= periods.keys() or not self.acceptance.tried:
+        if not {AUTOREGRESSIVE, width} <= periods.keys():
             return False
         tokens = expected_commits(row.acceptance.rate(self.acceptance.measured, LONE_PRIOR_SLOTS), b)
         return tokens / periods[width] < 1.0 / periods[AUTOREGRESSIVE]
