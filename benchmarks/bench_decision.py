@@ -112,14 +112,13 @@ def main() -> None:
     for name in ("without", "with", *RECOMPILED, "step")[: 5 if step else 4]:
         decoder = StaticDecoder(models, rows=2, width=widest, capacity=512, compile="compile")
         decoders[name] = without_confidence(decoder) if name == "without" else decoder
-        inputs = []
+        decoder.prefill(0, [prompt])
+        decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0)
         if name == "step":
             decision = step.cycle_decision(models.device)
             decoder.set_decision(decision, decision.inputs)
             if decision.inputs:  # a prior's b0 and its (here uniform) probabilities
-                inputs = [float(widest), *[1 / len(step.candidates)] * len(step.candidates)]
-        decoder.prefill(0, [prompt])
-        decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0, decision_inputs=inputs)
+                decoder.set_decision_inputs(0, [float(widest), *[1 / len(step.candidates)] * len(step.candidates)])
         if name in RECOMPILED:
             with compiled_with(**RECOMPILED[name]):
                 for width, context in shapes:

@@ -225,6 +225,34 @@ def test_a_lone_rows_choice_inside_the_cycle_is_the_hooks_and_asks_no_hook(tiny_
     assert random_weights or len(set(sizes)) > 1, "a model that never changes b would not test the choice"
 
 
+def test_a_row_that_runs_alone_after_a_batch_decides_inside_the_cycle_with_its_own_prior(tiny_models):
+    """The cycle decides for a lone row only, so a row's per-request inputs (the prior's b0 and probabilities) are
+    placed when it first runs alone: a row that starts beside another (asked on the host) and then runs alone in a
+    cache row another request used chooses what the walk of the same model chooses, cycle by cycle."""
+    vocab = vocab_of(tiny_models)
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    sweep = sweep_prompt(tiny_models, prompt, SweepConfig(CANDIDATES, max_new_tokens=40))
+    (table,) = sweep.tables
+    model = random_prior_step_model(14, CANDIDATES, vocab)
+    first = LearnedPolicy(random_predictor(CANDIDATES, vocab, 5))
+    policy = PriorStepPolicy(model, first)
+    known = (first.initial_block_size(sweep.prefill), first.probabilities(sweep.prefill))
+    sizes, lengths = walk_step_model(model, table, sweep_anchors(sweep), *known)
+    engine = Engine(tiny_models, width=max(CANDIDATES), compile="off", sampling=False, batch_pricing=False)
+    other = tiny_models.encode_prompt("Hi")
+    # another request's inputs in cache row 0 first, then the short row beside ours
+    generate_many(tiny_models, [GenerationRequest(other, GenerationConfig(max_new_tokens=8), policy)], engine=engine)
+    beside = GenerationRequest(other, GenerationConfig(max_new_tokens=6), resolve_policy("fixed:2", tiny_models))
+    _, live = generate_many(
+        tiny_models, [beside, GenerationRequest(prompt, GenerationConfig(max_new_tokens=40), policy)], engine=engine
+    )
+    assert live.token_ids == greedy_reference(tiny_models.target, prompt, 40)
+    cursors = np.cumsum([1, *lengths[:-1]])
+    cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
+    assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
+    assert engine.decoder.decision_inputs[0].tolist() == pytest.approx([known[0], *known[1]])
+
+
 def test_regret_is_zero_at_the_per_step_oracle_and_evaluation_orders_policies(tiny_labels):
     rows = step_rows(pq.read_table(tiny_labels["train"]))
     candidates = rows[0].tables[0].candidates

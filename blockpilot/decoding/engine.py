@@ -472,7 +472,6 @@ class Engine(RowScheduler):
                 rejection=row.config.verify == "rejection",
                 top_k=row.config.top_k,
                 top_p=row.config.top_p,
-                decision_inputs=self._decision_inputs(row),
             )
             if row.failure is None:
                 if firsts[index] in row.config.stop_token_ids:
@@ -490,12 +489,15 @@ class Engine(RowScheduler):
         not keep its b (a kept row runs the cycle without the choice and reads none)."""
         return row.policy is self._cycle_policy and not row.keeps_block_size
 
-    def _decision_inputs(self, row: Row) -> list[float]:
-        """What the cycle's decision reads of this row's request, where the cycle decides for it (`_cycle_decides`; a
-        row that keeps its b is never asked: its request then runs no predictor pass for the prior's probabilities)."""
-        if not (self._cycle_decides(row) and row.drafter_context) or row.failure is not None:
-            return []
-        return self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
+    def _place_decision_inputs(self, row: Row) -> None:
+        """What the cycle's decision reads of the lone row's request, placed before its first cycle that decides for
+        it (`_cycle_decides`): the cycle decides for one row only, and a request's inputs may cost a predictor pass
+        (the prior's probabilities), which a row that never runs alone, or keeps its b, never pays (2% of the
+        engine's time at 4 clients through the decoder on the mini zoo: docs/log.md)."""
+        row.decision_placed = True
+        if self._cycle_decides(row) and row.drafter_context and self.decoder.decision_inputs.shape[1]:
+            inputs = self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
+            self.decoder.set_decision_inputs(0, inputs)
 
     def _autoregressive_for_good(self, row: Row, option: float, batch_rows: int, batch_drafts: bool | None) -> bool:
         """The row's policy's answer (`autoregressive_for_good`), given what its drafts saved the rows that kept the
@@ -556,6 +558,8 @@ class Engine(RowScheduler):
         if chains:  # the chain cycle, also on a tree engine
             rejection = any(row.config.temperature > 0 and row.config.verify == "rejection" for row in rows)
             decide = n > 1 or not rows[0].keeps_block_size  # a lone row that keeps its b skips the choice
+            if n == 1 and decide and not rows[0].decision_placed:
+                self._place_decision_inputs(rows[0])
             tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context, truncate, decide)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):

@@ -90,6 +90,7 @@ class Row:
     decode_time: float = 0.0
     prefill_state: PrefillState | None = None
     keeps_block_size: bool = False  # its policy keeps its first b to the end (`keeps_block_size_of`), set at join
+    decision_placed: bool = False  # the cycle's decision has its request's inputs (`Engine._place_decision_inputs`)
     stop_reason: StopReason | None = None
     cancelled: bool = False
     failure: BaseException | None = None  # why the row ended with stop reason "error"

@@ -734,19 +734,12 @@ class StaticDecoder:
         rejection: bool = False,
         top_k: int = 0,
         top_p: float = 1.0,
-        decision_inputs: Sequence[float] = (),
     ) -> None:
         """Row `row`, whose cache holds `length` positions, decodes from `last_token` (at position `length`),
         verifying by `rejection` (at T > 0, in cycles run with `rejection=True`) or by matching, and sampling its
-        distributions cut to `top_k` tokens (0: all) and `top_p` of their mass in cycles run with `truncate=True`.
-        `decision_inputs`: the request's numbers the cycle's decision reads (`set_decision`), where it has one."""
+        distributions cut to `top_k` tokens (0: all) and `top_p` of their mass in cycles run with `truncate=True`."""
         if temperature > 0 and not self.sampling:
             raise ValueError("rows at temperature > 0 need a decoder built with sampling=True")
-        if len(decision_inputs) not in (0, self.decision_inputs.shape[1]):
-            expected = self.decision_inputs.shape[1]
-            raise ValueError(f"the cycle's decision reads {expected} inputs, got {list(decision_inputs)}")
-        if len(decision_inputs):
-            self.decision_inputs[row] = torch.as_tensor(list(decision_inputs), dtype=torch.float32)
         self.origins[row] = length - 1  # `last_token` is the first generated token
         self.length[row], self.last_token[row] = length, last_token
         self.temperatures[row], self.seeds[row], self.rejection[row] = temperature, seed, rejection
@@ -755,6 +748,14 @@ class StaticDecoder:
         self._host_block_sizes[row] = 1
         if self.drafter is not None:
             self.pending_count[row] = 0
+
+    def set_decision_inputs(self, row: int, inputs: Sequence[float]) -> None:
+        """The request's numbers the cycle's decision reads for row `row` (`set_decision`), before its first cycle
+        that decides (a placed row's are another request's until then)."""
+        if len(inputs) != self.decision_inputs.shape[1]:
+            expected = self.decision_inputs.shape[1]
+            raise ValueError(f"the cycle's decision reads {expected} inputs, got {list(inputs)}")
+        self.decision_inputs[row] = torch.as_tensor(list(inputs), dtype=torch.float32)
 
     def set_block_sizes(self, sizes: Sequence[int]) -> None:
         """The b of rows 0 .. len(sizes) - 1 for the next cycle, each in [1, width]."""
