@@ -238,6 +238,24 @@ def test_rows_joining_where_the_batch_would_not_draft_start_autoregressive_for_g
     assert cheap.exploration_under_load.declined == 0
 
 
+def test_a_row_joining_an_idle_engine_prices_its_option_at_the_load_the_engine_ran(tiny_models):
+    """Between a closed loop's requests a row can join an idle engine and run beside the others a moment later: it
+    prices its option to draft at the median rows of the engine's last cycles. After cycles of 3 rows where the
+    batch would not draft, a lone row starts autoregressive for good; on an engine that ran nothing, it drafts."""
+    prompt = tiny_models.encode_prompt(TEXTS[0])
+    lone = [GenerationRequest(prompt, GenerationConfig(max_new_tokens=TOKENS), Drafts(4))]
+    loaded = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
+    decode(tiny_models, loaded, [Drafts(4)] * 3)
+    assert loaded.recent_load.rows(1) == 3
+    declined = loaded.exploration_under_load.declined
+    (result,) = generate_many(tiny_models, lone, engine=loaded)
+    assert set(result.block_sizes) == {1} and loaded.exploration_under_load.declined == declined + 1
+    idle = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1e-6, draft=1.0)
+    (result,) = generate_many(tiny_models, lone, engine=idle)
+    assert result.block_sizes[0] == 4 and idle.exploration_under_load.declined == 0
+    assert result.token_ids == greedy_reference(tiny_models.target, prompt, TOKENS)
+
+
 class ChoosesAutoregression(BlockSizePolicy):
     """An adaptive per-step policy that chooses b = 1 every cycle: its rows keep the drafter's context."""
 

@@ -20,6 +20,7 @@ keep, and its per-cycle hook. The engine measures them as it runs and hands thei
 autoregressive time to the policy, which weighs it against what its drafts would save
 (`BlockSizePolicy.autoregressive_for_good`). What they save the engine measures too, per policy, in the cycles such
 rows run alone (`DraftSavings`): a row that joins alone weighs that, where it was measured, against the price.
+Alone or under load is the load a joining row can expect (`RecentLoad`), not only the batch it joins.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ REMEASURE_MOST = 512  # ... doubling each time the choice stands, up to this man
 SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
 EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
 LONE_PERIODS = 64  # a lone row's cycles at a width whose median prices that width (`LonePeriods`)
+LOAD_CYCLES = 64  # the engine's last cycles whose rows tell the load a joining row can expect (`RecentLoad`)
 
 
 def moving_price(old: float | None, seconds: float) -> float:
@@ -164,6 +166,25 @@ class LonePeriods:
     def at(self) -> dict[int, float]:
         """Width bucket -> the median period of its counted cycles (the widths with at least one; 0.6 us each)."""
         return {width: statistics.median(periods) for width, periods in self._periods.items()}
+
+
+class RecentLoad:
+    """The rows a joining row can expect to run beside: at least those of the batch it joins, and the median rows of
+    the engine's last `LOAD_CYCLES` cycles. Under a steady load a row can still join an idle engine, between a
+    closed loop's requests (at 4 clients through the decoder on the mini zoo, a quarter of the rows did), and a
+    moment later runs beside the others: its option to draft is priced at that load (docs/log.md, "the load a
+    joining row expects")."""
+
+    def __init__(self) -> None:
+        self._rows: deque[int] = deque(maxlen=LOAD_CYCLES)
+
+    def observe(self, rows: int) -> None:
+        """A cycle ran `rows` rows."""
+        self._rows.append(rows)
+
+    def rows(self, batch_rows: int) -> int:
+        """The load a row joining a batch of `batch_rows` rows (itself included) can expect."""
+        return max(batch_rows, statistics.median_low(self._rows)) if self._rows else batch_rows
 
 
 @dataclass

@@ -43,6 +43,7 @@ from blockpilot.decoding.batch_pricing import (
     Exploration,
     LonePeriods,
     MeasuredPrices,
+    RecentLoad,
     SlotAcceptance,
     batch_width,
     expected_commits,
@@ -188,6 +189,7 @@ class Engine(RowScheduler):
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
         self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
+        self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
         self._last_lone: tuple[float, int, bool] | None = None
 
@@ -442,14 +444,15 @@ class Engine(RowScheduler):
             row.keeps_block_size = row.policy.keeps_block_size_of(row.prefill_state)
             if not row.policy.keeps_block_size:
                 self.decide_in_cycle(row.policy)
-        autoregressive_price = (self._prices(batch_rows) or {}).get(AUTOREGRESSIVE)
-        batch_drafts = self._batch_drafts(batch_rows, joining)
+        load = self.recent_load.rows(batch_rows)  # its option to draft is priced at the load it can expect
+        autoregressive_price = (self._prices(load) or {}).get(AUTOREGRESSIVE)
+        batch_drafts = self._batch_drafts(load, joining)
         for row in joining:
-            asks_hook = not self._chosen_by_batch(row, batch_rows)  # under load the batch chooses, unasked
+            asks_hook = not self._chosen_by_batch(row, load)  # under load the batch chooses, unasked
             option = self.option_price.share(
-                row.prompt.numel(), row.config.max_new_tokens, batch_rows, autoregressive_price, asks_hook
+                row.prompt.numel(), row.config.max_new_tokens, load, autoregressive_price, asks_hook
             )
-            row.drafter_context = not self._autoregressive_for_good(row, option, batch_rows, batch_drafts)
+            row.drafter_context = not self._autoregressive_for_good(row, option, load, batch_drafts)
         if features is not None and any(row.drafter_context for row in joining):
             started = time.perf_counter()
             self.decoder.keep_context(first_row, features)
@@ -493,25 +496,26 @@ class Engine(RowScheduler):
         """What the cycle's decision reads of the lone row's request, placed before its first cycle that decides for
         it (`_cycle_decides`): the cycle decides for one row only, and a request's inputs may cost a predictor pass
         (the prior's probabilities), which a row that never runs alone, or keeps its b, never pays (2% of the
-        engine's time at 4 clients through the decoder on the mini zoo: docs/log.md)."""
+        engine's time at 4 clients on the mini zoo: docs/log.md, "the load a joining row expects")."""
         row.decision_placed = True
         if self._cycle_decides(row) and row.drafter_context and self.decoder.decision_inputs.shape[1]:
             inputs = self.decoder.decision.row_inputs(row.prefill_state, row.chosen_block_size)
             self.decoder.set_decision_inputs(0, inputs)
 
-    def _autoregressive_for_good(self, row: Row, option: float, batch_rows: int, batch_drafts: bool | None) -> bool:
+    def _autoregressive_for_good(self, row: Row, option: float, load: int, batch_drafts: bool | None) -> bool:
         """The row's policy's answer (`autoregressive_for_good`), given what its drafts saved the rows that kept the
-        option in lone cycles where the row joins alone (`DraftSavings`); every `EXPLORE_EVERY`-th row that only the
-        measured saving sends autoregressive keeps the option. Under load the batch chooses the row's width: where at
-        this load it would not draft were every row able to (`_batch_drafts`), the option buys nothing while the load
-        lasts, and the row starts autoregressive for good (its drafter context and flushes cost 12% of autoregression
-        at 16 rows on the mini zoo's CPU: docs/log.md), but for every `EXPLORE_EVERY`-th."""
+        option in lone cycles where the row can expect to run alone (`load`: `RecentLoad`; `DraftSavings`); every
+        `EXPLORE_EVERY`-th row that only the measured saving sends autoregressive keeps the option. Under load the
+        batch chooses the row's width: where at this load it would not draft were every row able to
+        (`_batch_drafts`), the option buys nothing while the load lasts, and the row starts autoregressive for good
+        (its drafter context and flushes cost 12% of autoregression at 16 rows on the mini zoo's CPU: docs/log.md),
+        but for every `EXPLORE_EVERY`-th."""
         policy, state = row.policy, row.prefill_state
-        if self._chosen_by_batch(row, batch_rows) and batch_drafts is False:
+        if self._chosen_by_batch(row, load) and batch_drafts is False:
             if not self.exploration_under_load.explores():
                 row.block_size = AUTOREGRESSIVE
                 return True
-        savings = self.draft_savings(policy) if batch_rows == 1 else None
+        savings = self.draft_savings(policy) if load == 1 else None
         saves = savings.share if savings is not None else None
         if not policy.autoregressive_for_good(state, row.block_size, option, saves):
             return False
@@ -523,6 +527,7 @@ class Engine(RowScheduler):
     def _cycle(self, updates: list[RowUpdate]) -> None:
         started = time.perf_counter()
         rows, n = self.rows, len(self.rows)
+        self.recent_load.observe(n)
         last = self._last_lone
         if n == 1 and last is not None and last[2]:
             self.lone_periods.observe(last[1], started - last[0])
