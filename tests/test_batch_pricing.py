@@ -86,16 +86,19 @@ def test_a_factor_measured_under_passing_conditions_is_measured_again():
     for width, seconds in [(1, 3.0), (8, 4.0)]:
         for _ in range(PRICE_WARM_UP + 1):
             prices.observe(4, width, seconds)
-    ran = []
+    ran = [8]
     for _ in range(2_000):
         measured = {width: prices.at(4)[width] for width in (1, 8)}
         best = batch_width(rates, 0.5, measured)
         width = (8 if best == 1 else 1) if prices.remeasures(4, best) else best
-        prices.observe(4, width, truth[width])
+        cold = width != ran[-1]  # the first cycle after a switch, 3x slow: no price (`Engine._cycle`)
+        prices.observe(4, width, 3 * truth[width] if cold else truth[width], cold)
         ran.append(width)
+    ran = ran[1:]
     assert set(ran[: REMEASURE_FIRST - 1]) == {8}  # the prices chose width 8
-    assert 1 <= ran[-1_000:].count(8) <= 1_000 // REMEASURE_FIRST + 1  # then autoregression; width 8 still measured
-    assert ran[-500:].count(1) >= 500 - (500 // REMEASURE_MOST + 1) and REMEASURE_FIRST < REMEASURE_MOST
+    # then autoregression; width 8 still measured, two cycles each time
+    assert 2 <= ran[-1_000:].count(8) <= 2 * (1_000 // REMEASURE_FIRST + 1)
+    assert ran[-500:].count(1) >= 500 - 2 * (500 // REMEASURE_MOST + 1) and REMEASURE_FIRST < REMEASURE_MOST
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,29 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     for kept in (alone(Drafts(4), autoregressive=1.0, draft=1e-6), alone(FixedBlockSize(4), 1e-6, 1.0)):
         assert before_the_budget(kept) == {4}
     assert before_the_budget(alone(Drafts(4), autoregressive=None, draft=1.0)) == {4}
+
+
+def test_a_batchs_cycle_right_after_a_prefill_or_another_shape_is_no_price(tiny_models):
+    """Where the batch chooses the width, widths are compared on warm cycles: the first after a prefill, a flush or
+    another shape is no price. A lone row's cycles all are: its per-step policy pays its switches."""
+    engine = Engine(tiny_models, max_batch=4, width=4)
+    seen, observe = [], engine.prices.observe
+
+    def recording(bucket: int, width: int, seconds: float, cold: bool = False) -> None:
+        seen.append((bucket, width, cold))
+        observe(bucket, width, seconds, cold)
+
+    engine.prices.observe = recording
+    prompts = [tiny_models.encode_prompt(text) for text in TEXTS[:2]]
+    configs = [GenerationConfig(max_new_tokens=n) for n in (8, 24)]
+    requests = [GenerationRequest(p, c, Drafts(4)) for p, c in zip(prompts, configs, strict=True)]
+    generate_many(tiny_models, requests, engine=engine)
+    batch = [entry for entry in seen if entry[0] > 1]  # the two rows' cycles, then the longer one's alone
+    shapes = [entry[:2] for entry in batch]
+    after_another = [shape != before for shape, before in zip(shapes[1:], shapes[:-1], strict=True)]
+    assert len(batch) > 1 and [cold for *_, cold in batch] == [True, *after_another]  # the first after the prefill
+    lone = [entry for entry in seen if entry[0] == 1]
+    assert lone and not any(cold for *_, cold in lone)
 
 
 def test_an_autoregressive_price_not_measured_is_measured_first(tiny_models):

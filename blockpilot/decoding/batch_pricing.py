@@ -68,6 +68,7 @@ class BucketPrices:
     moved: int = 0  # the engine's priced cycle that last moved the level
     chosen: int | None = None  # the width the prices chose last (`MeasuredPrices.remeasures`)
     remeasure_after: int = REMEASURE_FIRST
+    remeasuring: bool = False  # the runner-up runs once more: its first cycle ran cold
 
     def measure_factor(self, width: int, factor: float) -> None:
         samples = self.samples.setdefault(width, deque(maxlen=FACTOR_SAMPLES))
@@ -87,7 +88,11 @@ class MeasuredPrices:
     of its last `FACTOR_SAMPLES` measurements); a level not moved in `LEVEL_FRESH` priced cycles is set again by the
     next. A shape's first `PRICE_WARM_UP` cycles are no price. A factor is measured only where the width changes, so
     one measured under passing conditions would keep its bucket at one width for good: `remeasures` says when the
-    runner-up is to run once, to be measured again."""
+    runner-up is to run, to be measured again. Where the batch chooses the width, a cycle right after another
+    shape's, or after anything else the device ran (a prefill, a flush), runs cold and is no price (`observe`'s
+    `cold`): in a served replica such cycles priced 2 and 4 rows at 1.4-2.5x what they take warm (docs/log.md,
+    "widths priced on warm cycles"). A lone row's cycles all count: its per-step policy switches as it chooses, and
+    pays the switch."""
 
     def __init__(self, widths: Sequence[int]):
         self.widths = sorted(widths)  # the engine's width buckets
@@ -104,8 +109,10 @@ class MeasuredPrices:
         """Width bucket -> seconds, of the measured width buckets in `view` (an answer of `at`)."""
         return {width: view[width] for width in self.widths if view and width in view}
 
-    def observe(self, bucket: int, width: int, seconds: float) -> None:
-        """A chain cycle of `bucket` rows at width bucket `width` took `seconds`."""
+    def observe(self, bucket: int, width: int, seconds: float, cold: bool = False) -> None:
+        """A chain cycle of `bucket` rows at width bucket `width` took `seconds`; a `cold` one is no price."""
+        if cold:
+            return
         self._count += 1
         self.cycles[(bucket, width)] += 1
         if self.cycles[(bucket, width)] <= PRICE_WARM_UP:
@@ -133,17 +140,21 @@ class MeasuredPrices:
 
     def remeasures(self, bucket: int, best: int) -> bool:
         """Whether a cycle of `bucket` rows whose prices choose width `best` runs the runner-up instead, to measure
-        its factor again: after `REMEASURE_FIRST` priced cycles in a row at `best`, then after twice as many each
-        time the choice stands (at most `REMEASURE_MOST`: one cycle in 513), from `REMEASURE_FIRST` again once the
-        prices choose another width."""
+        its factor again: two cycles (the first after a switch runs cold) after `REMEASURE_FIRST` priced cycles in a
+        row at `best`, then after twice as many each time the choice stands (at most `REMEASURE_MOST`), from
+        `REMEASURE_FIRST` again once the prices choose another width."""
         prices = self.buckets.get(bucket)
         if prices is None:
             return False
+        if prices.remeasuring:
+            prices.remeasuring = False
+            return True
         if best != prices.chosen:
             prices.chosen, prices.remeasure_after = best, REMEASURE_FIRST
         if prices.last_width != best or prices.run < prices.remeasure_after:
             return False
         prices.remeasure_after = min(2 * prices.remeasure_after, REMEASURE_MOST)
+        prices.remeasuring = True
         return True
 
 

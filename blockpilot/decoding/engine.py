@@ -192,6 +192,7 @@ class Engine(RowScheduler):
         self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
         self._last_lone: tuple[float, int, bool] | None = None
+        self._last_shape: tuple[int, int] | None = None  # the last chain cycle's (bucket, width), nothing after it
 
     @property
     def capacity(self) -> int:
@@ -334,7 +335,7 @@ class Engine(RowScheduler):
         self._drop_cancelled(updates)
         joining = self._joining()
         if joining or self.prefilling is not None:  # a prefill comes between this step's cycle and the last
-            self._last_lone = None
+            self._last_lone = self._last_shape = None
         batch_rows = len(self.rows) + len(joining)
         for group in prefill_groups([row.prompt.numel() for row in joining], PREFILL_MAX_PADDING):
             rows = [joining[i] for i in group]
@@ -557,6 +558,7 @@ class Engine(RowScheduler):
             synchronize(self.device)
             flushed = time.perf_counter() - flushing
             self.option_price.observe("flush", flushed / pending)  # a kept cycle's
+            self._last_shape = None
             for row in rows:
                 row.pending_context = 0
         truncate = any(row.config.truncates for row in rows)
@@ -585,7 +587,10 @@ class Engine(RowScheduler):
         # context adds is the option's, and an autoregressive cycle that keeps it (`defer`) costs what one that skips
         # it does (0.162 against 0.163 ms on the mini zoo, docs/log.md): both price b = 1
         if chains and not self.decoder.packed:
-            self.prices.observe(bucket, width, elapsed - flushed)
+            batch_chose = self.batch_pricing and n > 1  # its width runs in stretches: compared warm
+            cold = batch_chose and self._last_shape != (bucket, width)
+            self.prices.observe(bucket, width, elapsed - flushed, cold)
+        self._last_shape = (bucket, width) if chains and not self.decoder.packed else None
         if n == 1:
             self._observe_savings(rows[0], sizes[0], host[0][-4], elapsed - flushed)
         finished, going_on = [], []
@@ -653,7 +658,7 @@ class Engine(RowScheduler):
             return width
         measured = self.prices.of_widths(prices)
         best = batch_width(rates, prior, measured)
-        if len(measured) > 1 and self.prices.remeasures(bucket, best):  # the runner-up, once
+        if len(measured) > 1 and self.prices.remeasures(bucket, best):  # the runner-up, twice
             return batch_width(rates, prior, {w: price for w, price in measured.items() if w != best})
         return best
 
