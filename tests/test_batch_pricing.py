@@ -13,6 +13,7 @@ from blockpilot.decoding import GenerationConfig, GenerationRequest, batch_prici
 from blockpilot.decoding.batch_pricing import (
     EXPLORE_EVERY,
     LEVEL_FRESH,
+    LONE_PROBE,
     PRICE_WARM_UP,
     PRIOR_SLOTS,
     REMEASURE_FIRST,
@@ -167,9 +168,11 @@ def test_a_batch_runs_autoregressive_where_drafting_does_not_pay_for_it(tiny_mod
 
 def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says_its_chain_loses(tiny_models):
     """A lone row that keeps the chain its adaptive policy chose drafts it while, at the row's slot acceptance rate
-    (shrunk toward every row's) and what a lone row's cycles cost here (`LonePeriods`), the chain commits more
-    tokens a second than autoregression; once it would not, the row decodes autoregressive for good, without the
-    drafter. A fixed b is the request's own, and prices not measured decide nothing. Greedy either way."""
+    (shrunk toward every row's at its temperature) and what a lone row's cycles cost here (`LonePeriods`), the chain
+    commits more tokens a second than autoregression; once it would not, the row decodes autoregressive for good,
+    without the drafter. A fixed b is the request's own. Where autoregression's period is not measured, the row
+    first runs `LONE_PROBE` autoregressive cycles (the first no period), then its chain, then decides. Greedy
+    either way."""
 
     def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float):
         engine = Engine(tiny_models, max_batch=1, width=4)
@@ -183,7 +186,27 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     assert slow.block_sizes[0] == 4 and set(slow.block_sizes[1:]) == {1} and slow.drafter_forward_passes == 1
     for kept in (alone(Drafts(4), autoregressive=1.0, draft=1e-6), alone(FixedBlockSize(4), 1e-6, 1.0)):
         assert before_the_budget(kept) == {4}
-    assert before_the_budget(alone(Drafts(4), autoregressive=None, draft=1.0)) == {4}
+    probe = [4, *[1] * LONE_PROBE, 4]  # its chain, a probe of autoregression, its chain again (after a flush)
+    probed = alone(Drafts(4), autoregressive=None, draft=1.0)
+    assert probed.block_sizes[: len(probe)] == probe and set(probed.block_sizes[len(probe) :]) == {1}
+    assert probed.drafter_forward_passes == 2
+    fast = alone(Drafts(4), autoregressive=None, draft=1e-6)
+    assert fast.block_sizes[: len(probe)] == probe and 1 not in fast.block_sizes[len(probe) : -2]
+
+
+def test_a_lone_rows_chain_is_priced_at_the_acceptance_of_rows_at_its_temperature(tiny_models):
+    """A sampled row's drafts are kept less often than a greedy one's: its own rate is shrunk toward the rows' at its
+    temperature, not every row's. Every other row's drafts were kept (greedy ones), every sampled row's rejected: a
+    sampled lone row whose chain costs 2x autoregression decodes autoregressive after its first cycle."""
+    engine = Engine(tiny_models, max_batch=1, width=4)
+    engine.lone_periods.observe(1, 1.0)
+    engine.lone_periods.observe(4, 2.0)
+    engine.acceptance = SlotAcceptance(accepted=1_000, rejected=0)
+    engine.acceptance_at[1.0] = SlotAcceptance(accepted=0, rejected=1_000)
+    prompt = tiny_models.encode_prompt(TEXTS[0])
+    request = GenerationRequest(prompt, GenerationConfig(max_new_tokens=TOKENS, temperature=1.0, seed=0), Drafts(4))
+    (result,) = generate_many(tiny_models, [request], engine=engine)
+    assert result.block_sizes[0] == 4 and set(result.block_sizes[1:]) == {1}
 
 
 def test_a_batchs_cycle_right_after_a_prefill_or_another_shape_is_no_price(tiny_models):

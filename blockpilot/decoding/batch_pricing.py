@@ -46,6 +46,9 @@ REMEASURE_MOST = 512  # ... doubling each time the choice stands, up to this man
 SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
 EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
 LONE_PERIODS = 64  # a lone row's cycles at a width whose median prices that width (`LonePeriods`)
+# autoregressive cycles a lone row that keeps a chain runs where no lone autoregressive cycle was measured, to price
+# its chain against autoregression (`Engine._price_lone_chain`): the first follows the chain and is no period
+LONE_PROBE = 3
 LOAD_CYCLES = 64  # the engine's last cycles whose rows tell the load a joining row can expect (`RecentLoad`)
 
 

@@ -40,6 +40,7 @@ from blockpilot.blocks import AUTOREGRESSIVE, flushes
 from blockpilot.checks import positive_int
 from blockpilot.decoding.batch_pricing import (
     LONE_PRIOR_SLOTS,
+    LONE_PROBE,
     Exploration,
     LonePeriods,
     MeasuredPrices,
@@ -188,6 +189,7 @@ class Engine(RowScheduler):
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
+        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per temperature
         self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
         self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
@@ -607,6 +609,7 @@ class Engine(RowScheduler):
             if chains:
                 row.acceptance.add(size, count)
                 self.acceptance.add(size, count)
+                self.acceptance_at.setdefault(row.config.temperature, SlotAcceptance()).add(size, count)
             row.tokens.extend(new_tokens)
             row.block_sizes.append(size)
             row.acceptance_lengths.append(len(new_tokens))
@@ -617,8 +620,8 @@ class Engine(RowScheduler):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= row.config.max_new_tokens:
                 row.stop_reason = "length"
-            if row.stop_reason is None and n == 1 and self._drafts_at_a_loss(row):
-                row.block_size, row.drafter_context = AUTOREGRESSIVE, False
+            if row.stop_reason is None and n == 1 and self.batch_pricing:  # else every policy's own b
+                self._price_lone_chain(row)
             if row.stop_reason is None:
                 anchor = self.decoder.anchor_logits[index]
                 chose = decided if chains and self._cycle_decides(row) and decided > 0 else None
@@ -681,22 +684,42 @@ class Engine(RowScheduler):
         the endpoint on a 2-core CPU (docs/log.md), is asked only before a cycle it runs alone."""
         return self.batch_pricing and batch_rows > 1 and row.batch_chooses and row.tree_budget is None
 
-    def _drafts_at_a_loss(self, row: Row) -> bool:
+    def _price_lone_chain(self, row: Row) -> None:
+        """After a cycle of a lone row that keeps the chain its adaptive policy chose: where the chain loses to
+        autoregression (`_drafts_at_a_loss`), the row decodes autoregressive for good from its next cycle; where no
+        lone autoregressive cycle was measured (a replica whose rows all keep chains), it first runs `LONE_PROBE`
+        autoregressive cycles, keeping the drafter's context, then its chain again (lossless, as any b is)."""
+        if row.probing:
+            row.probing -= 1
+            if not row.probing:
+                row.block_size = row.chosen_block_size
+            return
+        loses = self._drafts_at_a_loss(row)
+        if loses:
+            row.block_size, row.drafter_context = AUTOREGRESSIVE, False
+        elif loses is None:
+            row.block_size, row.probing = AUTOREGRESSIVE, LONE_PROBE
+
+    def _drafts_at_a_loss(self, row: Row) -> bool | None:
         """Whether a lone row that keeps the chain its adaptive policy chose for the request would commit fewer
         expected tokens a second drafting it than decoding autoregressively: at its own slot acceptance rate so far
-        (shrunk toward every row's by `LONE_PRIOR_SLOTS` slots) and what a lone row's cycles cost here, all in
-        (`LonePeriods`). Such a row decodes autoregressive for good from its next cycle. A per-request choice is
-        made from the prompt, on labels priced by a cost curve of another spell; this one is the row's own, here and
-        now (docs/log.md, "a lone row's chain priced")."""
+        (shrunk by `LONE_PRIOR_SLOTS` slots toward the rate of every row at its temperature: a greedy row's drafts
+        are matched, a sampled one's are not) and what a lone row's cycles cost here, all in (`LonePeriods`). Such a
+        row decodes autoregressive for good from its next cycle. A per-request choice is made from the prompt, on
+        labels priced by a cost curve of another spell; this one is the row's own, here and now (docs/log.md, "a
+        lone row's chain priced"). None: its chain is priced and autoregression is not."""
         if not (row.keeps_block_size and row.policy.adapts and row.drafter_context and row.tree_budget is None):
             return False
         b = min(row.block_size, self.width)
-        if b == AUTOREGRESSIVE or not self.acceptance.tried:
+        peers = self.acceptance_at.get(row.config.temperature, self.acceptance)
+        if b == AUTOREGRESSIVE or not peers.tried:
             return False
         width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
-        if not {AUTOREGRESSIVE, width} <= periods.keys():
+        if width not in periods:
             return False
-        tokens = expected_commits(row.acceptance.rate(self.acceptance.measured, LONE_PRIOR_SLOTS), b)
+        if AUTOREGRESSIVE not in periods:
+            return None
+        tokens = expected_commits(row.acceptance.rate(peers.measured, LONE_PRIOR_SLOTS), b)
         return tokens / periods[width] < 1.0 / periods[AUTOREGRESSIVE]
 
     def _observe_savings(self, row: Row, size: int, committed: int, seconds: float) -> None:

@@ -91,6 +91,7 @@ class Row:
     prefill_state: PrefillState | None = None
     keeps_block_size: bool = False  # its policy keeps its first b to the end (`keeps_block_size_of`), set at join
     decision_placed: bool = False  # the cycle's decision has its request's inputs (`Engine._place_decision_inputs`)
+    probing: int = 0  # autoregressive cycles left before it drafts its chain again (`Engine._price_lone_chain`)
     stop_reason: StopReason | None = None
     cancelled: bool = False
     failure: BaseException | None = None  # why the row ended with stop reason "error"
