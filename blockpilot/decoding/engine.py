@@ -189,7 +189,7 @@ class Engine(RowScheduler):
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
-        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per temperature
+        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per temperature to 0.1 (at most 21)
         self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
         self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
@@ -609,7 +609,7 @@ class Engine(RowScheduler):
             if chains:
                 row.acceptance.add(size, count)
                 self.acceptance.add(size, count)
-                self.acceptance_at.setdefault(row.config.temperature, SlotAcceptance()).add(size, count)
+                self.acceptance_at.setdefault(round(row.config.temperature, 1), SlotAcceptance()).add(size, count)
             row.tokens.extend(new_tokens)
             row.block_sizes.append(size)
             row.acceptance_lengths.append(len(new_tokens))
@@ -711,7 +711,7 @@ class Engine(RowScheduler):
         if not (row.keeps_block_size and row.policy.adapts and row.drafter_context and row.tree_budget is None):
             return False
         b = min(row.block_size, self.width)
-        peers = self.acceptance_at.get(row.config.temperature, self.acceptance)
+        peers = self.acceptance_at.get(round(row.config.temperature, 1), self.acceptance)
         if b == AUTOREGRESSIVE or not peers.tried:
             return False
         width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
