@@ -13,6 +13,7 @@ from blockpilot.decoding import GenerationConfig, GenerationRequest, batch_prici
 from blockpilot.decoding.batch_pricing import (
     EXPLORE_EVERY,
     LEVEL_FRESH,
+    LONE_PERIODS,
     LONE_PROBE,
     PRICE_WARM_UP,
     PRIOR_SLOTS,
@@ -177,7 +178,7 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float):
         engine = Engine(tiny_models, max_batch=1, width=4)
         for width, seconds in ((1, autoregressive), (4, draft)):
-            if seconds is not None:
+            for _ in range(LONE_PERIODS if seconds is not None else 0):  # the median, whatever the real cycles take
                 engine.lone_periods.observe(width, seconds)  # as if lone cycles had taken it
         engine.acceptance.add(4, 2)  # one drafted slot seen
         return decode(tiny_models, engine, [policy])[0]
