@@ -228,6 +228,11 @@ class SlotAcceptance:
         return (self.accepted + slots * prior) / (self.tried + slots)
 
 
+def temperature_key(temperature: float) -> float:
+    """The temperature whose rows' acceptance a row's is shrunk toward: to 0.1, so a server keeps at most 21."""
+    return round(temperature, 1)
+
+
 def expected_commits(rate: float, block_size: int) -> float:
     """Tokens a chain of `block_size` commits when each drafted slot is accepted at `rate`, given its predecessors."""
     if rate >= 1.0:

@@ -48,6 +48,7 @@ from blockpilot.decoding.batch_pricing import (
     SlotAcceptance,
     batch_width,
     expected_commits,
+    temperature_key,
 )
 from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
@@ -189,7 +190,7 @@ class Engine(RowScheduler):
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
         self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
-        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per temperature to 0.1 (at most 21)
+        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per `temperature_key`
         self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
         self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
@@ -592,7 +593,9 @@ class Engine(RowScheduler):
             batch_chose = self.batch_pricing and n > 1  # its width runs in stretches: compared warm
             cold = batch_chose and self._last_shape != (bucket, width)
             self.prices.observe(bucket, width, elapsed - flushed, cold)
-        self._last_shape = (bucket, width) if chains and not self.decoder.packed else None
+            self._last_shape = (bucket, width)
+        else:
+            self._last_shape = None
         if n == 1:
             self._observe_savings(rows[0], sizes[0], host[0][-4], elapsed - flushed)
         finished, going_on = [], []
@@ -609,7 +612,8 @@ class Engine(RowScheduler):
             if chains:
                 row.acceptance.add(size, count)
                 self.acceptance.add(size, count)
-                self.acceptance_at.setdefault(round(row.config.temperature, 1), SlotAcceptance()).add(size, count)
+                peers = self.acceptance_at.setdefault(temperature_key(row.config.temperature), SlotAcceptance())
+                peers.add(size, count)
             row.tokens.extend(new_tokens)
             row.block_sizes.append(size)
             row.acceptance_lengths.append(len(new_tokens))
@@ -711,7 +715,7 @@ class Engine(RowScheduler):
         if not (row.keeps_block_size and row.policy.adapts and row.drafter_context and row.tree_budget is None):
             return False
         b = min(row.block_size, self.width)
-        peers = self.acceptance_at.get(round(row.config.temperature, 1), self.acceptance)
+        peers = self.acceptance_at.get(temperature_key(row.config.temperature), self.acceptance)
         if b == AUTOREGRESSIVE or not peers.tried:
             return False
         width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
