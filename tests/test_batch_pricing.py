@@ -5,6 +5,7 @@ row, never a lone row; the output is greedy decoding's either way. Properties fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import pytest
 from support import greedy_reference
@@ -12,6 +13,7 @@ from support import greedy_reference
 from blockpilot.decoding import GenerationConfig, GenerationRequest, batch_pricing, generate_many
 from blockpilot.decoding.batch_pricing import (
     EXPLORE_EVERY,
+    EXPLORE_MOST,
     LEVEL_FRESH,
     LONE_PERIODS,
     LONE_PROBE,
@@ -21,6 +23,7 @@ from blockpilot.decoding.batch_pricing import (
     REMEASURE_MOST,
     SAVINGS_CYCLES,
     DraftSavings,
+    Exploration,
     MeasuredPrices,
     OptionPrice,
     SlotAcceptance,
@@ -264,7 +267,7 @@ def test_a_row_whose_policy_adapts_drafts_every_slot_its_cycle_computes(tiny_mod
 
 def test_rows_joining_where_the_batch_would_not_draft_start_autoregressive_for_good(tiny_models):
     """Under load the batch chooses an adaptive row's width: where at that load it would not draft were every row
-    able to, a joining row keeps no option to draft (b = 1 to its end, alone too), but for every `EXPLORE_EVERY`-th;
+    able to, a joining row keeps no option to draft (b = 1 to its end, alone too), but now and then (`Exploration`);
     where drafting pays, rows keep it. Rows of 8 and 24 tokens: the batch thins to one row. Greedy either way."""
 
     def decode_thinning(engine: Engine) -> list:
@@ -283,9 +286,11 @@ def test_rows_joining_where_the_batch_would_not_draft_start_autoregressive_for_g
     slow.exploration_under_load.declined = EXPLORE_EVERY - 2  # the second row to join keeps the option
     short, long = decode_thinning(slow)
     assert set(short.block_sizes) == {1} and 4 in long.block_sizes  # once alone, its policy's b
+    assert slow.exploration_under_load.interval == 2 * EXPLORE_EVERY  # the next one explores later
     cheap = priced(Engine(tiny_models, max_batch=4, width=4), autoregressive=1.0, draft=1.0)
+    cheap.exploration_under_load = Exploration(declined=5, interval=4 * EXPLORE_EVERY)
     assert all(4 in result.block_sizes for result in decode_thinning(cheap))
-    assert cheap.exploration_under_load.declined == 0
+    assert (cheap.exploration_under_load.declined, cheap.exploration_under_load.interval) == (0, 0)  # started over
 
 
 def test_a_row_joining_an_idle_engine_prices_its_option_at_the_load_the_engine_ran(tiny_models):
@@ -339,7 +344,19 @@ def test_what_drafts_saved_a_row_is_its_drafting_cycles_tokens_at_the_autoregres
     for _ in range(SAVINGS_CYCLES):
         savings.add(4, 4, 2.0, 1.0)
     assert savings.share == pytest.approx(2.0 * SAVINGS_CYCLES / (5.0 + 4.0 * SAVINGS_CYCLES))
-    assert [savings.explores() for _ in range(2 * EXPLORE_EVERY)].count(True) == 2
+    assert [savings.explores() for _ in range(EXPLORE_EVERY)].count(True) == 1
+
+
+def test_rows_explore_less_often_while_the_verdict_stands_and_as_often_as_at_first_once_it_changes():
+    exploration = Exploration()
+    explored = [row for row in range(1, 16 * EXPLORE_MOST) if exploration.explores()]
+    gaps = [later - earlier for earlier, later in pairwise([0, *explored])]
+    assert gaps[:3] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY] and max(gaps) == EXPLORE_MOST
+    assert gaps == sorted(gaps)
+    exploration.declined = EXPLORE_EVERY - 1  # one row short of the first interval, not of the spaced one
+    assert not exploration.explores()
+    exploration.verdict_changed()
+    assert [exploration.explores() for _ in range(EXPLORE_EVERY)] == [False] * (EXPLORE_EVERY - 1) + [True]
 
 
 def test_a_row_whose_b_the_batch_chooses_pays_no_hook_for_its_option():
@@ -369,7 +386,7 @@ def test_a_lone_row_keeps_the_option_to_draft_while_its_policys_drafts_are_measu
 ):
     """Rows that start autoregressive under a policy that may draft later keep the option (the drafter's context,
     the hook asked every cycle) until the engine has measured what that policy's drafts save rows run alone; where
-    they save no more than the option costs, a row joining alone is autoregressive for good, but every
+    they save no more than the option costs, a row joining alone is autoregressive for good, but the
     `EXPLORE_EVERY`-th keeps measuring; where they save more, the option is kept. Greedy either way."""
     monkeypatch.setattr(batch_pricing, "SAVINGS_CYCLES", 40)
     monkeypatch.setattr(batch_pricing, "EXPLORE_EVERY", 3)
@@ -391,8 +408,10 @@ def test_a_lone_row_keeps_the_option_to_draft_while_its_policys_drafts_are_measu
         assert keeps_option()
     assert savings.share == 0.0  # measured: it never drafted
     assert [keeps_option() for _ in range(3)] == [False, False, True]
+    assert savings.interval == 2 * 3  # the next row to explore comes later
     savings.saved = 10 * savings.autoregressive  # as if its drafts had saved far more than any option's price
     assert keeps_option()
+    assert (savings.declined, savings.interval) == (0, 0)  # the verdict changed: the count starts over
 
 
 class Asked(BlockSizePolicy):

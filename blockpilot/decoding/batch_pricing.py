@@ -44,7 +44,8 @@ FACTOR_SAMPLES = 5  # a width's factor: the median of its last this many measure
 REMEASURE_FIRST = 32  # cycles of one width at a row bucket before the runner-up is measured again
 REMEASURE_MOST = 512  # ... doubling each time the choice stands, up to this many
 SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before what its drafts saved decides
-EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, every this many keeps the option
+EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, one in this many keeps the option
+EXPLORE_MOST = 256  # ... one in twice as many each time the verdict stands, up to one in this many
 LONE_PERIODS = 64  # a lone row's cycles at a width whose median prices that width (`LonePeriods`)
 # autoregressive cycles a lone row that keeps a chain runs where no lone autoregressive cycle was measured, to price
 # its chain against autoregression (`Engine._price_lone_chain`): the first follows the chain and is no period
@@ -299,14 +300,28 @@ class OptionPrice:
 
 @dataclass
 class Exploration:
-    """Rows a rule sends autoregressive for good, counted: every `EXPLORE_EVERY`-th keeps the option to draft
-    anyway, so that what the rule reads stays measured as the requests change."""
+    """Rows a rule sends autoregressive for good, counted: the `EXPLORE_EVERY`-th keeps the option to draft anyway,
+    so that what the rule reads stays measured as the requests change; then one in twice as many each time, up to
+    one in `EXPLORE_MOST`, while the verdict stands, as `MeasuredPrices.remeasures` spaces its measurements. An
+    exploring row keeps the drafter's context and asks its bucket's runner-up width to be measured, and in a
+    closed loop a row that drafts finishes out of step with its batch: at 4 rows through the endpoint, one in 16
+    cost the adaptive decoder 2-3% against autoregression (docs/log.md). The rule's other verdict starts the
+    count over (`verdict_changed`)."""
 
     declined: int = 0
+    interval: int = 0  # rows between explorations now; 0: `EXPLORE_EVERY`
 
     def explores(self) -> bool:
         self.declined += 1
-        return self.declined % EXPLORE_EVERY == 0
+        interval = self.interval or EXPLORE_EVERY
+        if self.declined < interval:
+            return False
+        self.declined, self.interval = 0, min(2 * interval, EXPLORE_MOST)
+        return True
+
+    def verdict_changed(self) -> None:
+        """The rule let a row keep the option: the next row it sends autoregressive starts the count over."""
+        self.declined, self.interval = 0, 0
 
 
 @dataclass

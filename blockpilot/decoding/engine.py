@@ -508,20 +508,24 @@ class Engine(RowScheduler):
 
     def _autoregressive_for_good(self, row: Row, option: float, load: int, batch_drafts: bool | None) -> bool:
         """The row's policy's answer (`autoregressive_for_good`), given what its drafts saved the rows that kept the
-        option in lone cycles where the row can expect to run alone (`load`: `RecentLoad`; `DraftSavings`); every
-        `EXPLORE_EVERY`-th row that only the measured saving sends autoregressive keeps the option. Under load the
+        option in lone cycles where the row can expect to run alone (`load`: `RecentLoad`; `DraftSavings`); now and
+        then a row that only the measured saving sends autoregressive keeps the option (`Exploration`). Under load the
         batch chooses the row's width: where at this load it would not draft were every row able to
         (`_batch_drafts`), the option buys nothing while the load lasts, and the row starts autoregressive for good
         (its drafter context and flushes cost 12% of autoregression at 16 rows on the mini zoo's CPU: docs/log.md),
-        but for every `EXPLORE_EVERY`-th."""
+        but now and then (`Exploration`)."""
         policy, state = row.policy, row.prefill_state
-        if self._chosen_by_batch(row, load) and batch_drafts is False:
-            if not self.exploration_under_load.explores():
+        if self._chosen_by_batch(row, load):
+            if batch_drafts is False and not self.exploration_under_load.explores():
                 row.block_size = AUTOREGRESSIVE
                 return True
+            if batch_drafts:
+                self.exploration_under_load.verdict_changed()
         savings = self.draft_savings(policy) if load == 1 else None
         saves = savings.share if savings is not None else None
         if not policy.autoregressive_for_good(state, row.block_size, option, saves):
+            if saves is not None and row.block_size == AUTOREGRESSIVE:
+                savings.verdict_changed()  # what its drafts saved now keeps a row that starts autoregressive drafting
             return False
         measured_alone = saves is not None and not policy.autoregressive_for_good(state, row.block_size, option)
         return not (measured_alone and savings.explores())
