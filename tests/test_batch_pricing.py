@@ -174,20 +174,25 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     """A lone row that keeps the chain its adaptive policy chose drafts it while, at the row's slot acceptance rate
     (shrunk toward every row's at its temperature) and what a lone row's cycles cost here (`LonePeriods`), the chain
     commits more tokens a second than autoregression; once it would not, the row decodes autoregressive for good,
-    without the drafter. A fixed b is the request's own. Where autoregression's period is not measured, the row
-    first runs `LONE_PROBE` autoregressive cycles (the first no period), then its chain, then decides. Greedy
-    either way."""
+    without the drafter: from its first cycle where the rows' rate already says so, but now and then
+    (`Exploration`), which drafts once and decides after it. A fixed b is the request's own. Where autoregression's
+    period is not measured, the row first runs `LONE_PROBE` autoregressive cycles (the first no period), then its
+    chain, then decides. Greedy either way."""
 
-    def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float):
+    def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float, explores: bool = False):
         engine = Engine(tiny_models, max_batch=1, width=4)
         for width, seconds in ((1, autoregressive), (4, draft)):
             for _ in range(LONE_PERIODS if seconds is not None else 0):  # the median, whatever the real cycles take
                 engine.lone_periods.observe(width, seconds)  # as if lone cycles had taken it
         engine.acceptance.add(4, 2)  # one drafted slot seen
+        engine.exploration_alone.declined = EXPLORE_EVERY - 1 if explores else 0
         return decode(tiny_models, engine, [policy])[0]
 
     slow = alone(Drafts(4), autoregressive=1e-6, draft=1.0)
-    assert slow.block_sizes[0] == 4 and set(slow.block_sizes[1:]) == {1} and slow.drafter_forward_passes == 1
+    assert set(slow.block_sizes) == {1} and slow.drafter_forward_passes == 0  # no chain cycle, no drafter context
+    exploring = alone(Drafts(4), autoregressive=1e-6, draft=1.0, explores=True)
+    assert exploring.block_sizes[0] == 4 and set(exploring.block_sizes[1:]) == {1}
+    assert exploring.drafter_forward_passes == 1
     for kept in (alone(Drafts(4), autoregressive=1.0, draft=1e-6), alone(FixedBlockSize(4), 1e-6, 1.0)):
         assert before_the_budget(kept) == {4}
     probe = [4, *[1] * LONE_PROBE, 4]  # its chain, a probe of autoregression, its chain again (after a flush)
@@ -201,16 +206,22 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
 def test_a_lone_rows_chain_is_priced_at_the_acceptance_of_rows_at_its_temperature(tiny_models):
     """A sampled row's drafts are kept less often than a greedy one's: its own rate is shrunk toward the rows' at its
     temperature, not every row's. Every other row's drafts were kept (greedy ones), every sampled row's rejected: a
-    sampled lone row whose chain costs 2x autoregression decodes autoregressive after its first cycle."""
-    engine = Engine(tiny_models, max_batch=1, width=4)
-    engine.lone_periods.observe(1, 1.0)
-    engine.lone_periods.observe(4, 2.0)
-    engine.acceptance = SlotAcceptance(accepted=1_000, rejected=0)
-    engine.acceptance_at[1.0] = SlotAcceptance(accepted=0, rejected=1_000)
+    sampled lone row whose chain costs 2x autoregression decodes autoregressive from its first cycle; a greedy one
+    drafts its chain."""
     prompt = tiny_models.encode_prompt(TEXTS[0])
-    request = GenerationRequest(prompt, GenerationConfig(max_new_tokens=TOKENS, temperature=1.0, seed=0), Drafts(4))
-    (result,) = generate_many(tiny_models, [request], engine=engine)
-    assert result.block_sizes[0] == 4 and set(result.block_sizes[1:]) == {1}
+
+    def alone(temperature: float):
+        engine = Engine(tiny_models, max_batch=1, width=4)
+        engine.lone_periods.observe(1, 1.0)
+        engine.lone_periods.observe(4, 2.0)
+        engine.acceptance = SlotAcceptance(accepted=1_000, rejected=0)
+        engine.acceptance_at[1.0] = SlotAcceptance(accepted=0, rejected=1_000)
+        config = GenerationConfig(max_new_tokens=TOKENS, temperature=temperature, seed=0)
+        return generate_many(tiny_models, [GenerationRequest(prompt, config, Drafts(4))], engine=engine)[0]
+
+    sampled, greedy = alone(1.0), alone(0.0)
+    assert set(sampled.block_sizes) == {1} and sampled.drafter_forward_passes == 0
+    assert greedy.block_sizes[0] == 4
 
 
 def test_a_batchs_cycle_right_after_a_prefill_or_another_shape_is_no_price(tiny_models):
