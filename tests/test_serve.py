@@ -129,9 +129,10 @@ def test_greedy_completion_equals_the_library(endpoint, tiny_models, predictor_d
     stats = payload["blockpilot"]
     assert stats["policy"] == "learned" and stats["block_size"] == expected.block_size
     # Its cycles: the request's b, or autoregression where the engine, on what it measured, found the chain loses (a
-    # replica's history is not the library run's), each committing the same tokens in all.
+    # replica's history is not the library run's; from the first cycle where it found so before the row drafted),
+    # each committing the same tokens in all.
     b, sizes, lengths = stats["block_size"], stats["block_sizes"], stats["acceptance_lengths"]
-    assert sizes[0] == b and max(sizes) <= b and all(n <= size for n, size in zip(lengths, sizes, strict=True))
+    assert max(sizes) <= b and all(n <= size for n, size in zip(lengths, sizes, strict=True))
     assert sum(lengths) == sum(expected.acceptance_lengths)
 
 
