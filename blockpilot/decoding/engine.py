@@ -459,7 +459,7 @@ class Engine(RowScheduler):
             )
             row.drafter_context = not self._autoregressive_for_good(row, option, load, batch_drafts)
             if load == 1 and self.batch_pricing and self._chain_loses_unrun(row):
-                row.block_size, row.drafter_context = AUTOREGRESSIVE, False
+                row.stop_drafting()
         if features is not None and any(row.drafter_context for row in joining):
             started = time.perf_counter()
             self.decoder.keep_context(first_row, features)
@@ -707,7 +707,7 @@ class Engine(RowScheduler):
             return
         loses = self._drafts_at_a_loss(row)
         if loses:
-            row.block_size, row.drafter_context = AUTOREGRESSIVE, False
+            row.stop_drafting()
         elif loses is None:
             row.block_size, row.probing = AUTOREGRESSIVE, LONE_PROBE
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from blockpilot.blocks import AUTOREGRESSIVE
 from blockpilot.checks import check_fits_context, positive_int
 from blockpilot.decoding.batch_pricing import DraftSavings, OptionPrice, SlotAcceptance
 from blockpilot.decoding.request import (
@@ -102,6 +103,10 @@ class Row:
         """Whether, in a cycle of several rows, the batch chooses this row's b (`Engine._batch_width`): its policy
         adapts (a fixed b is the request's own) and it keeps the drafter's context to draft from."""
         return self.policy.adapts and self.drafter_context
+
+    def stop_drafting(self) -> None:
+        """Decode autoregressive for good from the next cycle: b = 1, and no drafter context kept for later."""
+        self.block_size, self.drafter_context = AUTOREGRESSIVE, False
 
     def fail(self, error: BaseException) -> None:
         """End this row with `error`; a failure of the device is raised instead (`is_device_failure`)."""
