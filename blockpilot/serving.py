@@ -481,8 +481,9 @@ class BatchedDecoder:
         """Start the engine loop. First the engine builds its declared shapes (`Engine.declared_shapes`: the smallest
         and largest row bucket at the widest block the adaptive policy may choose, `block_size_choices`, the first
         `compile_spans` spans of cache) and freezes, so that nothing compiles while serving (a batch runs on the
-        smallest built step that holds it, else eagerly), then decodes one short request under the adaptive policy:
-        `warm_up_seconds`, `compiled_shapes`."""
+        smallest built step that holds it, else eagerly), then decodes one short request under the adaptive policy,
+        of which the engine keeps what its cycles cost (`Engine.forget_requests`): `warm_up_seconds`,
+        `compiled_shapes`."""
         with self._lock:
             if self._running:
                 return self
@@ -506,6 +507,7 @@ class BatchedDecoder:
                 [GenerationRequest(self.models.encode_prompt("Hello"), warm_up, self.adaptive)],
                 engine=self._engine,
             )
+            self._engine.forget_requests()  # "Hello" is no sample of the requests: only its cycles' costs stay
             self.warm_up_seconds = time.perf_counter() - started
         with self._lock:
             if self._running:

@@ -16,6 +16,7 @@ from blockpilot.decoding.batch_pricing import (
     EXPLORE_MOST,
     LEVEL_FRESH,
     LONE_PERIODS,
+    LONE_PRIOR_SLOTS,
     LONE_PROBE,
     PRICE_WARM_UP,
     PRIOR_SLOTS,
@@ -177,14 +178,18 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     without the drafter: from its first cycle where the rows' rate already says so, but now and then
     (`Exploration`), which drafts once and decides after it. A fixed b is the request's own. Where autoregression's
     period is not measured, the row first runs `LONE_PROBE` autoregressive cycles (the first no period), then its
-    chain, then decides. Greedy either way."""
+    chain, then decides. Before the rows tried as many slots as the prior counts (a replica's first rows), no
+    verdict: the row drafts its chain. Greedy either way."""
 
-    def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float, explores: bool = False):
+    def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float, explores: bool = False, tried=None):
         engine = Engine(tiny_models, max_batch=1, width=4)
         for width, seconds in ((1, autoregressive), (4, draft)):
             for _ in range(LONE_PERIODS if seconds is not None else 0):  # the median, whatever the real cycles take
                 engine.lone_periods.observe(width, seconds)  # as if lone cycles had taken it
-        engine.acceptance.add(4, 2)  # one drafted slot seen
+        tried = LONE_PRIOR_SLOTS if tried is None else tried
+        half = tried // 2
+        engine.acceptance = SlotAcceptance(accepted=half, rejected=tried - half)  # the slots every row tried
+        engine.acceptance_at[0.0] = SlotAcceptance(accepted=half, rejected=tried - half)  # ... every greedy row
         engine.exploration_alone.declined = EXPLORE_EVERY - 1 if explores else 0
         return decode(tiny_models, engine, [policy])[0]
 
@@ -201,6 +206,8 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     assert probed.drafter_forward_passes == 2
     fast = alone(Drafts(4), autoregressive=None, draft=1e-6)
     assert fast.block_sizes[: len(probe)] == probe and 1 not in fast.block_sizes[len(probe) : -2]
+    unseen = alone(Drafts(4), autoregressive=1e-6, draft=1.0, tried=1)  # a rejection of a replica's first cycle
+    assert unseen.block_sizes[:2] == [4, 4] and unseen.drafter_forward_passes >= 2
 
 
 def test_a_lone_rows_chain_is_priced_at_the_acceptance_of_rows_at_its_temperature(tiny_models):

@@ -428,6 +428,19 @@ def test_max_cache_tokens_bounds_what_the_engine_allocates_and_what_a_request_ma
         BatchedDecoder(tiny_models, limits=ServeLimits(max_batch=2, max_cache_tokens=9))
 
 
+def test_the_warm_up_request_leaves_what_its_cycles_cost_and_nothing_of_what_it_drafted(tiny_models):
+    """The warm-up's prompt is no sample of the requests: how often its drafts were kept must not be the prior that
+    a replica's first requests are judged by (a replica warmed up on "Hello" ran every request autoregressive on
+    the small zoo); what its cycles cost is the device's, and stays."""
+    decoder = BatchedDecoder(tiny_models, adaptive="fixed:4").start()
+    try:
+        engine = decoder._engine
+        assert any(width > 1 for _, width in engine.prices.cycles)  # it drafted, and its cycles were priced
+        assert engine.acceptance.tried == 0 and not engine.acceptance_at and engine.option_price.tokens is None
+    finally:
+        decoder.stop()
+
+
 def test_cancel_frees_the_row_and_reports_an_openai_finish_reason(tiny_models):
     decoder = BatchedDecoder(tiny_models, limits=ServeLimits(max_tokens_cap=512)).start()
     try:

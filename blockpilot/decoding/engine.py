@@ -302,6 +302,20 @@ class Engine(RowScheduler):
     def compile_seconds(self) -> float | None:
         return self.decoder.compile_seconds
 
+    def forget_requests(self) -> None:
+        """Forget what the requests decoded so far told of requests (how often their drafts were kept, what drafts
+        saved, how long rows ran, how many ran at once, the explorations' counts), keeping what the device's cycles
+        and passes cost. For after a warm-up, whose prompt is no sample of the requests: a replica warmed up on
+        "Hello" kept 1 of its 6 drafted slots, the prior of every lone row's chain, and so ran every request
+        autoregressive at T = 0 on the small zoo, where its chain commits 5.1 tokens a cycle (docs/log.md)."""
+        if self.busy:
+            raise ValueError("forget_requests needs an idle engine")
+        self.acceptance, self.acceptance_at = SlotAcceptance(), {}
+        self._draft_savings.clear()
+        self.option_price.tokens = None
+        self.recent_load = RecentLoad()
+        self.exploration_under_load, self.exploration_alone = Exploration(), Exploration()
+
     # ---------------------------------------------------------------- requests
 
     def submit(self, request: GenerationRequest) -> int:
@@ -727,12 +741,15 @@ class Engine(RowScheduler):
         are matched, a sampled one's are not) and what a lone row's cycles cost here, all in (`LonePeriods`). Such a
         row decodes autoregressive for good from its next cycle. A per-request choice is made from the prompt, on
         labels priced by a cost curve of another spell; this one is the row's own, here and now (docs/log.md, "a
-        lone row's chain priced"). None: its chain is priced and autoregression is not."""
+        lone row's chain priced"). No verdict before the rows at its temperature tried the `LONE_PRIOR_SLOTS` slots
+        the prior counts for: a replica's first chain cycle kept none of its 7 slots on the small zoo, and as the
+        prior of every later row it sent them all autoregressive, where chains commit 5.1 tokens a cycle
+        (docs/log.md). None: its chain is priced and autoregression is not."""
         if not (row.keeps_block_size and row.policy.adapts and row.drafter_context and row.tree_budget is None):
             return False
         b = min(row.block_size, self.width)
         peers = self.acceptance_at.get(temperature_key(row.config.temperature), self.acceptance)
-        if b == AUTOREGRESSIVE or not peers.tried:
+        if b == AUTOREGRESSIVE or peers.tried < LONE_PRIOR_SLOTS:
             return False
         width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
         if width not in periods:
