@@ -181,12 +181,17 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     chain, then decides. Before the rows tried as many slots as the prior counts (a replica's first rows), no
     verdict: the row drafts its chain. Greedy either way."""
 
-    def alone(policy: BlockSizePolicy, autoregressive: float | None, draft: float, explores: bool = False, tried=None):
+    def alone(
+        policy: BlockSizePolicy,
+        autoregressive: float | None,
+        draft: float,
+        explores: bool = False,
+        tried: int = LONE_PRIOR_SLOTS,  # the slots the rows tried before this one joins
+    ):
         engine = Engine(tiny_models, max_batch=1, width=4)
         for width, seconds in ((1, autoregressive), (4, draft)):
             for _ in range(LONE_PERIODS if seconds is not None else 0):  # the median, whatever the real cycles take
                 engine.lone_periods.observe(width, seconds)  # as if lone cycles had taken it
-        tried = LONE_PRIOR_SLOTS if tried is None else tried
         half = tried // 2
         engine.acceptance = SlotAcceptance(accepted=half, rejected=tried - half)  # the slots every row tried
         engine.acceptance_at[0.0] = SlotAcceptance(accepted=half, rejected=tried - half)  # ... every greedy row

@@ -186,14 +186,10 @@ class Engine(RowScheduler):
         self.widths = power_buckets(self.width)  # the widths a chain cycle is compiled at
         self._seeds: dict[int, int] = {}  # row id -> the seed its draws are keyed on
         self.prices = MeasuredPrices(self.widths)  # what its chain cycles cost here and now
-        self.exploration_under_load = Exploration()  # rows joining under load sent autoregressive for good
-        self.exploration_alone = Exploration()  # lone rows whose chain loses before it drafts (`_chain_loses_unrun`)
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
-        self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
-        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per `temperature_key`
         self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
-        self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
+        self.forget_requests()  # what the requests tell: nothing yet
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
         self._last_lone: tuple[float, int, bool] | None = None
         self._last_shape: tuple[int, int] | None = None  # the last chain cycle's (bucket, width), nothing after it
@@ -310,11 +306,13 @@ class Engine(RowScheduler):
         autoregressive at T = 0 on the small zoo, where its chain commits 5.1 tokens a cycle (docs/log.md)."""
         if self.busy:
             raise ValueError("forget_requests needs an idle engine")
-        self.acceptance, self.acceptance_at = SlotAcceptance(), {}
+        self.acceptance = SlotAcceptance()  # every row's drafted slots kept: the prior of a row's own rate
+        self.acceptance_at: dict[float, SlotAcceptance] = {}  # the same, per `temperature_key`
+        self.recent_load = RecentLoad()  # the rows a joining row can expect to run beside
+        self.exploration_under_load = Exploration()  # rows joining under load sent autoregressive for good
+        self.exploration_alone = Exploration()  # lone rows whose chain loses before it drafts (`_chain_loses_unrun`)
         self._draft_savings.clear()
         self.option_price.tokens = None
-        self.recent_load = RecentLoad()
-        self.exploration_under_load, self.exploration_alone = Exploration(), Exploration()
 
     # ---------------------------------------------------------------- requests
 
