@@ -25,7 +25,12 @@ from blockpilot.policies.fixed import FixedBlockSize
 
 
 def test_calibration_measures_every_point_and_round_trips(random_models, tmp_path):
-    cost = calibrate(random_models, (1, 2, 4), (1, 2), cycles=2, repeats=3, warmup=0, compile="off")
+    said: list[str] = []
+    cost = calibrate(random_models, (1, 2, 4), (1, 2), cycles=2, repeats=3, warmup=0, compile="off", log=said.append)
+    # what it is doing, batch by batch (an eager cycle builds nothing: no shape is said to be built)
+    assert [line.split(":")[0] for line in said] == ["[calibrate] batch 1"] * 2 + ["[calibrate] batch 2"] * 2
+    assert said[0] == "[calibrate] batch 1: 3 cycles (b = 1, 2, 4), 3 rounds, off" and said[1].endswith(" s")
+    assert not any("built" in line for line in said)
     assert set(cost.seconds) == {1, 2} and all(set(by_b) == {1, 2, 4} for by_b in cost.seconds.values())
     assert all(value > 0 for by_b in cost.seconds.values() for value in by_b.values())
     assert cost.device and cost.dtype == "float32" and "torch" in cost.versions

@@ -16,6 +16,7 @@ from torch import nn
 from blockpilot.blocks import AUTOREGRESSIVE, label_candidates
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
+from blockpilot.decoding.compiled import compile_mode
 from blockpilot.decoding.engine import Engine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.static import MIN_SPAN
@@ -143,6 +144,7 @@ def calibrate(
     compile: str = "auto",
     tree_nodes: Sequence[int] = (),
     step_decision: bool = False,
+    log: Callable[[str], None] = print,
 ) -> CycleCost:
     """Median wall time of one engine cycle at each (batch, b), on the models' device.
 
@@ -164,6 +166,10 @@ def calibrate(
     `CycleCost.decided`, fitted the same way and never below c(b), what a step model's walk pays
     (`CycleCost.deciding`). At batch 1 with a drafter, also what a lone request pays beyond its cycles: its start, its
     prompt's drafter context and a flush (`request_prices`, `CycleCost.request`).
+
+    `log` gets a line per batch, one per shape its first round builds, with the seconds it took, and one when its
+    rounds are done: compiled cold on a 2-core CPU, a chain's shape took 20-23 s and a tree's 29-58 s, 303 of the 322
+    s the mini zoo's demo curve took (docs/log.md).
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
@@ -194,23 +200,48 @@ def calibrate(
             width = max(chosen)  # its cycles alone compiled: each costs a compile, cold
             deciding = Engine(models, max_batch=1, width=width, capacity=capacity, compile=compile)
             deciding.decide_in_cycle(held)
+        measurements: dict[Any, Callable[[], float]] = {
+            ("plain", b): partial(seconds_per_cycle, models, prompts[b], [b] * batch, cycles, engine)
+            for b in block_sizes
+        }
+        if deciding is not None:  # keyed apart, in the same round: its level is the plain cycles'
+            measurements |= {
+                ("decided", b): partial(seconds_per_cycle, models, prompts[b], [b], cycles, deciding, policy=held.at)
+                for b in chosen
+            }
+        measurements |= {
+            ("tree", nodes): partial(
+                seconds_per_cycle, models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes
+            )
+            for nodes in tree_nodes
+        }
+        log(
+            f"[calibrate] batch {batch}: {len(measurements)} cycles (b = {_listed(block_sizes)}"
+            + (f"; choosing b = {_listed(chosen)}" if chosen else "")
+            + (f"; trees of {_listed(tree_nodes)} nodes" if tree_nodes else "")
+            + f"), {warmup + repeats} rounds, {compile_mode(compile, models.device)}"
+        )
+        engines = [each for each in (engine, deciding, tree_engine) if each is not None]
+        started = time.perf_counter()
         rounds, tree_rounds = [], []
         for attempt in range(warmup + repeats):
-            timed = {
-                ("plain", b): seconds_per_cycle(models, prompts[b], [b] * batch, cycles, engine) for b in block_sizes
-            }
-            if deciding is not None:  # keyed apart, in the same round: its level is the plain cycles'
-                timed |= {
-                    ("decided", b): seconds_per_cycle(models, prompts[b], [b], cycles, deciding, policy=held.at)
-                    for b in chosen
-                }
-            timed_trees = {
-                nodes: seconds_per_cycle(models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes)
-                for nodes in tree_nodes
-            }
+            timed, timed_trees = {}, {}
+            for key, measure in measurements.items():
+                before = _compile_seconds(engines)
+                seconds = measure()
+                built, (kind, size) = _compile_seconds(engines) - before, key
+                if built > 0:
+                    shape = f"a tree of {size} nodes" if kind == "tree" else f"b = {size}"
+                    choosing = ", choosing the next b" if kind == "decided" else ""
+                    log(f"[calibrate] batch {batch}: {shape}{choosing} built in {built:.1f} s")
+                if kind == "tree":
+                    timed_trees[size] = seconds
+                else:
+                    timed[key] = seconds
             if attempt >= warmup:
                 rounds.append(timed)
                 tree_rounds.append(timed_trees)
+        log(f"[calibrate] batch {batch}: timed in {time.perf_counter() - started:.1f} s")
         medians = round_relative_medians(rounds)
         measured[batch] = {b: value for (kind, b), value in medians.items() if kind == "plain"}
         fitted[batch] = nondecreasing_in_block_size(one_cost_per_bucket(measured[batch], engine.widths))
@@ -235,6 +266,14 @@ def calibrate(
         decided=decided,
         **prices,
     )
+
+
+def _listed(values: Sequence[int]) -> str:
+    return ", ".join(str(value) for value in values)
+
+
+def _compile_seconds(engines: Sequence[Engine]) -> float:
+    return sum(engine.compile_seconds or 0.0 for engine in engines)
 
 
 def request_prices(
