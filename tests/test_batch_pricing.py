@@ -25,6 +25,7 @@ from blockpilot.decoding.batch_pricing import (
     SAVINGS_CYCLES,
     DraftSavings,
     Exploration,
+    LonePeriods,
     MeasuredPrices,
     OptionPrice,
     SlotAcceptance,
@@ -213,6 +214,45 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     assert fast.block_sizes[: len(probe)] == probe and 1 not in fast.block_sizes[len(probe) : -2]
     unseen = alone(Drafts(4), autoregressive=1e-6, draft=1.0, tried=1)  # a rejection of a replica's first cycle
     assert unseen.block_sizes[:2] == [4, 4] and unseen.drafter_forward_passes >= 2
+
+
+@dataclass
+class SeesPrices(BlockSizePolicy):
+    """An adaptive policy that chooses b = 4 before every cycle and keeps the prices it was handed."""
+
+    seen: list = field(default_factory=list)
+    name: str = field(default="sees-prices", init=False)
+
+    def initial_block_size(self, prefill) -> int:
+        self.seen.append(dict(prefill.prices or {}))
+        return 4
+
+    def next_block_size(self, cycle) -> int:
+        self.seen.append(dict(cycle.prices or {}))
+        return 4
+
+
+def test_a_lone_rows_policy_reads_what_its_cycles_cost_all_in():
+    """A lone row's policy prices its choices by what a lone row's cycles cost here, each width the median of its last
+    cycles (`LonePeriods`), not by `MeasuredPrices`, which compares a width by the first cycle after a switch: every b
+    of each counted width, one mapping updated in place as cycles are counted."""
+    periods = LonePeriods([1, 2, 4])
+    view = periods.view
+    for seconds in (1.0, 3.0, 2.0):
+        periods.observe(4, seconds)
+    periods.observe(1, 0.5)
+    assert periods.view is view and view == {1: 0.5, 3: 2.0, 4: 2.0} and periods.at() == {4: 2.0, 1: 0.5}
+
+
+def test_a_lone_rows_policy_is_handed_the_lone_periods(tiny_models):
+    engine = Engine(tiny_models, max_batch=1, width=4)
+    for width, seconds in ((1, 1.0), (4, 3.0)):
+        for _ in range(LONE_PERIODS):  # the median, whatever the real cycles take
+            engine.lone_periods.observe(width, seconds)
+    policy = SeesPrices()
+    decode(tiny_models, engine, [policy])
+    assert len(policy.seen) > 2 and all(seen == {1: 1.0, 3: 3.0, 4: 3.0} for seen in policy.seen)
+    assert engine.prices.at(1) and engine.prices.at(1)[4] < 1.0  # what `MeasuredPrices` holds: its cycles' time
 
 
 def test_a_lone_rows_chain_is_priced_at_the_acceptance_of_rows_at_its_temperature(tiny_models):

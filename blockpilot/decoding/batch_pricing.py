@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blockpilot.blocks import AUTOREGRESSIVE
@@ -171,16 +171,53 @@ class LonePeriods:
     autoregressive cycle of 0.61-0.64 ms at 0.84-1.31 ms, and a width-8 one of 1.38-1.53 ms at 1.25-1.66 ms
     (docs/log.md, "a lone row's chain priced"). So only a cycle that follows one of its own width counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, widths: Sequence[int] = ()) -> None:
+        self.widths = sorted(widths)  # the engine's width buckets, for `view`
         self._periods: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}  # computed when read, dropped when a width's periods change
+        # b -> the period of its width bucket: the prices a lone row's policy reads (`Engine._policy_prices`)
+        self.view: Mapping[int, float] = _PeriodsByBlockSize(self)
 
     def observe(self, width: int, seconds: float) -> None:
         """A lone cycle at width bucket `width`, after one at the same width, took `seconds` to the next's start."""
         self._periods.setdefault(width, deque(maxlen=LONE_PERIODS)).append(seconds)
+        self._medians.pop(width, None)  # a median of 64 is 3 us: only where read, not at every lone cycle
 
     def at(self) -> dict[int, float]:
-        """Width bucket -> the median period of its counted cycles (the widths with at least one; 0.6 us each)."""
-        return {width: statistics.median(periods) for width, periods in self._periods.items()}
+        """Width bucket -> the median period of its counted cycles (the widths with at least one)."""
+        return {width: self.median(width) for width in self._periods}
+
+    def median(self, width: int) -> float:
+        """The median period of width bucket `width`'s counted cycles (KeyError: none counted)."""
+        if width not in self._medians:
+            self._medians[width] = statistics.median(self._periods[width])
+        return self._medians[width]
+
+
+class _PeriodsByBlockSize(Mapping):
+    """`LonePeriods` as prices by b (every b of a counted width bucket: that width's median period), read as asked."""
+
+    def __init__(self, periods: LonePeriods) -> None:
+        self._periods = periods
+
+    def _width(self, block_size: int) -> int | None:
+        return next((width for width in self._periods.widths if width >= block_size), None)
+
+    def __getitem__(self, block_size: int) -> float:
+        width = self._width(block_size)
+        if width is None or width not in self._periods._periods:
+            raise KeyError(block_size)
+        return self._periods.median(width)
+
+    def __iter__(self) -> Iterator[int]:
+        narrower = 0
+        for width in self._periods.widths:
+            if width in self._periods._periods:
+                yield from range(narrower + 1, width + 1)
+            narrower = width
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class RecentLoad:

@@ -31,7 +31,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -188,7 +188,7 @@ class Engine(RowScheduler):
         self.prices = MeasuredPrices(self.widths)  # what its chain cycles cost here and now
         self.batch_pricing = batch_pricing
         self._cycle_policy: BlockSizePolicy | None = None  # the policy whose choice its lone cycles compute
-        self.lone_periods = LonePeriods()  # what a lone row's cycle costs at each width, all in
+        self.lone_periods = LonePeriods(self.widths)  # what a lone row's cycle costs at each width, all in
         self.forget_requests()  # what the requests tell: nothing yet
         # the last lone cycle where nothing came after it: when it started, its width, whether it followed its width
         self._last_lone: tuple[float, int, bool] | None = None
@@ -454,7 +454,7 @@ class Engine(RowScheduler):
                 self.models.train_block_size,
                 batch_rows,
                 firsts[index],
-                prices=self._prices(batch_rows),
+                prices=self._policy_prices(batch_rows),
             )
         decide_block_sizes([(row, row.prefill_state) for row in joining if row.failure is None], initial=True)
         for row in joining:
@@ -769,6 +769,17 @@ class Engine(RowScheduler):
 
     def _prices(self, batch_rows: int) -> dict[int, float] | None:
         return self.prices.at(next(b for b in self.buckets if b >= batch_rows))
+
+    def _policy_prices(self, batch_rows: int) -> Mapping[int, float] | None:
+        """The prices a policy reads for a row in a batch of `batch_rows` (`PrefillState.prices`, `CycleState.prices`):
+        a lone row's are what its cycles cost, all in (`LonePeriods`: each width the median of its last cycles), where
+        one was counted; `MeasuredPrices` compares a width with the others by the first cycle after a switch, and a
+        lone row whose per-step policy switches often had a width it chose rarely priced off by that one cycle's
+        noise (the mini zoo's b = 4 at 0.86 ms where its cycles took 1.19-1.34 ms, and the confidence rule drafted
+        at a loss: docs/log.md, "a lone row's prices"). Under load, the batch's (`_prices`)."""
+        if batch_rows == 1 and self.lone_periods.view:
+            return self.lone_periods.view
+        return self._prices(batch_rows)
 
     def _record(self, row: Row, index: int, kept: int) -> None:
         """The row's committed positions' features and the distributions that drew its new tokens, from the cycle's

@@ -411,7 +411,7 @@ class RowScheduler:
             else:
                 deciding.append((row, committed, anchor, confidence))
         if deciding:
-            started, prices = time.perf_counter(), self._prices(next_batch)
+            started, prices = time.perf_counter(), self._policy_prices(next_batch)
             decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)
             self.option_price.observe("hook", (time.perf_counter() - started) / len(deciding))
         failed = {index for index, row in enumerate(self.rows) if row.failure is not None}
@@ -434,8 +434,8 @@ class RowScheduler:
         else:
             mine.result, mine.error = result, row.failure
 
-    def _prices(self, batch_rows: int) -> Mapping[int, float] | None:
-        """b -> measured seconds of a cycle at `batch_rows` rows (None: none measured)."""
+    def _policy_prices(self, batch_rows: int) -> Mapping[int, float] | None:
+        """b -> measured seconds of a cycle at `batch_rows` rows, as a policy reads them (None: none measured)."""
         return None
 
     def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
