@@ -4,6 +4,7 @@ row, never a lone row; the output is greedy decoding's either way. Properties fo
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -60,6 +61,24 @@ def test_a_rows_rate_and_what_a_chain_commits_at_it():
     assert batch_width([0.9, 0.1], 0.5, {1: 1.0, 4: 2.0}) == 1 and batch_width([0.0, 0.0], 0.0, prices) == 1
 
 
+def test_a_lone_rows_switching_widths_leave_the_prices_on_the_scale_of_seconds():
+    """Each width's factor is measured against a level another width's factor set: a lone row switching widths every
+    few cycles, each cycle's time noisy, drifted their common scale at every switch (the level 44 decades every
+    100,000 cycles in this simulation, to a float's overflow). Pinned, the narrowest width's factor is 1 and the level
+    its seconds, and the prices stay finite and on the cycles' scale."""
+    rng = random.Random(0)
+    seconds = {1: 0.4e-3, 4: 1.2e-3, 8: 1.7e-3}
+    prices = MeasuredPrices([1, 2, 4, 8])
+    for _ in range(10_000):  # a per-step policy's choices: mostly autoregressive, often 8, now and then 4
+        draw = rng.random()
+        width = 4 if draw < 0.03 else 8 if draw < 0.4 else 1
+        for _ in range(rng.randint(1, 4)):
+            prices.observe(1, width, seconds[width] * rng.lognormvariate(0, 0.3))
+    bucket = prices.buckets[1]
+    assert bucket.factors[1] == 1.0 and 0.5 * seconds[1] < bucket.level < 2 * seconds[1]
+    assert all(0.25 * seconds[width] < prices.at(1)[width] < 4 * seconds[width] for width in seconds)
+
+
 def test_widths_are_compared_on_prices_measured_under_the_same_conditions():
     """A width's price moves with the device while another width runs (its bucket's level), and the first cycle at a
     width after another's measures that width's factor against the level the other just set."""
@@ -77,8 +96,9 @@ def test_widths_are_compared_on_prices_measured_under_the_same_conditions():
     run(8, 9.0, 100)  # the device slows 3x while width 8 runs: autoregression's price with it, not a calm spell's
     assert prices.at(4)[8] == pytest.approx(9.0, rel=1e-3) and prices.at(4)[1] == pytest.approx(3.0, rel=1e-3)
     run(1, 6.0, 1)  # against width 8's level just before, autoregression now costs 2x what it did
-    assert prices.buckets[4].factors[1] == pytest.approx((1.0 + 6.0 / 3.0) / 2, rel=1e-3)  # the median of its two
-    assert prices.buckets[4].level == pytest.approx(3.0, rel=1e-3)
+    # its factor the median of its two measurements (1 and 6 / 3) at width 8's level; width 8's price unmoved
+    assert prices.at(4)[1] == pytest.approx(3.0 * (1.0 + 6.0 / 3.0) / 2, rel=1e-3)
+    assert prices.at(4)[8] == pytest.approx(9.0, rel=1e-3) and prices.buckets[4].factors[1] == 1.0  # pinned
     run(1, 1.0, LEVEL_FRESH + 1, bucket=16)  # other rows ran meanwhile: the level held under other conditions
     run(1, 4.4, 1)
     assert prices.buckets[4].level == pytest.approx(4.4 / prices.buckets[4].factors[1])  # set again, not moved

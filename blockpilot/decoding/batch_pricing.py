@@ -75,9 +75,22 @@ class BucketPrices:
     remeasuring: bool = False  # the runner-up runs once more: its first cycle ran cold
 
     def measure_factor(self, width: int, factor: float) -> None:
+        """A measurement of `width`'s factor against the level; then the scale is pinned: the narrowest measured width's
+        factor is 1 and the level its seconds. Only the factors' ratios price anything, and each factor is measured
+        against a level another width's factor set, so their common scale, left free, drifted at every switch: a lone
+        row switching widths every few cycles took the level to 1e-10 s in minutes on the mini zoo, and in a simulation
+        of its cycles it grew 44 decades every 100,000 cycles, to a float's overflow and NaN prices (docs/log.md, "a
+        lone row's prices")."""
         samples = self.samples.setdefault(width, deque(maxlen=FACTOR_SAMPLES))
         samples.append(factor)
         self.factors[width] = statistics.median(samples)
+        unit = self.factors[min(self.factors)]
+        if unit != 1.0:
+            self.factors = {each: value / unit for each, value in self.factors.items()}
+            for each, kept in self.samples.items():
+                self.samples[each] = deque((value / unit for value in kept), maxlen=FACTOR_SAMPLES)
+            if self.level is not None:
+                self.level *= unit
 
 
 class MeasuredPrices:
