@@ -63,7 +63,7 @@ def test_a_rows_rate_and_what_a_chain_commits_at_it():
 
 def test_a_lone_rows_switching_widths_leave_the_prices_on_the_scale_of_seconds():
     """Each width's factor is measured against a level another width's factor set: a lone row switching widths every
-    few cycles, each cycle's time noisy, drifted their common scale at every switch (the level 44 decades every
+    few cycles, each cycle's time noisy, drifted their common scale at every switch (the level 38-45 decades every
     100,000 cycles in this simulation, to a float's overflow). Pinned, the narrowest width's factor is 1 and the level
     its seconds, and the prices stay finite and on the cycles' scale."""
     rng = random.Random(0)

@@ -79,7 +79,7 @@ class BucketPrices:
         factor is 1 and the level its seconds. Only the factors' ratios price anything, and each factor is measured
         against a level another width's factor set, so their common scale, left free, drifted at every switch: a lone
         row switching widths every few cycles took the level to 1e-10 s in minutes on the mini zoo, and in a simulation
-        of its cycles it grew 44 decades every 100,000 cycles, to a float's overflow and NaN prices (docs/log.md, "a
+        of its cycles it grew 38-45 decades every 100,000 cycles, to a float's overflow and NaN prices (docs/log.md, "a
         lone row's prices")."""
         samples = self.samples.setdefault(width, deque(maxlen=FACTOR_SAMPLES))
         samples.append(factor)
@@ -200,6 +200,10 @@ class LonePeriods:
         """Width bucket -> the median period of its counted cycles (the widths with at least one)."""
         return {width: self.median(width) for width in self._periods}
 
+    def counted(self, width: int) -> bool:
+        """Whether a cycle of width bucket `width` was counted."""
+        return width in self._periods
+
     def median(self, width: int) -> float:
         """The median period of width bucket `width`'s counted cycles (KeyError: none counted)."""
         if width not in self._medians:
@@ -218,14 +222,14 @@ class _PeriodsByBlockSize(Mapping):
 
     def __getitem__(self, block_size: int) -> float:
         width = self._width(block_size)
-        if width is None or width not in self._periods._periods:
+        if width is None or not self._periods.counted(width):
             raise KeyError(block_size)
         return self._periods.median(width)
 
     def __iter__(self) -> Iterator[int]:
         narrower = 0
         for width in self._periods.widths:
-            if width in self._periods._periods:
+            if self._periods.counted(width):
                 yield from range(narrower + 1, width + 1)
             narrower = width
 
