@@ -15,7 +15,7 @@ from blockpilot.data.labels import read_labels
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.engine import Engine
-from blockpilot.decoding.speed import PLAIN_LOOP, PolicySpeed, measure_speed, measure_speeds
+from blockpilot.decoding.speed import PLAIN_LOOP, PolicySpeed, measure_speed, measure_speeds, pooled_tau
 from blockpilot.policies.resolve import resolve_policy
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 from pipelines.demo import (
@@ -50,6 +50,15 @@ def test_measure_speed_counts_every_generated_token(random_models):
         measure_speed(random_models, [], policy, config)
 
 
+def test_tau_counts_committed_tokens_over_cycles_not_a_mean_over_prompts():
+    """tau as a walk counts it: a short answer in one block of 7 tokens and a long one in 6 autoregressive cycles
+    are 13 tokens in 7 cycles (1.86), not the mean of 7 and 1 (4, what a prompt's mean made of a rule that drafted
+    one cycle in ten)."""
+    assert pooled_tau([(7, 1), (6, 6)]) == pytest.approx(13 / 7)
+    assert pooled_tau([(7, 1), (0, 0)]) == 7.0  # a generation of no cycle (the prefill's token was the last)
+    assert math.isnan(pooled_tau([])) and math.isnan(pooled_tau([(0, 0)]))
+
+
 def test_measure_speeds_interleaves_every_decoder_and_counts_each_prompts_median_round(random_models):
     """Each decoder (policies on one engine, and the plain loop) decodes every prompt, and its figure counts each
     prompt once: at T = 0 the same tokens as a pass of `measure_speed`, the loop's as the target's greedy loop."""
@@ -66,6 +75,7 @@ def test_measure_speeds_interleaves_every_decoder_and_counts_each_prompts_median
     for key, (policy, _) in runs.items():
         alone = measure_speed(random_models, prompts, policy, config, engine=engine)
         assert speeds[key].tokens == alone.tokens == greedy and speeds[key].policy == alone.policy
+        assert speeds[key].tau == alone.tau  # the same cycles, counted the same way
         assert speeds[key].seconds > 0
     assert speeds["loop"].tokens == greedy and speeds["loop"].policy == PLAIN_LOOP
     assert speeds["autoregressive"].tau == 1.0
