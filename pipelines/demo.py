@@ -296,11 +296,13 @@ def fixed_specs(
 class LiveDecoders:
     """The live tables' policies (by spec) and the engines they decode on, built once for every temperature, on
     engines that sample (a T = 0 row decodes greedily there, as on the endpoint's): one for the chains (every b up to
-    `depth`), one a tree budget, and one for each policy whose lone cycles compute its choice (`decide_in_cycle`), as
-    the endpoint's replica does for its adaptive policy (the other policies' cycles do not pay for it here)."""
+    `depth`), one for trees (of up to `tree_nodes`, or the tree's own budget where larger), and one for each policy
+    whose lone cycles compute its choice (`decide_in_cycle`), as the endpoint's replica does for its adaptive policy
+    (the other policies' cycles do not pay for it here). The chains' and the trees' engines are shaped as
+    `calibrate`'s of one row at that depth and largest budget, so their cycles are the ones it built."""
 
-    def __init__(self, models: SpeculativeModels, *, compile: str, depth: int) -> None:
-        self.models, self.compile, self.depth = models, compile, depth
+    def __init__(self, models: SpeculativeModels, *, compile: str, depth: int, tree_nodes: int | None = None) -> None:
+        self.models, self.compile, self.depth, self.tree_nodes = models, compile, depth, tree_nodes
         self.policies: dict[str, BlockSizePolicy] = {}
         self.engines: dict[tuple, Engine] = {}
 
@@ -319,7 +321,8 @@ class LiveDecoders:
             self.policies[spec] = resolve_policy(spec, self.models)
         policy = self.policies[spec]
         if policy.tree_nodes:
-            return policy, self._engine(("tree", policy.tree_nodes), tree_nodes=policy.tree_nodes)
+            nodes = max(policy.tree_nodes, self.tree_nodes or 0)
+            return policy, self._engine(("tree", nodes), tree_nodes=nodes)
         deciding = ("deciding", spec)
         if deciding not in self.engines and self._engine(("spare",)).decide_in_cycle(policy):
             self.engines[deciding] = self.engines.pop(("spare",))  # an engine with no decision is the next spare
@@ -535,7 +538,8 @@ def run_demo(job: DemoJob) -> int:
         "rule": (f"confidence:{step.model_dir}", "confidence rule (per step)"),
     }
     prompts_ids = [models.encode_prompt(record.turns[0]) for record in heldout[: job.live_prompts]]
-    decoders = LiveDecoders(models, compile=job.compile, depth=depth)
+    tree_nodes = max(settings.tree_budgets, default=None)  # the trees' engine as calibrate's: its cycles built there
+    decoders = LiveDecoders(models, compile=job.compile, depth=depth, tree_nodes=tree_nodes)
     decoder = f" on the engine ({compile_mode(job.compile, models.device)})"
     tables: dict[float, dict[str, PolicySpeed]] = {}
     names: dict[float, dict[str, str]] = {}

@@ -26,6 +26,7 @@ from pipelines.demo import (
     PROJECT_PREDICTOR,
     SIZE_ENV,
     DemoPaths,
+    LiveDecoders,
     StageClock,
     fastest,
     fixed_specs,
@@ -48,6 +49,27 @@ def test_measure_speed_counts_every_generated_token(random_models):
     assert 1.0 <= speed.tau <= 4.0  # a cycle at b = 3 commits 1 to b + 1 tokens
     with pytest.raises(ValueError, match="at least one prompt"):
         measure_speed(random_models, [], policy, config)
+
+
+def test_the_live_tables_engines_are_shaped_as_calibrates_lone_ones(random_models, monkeypatch):
+    """The live table's chains and trees decode on engines shaped as `calibrate`'s of one row (rows, capacity,
+    width, tree budget), so that the cycles calibrate compiled are the ones they run, not compiled again."""
+    import blockpilot.decoding.calibration as calibration
+
+    built: list[Engine] = []
+
+    class Recorded(Engine):
+        def __init__(self, models, **kwargs) -> None:
+            super().__init__(models, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(calibration, "Engine", Recorded)
+    calibration.calibrate(random_models, (1, 4), cycles=1, repeats=1, warmup=0, compile="off", tree_nodes=(3, 7))
+    shape = lambda engine: (engine.max_batch, engine.capacity, engine.width, engine.tree_nodes)  # noqa: E731
+    calibrated = {shape(engine) for engine in built}
+    decoders = LiveDecoders(random_models, compile="off", depth=4, tree_nodes=7)
+    for spec in ("fixed:4", "autoregressive", "tree:3:4"):
+        assert shape(decoders(spec)[1]) in calibrated, spec
 
 
 def test_tau_counts_committed_tokens_over_cycles_not_a_mean_over_prompts():

@@ -17,7 +17,7 @@ from blockpilot.blocks import AUTOREGRESSIVE, label_candidates
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
 from blockpilot.decoding.compiled import compile_mode
-from blockpilot.decoding.engine import Engine
+from blockpilot.decoding.engine import DEFAULT_CAPACITY, Engine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.static import MIN_SPAN
 from blockpilot.models.loading import synchronize
@@ -186,6 +186,11 @@ def calibrate(
         # At least the smallest span a live engine reads (`MIN_SPAN`): a short request's cycles read that many slots,
         # and a calibration that read fewer priced a wide cycle a few percent low against an autoregressive one.
         capacity = max(prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes)), MIN_SPAN)
+        if batch == 1 and capacity <= DEFAULT_CAPACITY:
+            # A lone row's engine at the default capacity, as live engines of one row are built (the demo's policy
+            # table): their steps are then the ones built here, not compiled again (the mini zoo's b = 1, 4 and 8:
+            # 56.5 s of compiles in the same process before, none after, docs/log.md). A cycle reads its span.
+            capacity = None
         engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
         tree_engine = None
         if tree_nodes:
