@@ -187,9 +187,10 @@ def calibrate(
         # and a calibration that read fewer priced a wide cycle a few percent low against an autoregressive one.
         capacity = max(prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes)), MIN_SPAN)
         if batch == 1 and capacity <= DEFAULT_CAPACITY:
-            # A lone row's engine at the default capacity, as live engines of one row are built (the demo's policy
-            # table): their steps are then the ones built here, not compiled again (the mini zoo's b = 1, 4 and 8:
-            # 56.5 s of compiles in the same process before, none after, docs/log.md). A cycle reads its span.
+            # A lone row's engines at the default capacity, as live engines of one row are built (the demo's policy
+            # table): their steps are then the ones built here, not compiled again (the mini zoo's b = 1, 4, 8 and
+            # trees of 7 and 15 nodes: 84.4 s of compiles in the same process before, none after, docs/log.md). A
+            # cycle reads its span, not the capacity: it costs the same.
             capacity = None
         engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
         tree_engine = None
