@@ -73,21 +73,19 @@ def home_at(folder: Path) -> Iterator[None]:
             os.environ["BLOCKPILOT_HOME"] = previous
 
 
-# Wall seconds of the slowest modules in CI (2 cores, a fresh clone, `-n 2`, `--durations=0`; docs/log.md,
-# 2026-11-30 (evening)). xdist deals whole modules to the workers in collection order (the Makefile turns off its
-# reordering by test count, which put the single 4-minute test last while the other worker sat idle), so the longest
-# ones start first.
+# Wall seconds of the slowest modules in CI (2 cores, a fresh clone, `-n 2`; docs/log.md, 2026-11-27). xdist deals
+# whole modules to the workers in collection order (the Makefile turns off its reordering by test count, which put
+# the single 4-minute test last while the other worker sat idle), so the longest ones start first.
 MODULE_SECONDS = {
-    "test_commands_on_ray.py": 530,
-    "test_demo.py": 342,
-    "test_commands_offline.py": 200,
-    "test_predictor_pipeline.py": 156,
-    "test_commands_on_a_cluster.py": 117,
-    "test_serving.py": 79,
-    "test_label_pipeline.py": 70,
-    "test_targets.py": 69,
-    "test_serve.py": 57,
-    "test_static.py": 51,
+    "test_commands_on_ray.py": 360,
+    "test_demo.py": 180,
+    "test_serve.py": 165,
+    "test_label_pipeline.py": 145,
+    "test_commands_offline.py": 120,
+    "test_serving.py": 112,
+    "test_zoo.py": 85,
+    "test_commands_on_a_cluster.py": 85,
+    "test_predictor_pipeline.py": 67,
 }
 
 
