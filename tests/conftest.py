@@ -75,7 +75,9 @@ def home_at(folder: Path) -> Iterator[None]:
 
 # Wall seconds of the slowest modules in CI (2 cores, a fresh clone, `-n 2`; docs/log.md, 2026-11-27). xdist deals
 # whole modules to the workers in collection order (the Makefile turns off its reordering by test count, which put
-# the single 4-minute test last while the other worker sat idle), so the longest ones start first.
+# the single 4-minute test last while the other worker sat idle), so the longest ones start first. The figures order
+# the modules, and that order is what was measured: with 2026-11-30's own figures test_demo started beside
+# test_commands_on_ray, and the suite ran 16:28 against 14:40 (docs/log.md).
 MODULE_SECONDS = {
     "test_commands_on_ray.py": 360,
     "test_demo.py": 180,
