@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blockpilot.blocks import AUTOREGRESSIVE
@@ -93,6 +93,16 @@ class BucketPrices:
                 self.level *= unit
 
 
+def block_sizes_of(widths: Sequence[int], counted: Container[int]) -> Iterator[tuple[int, range]]:
+    """Each width bucket of `widths` (ascending) in `counted`, with the b's it prices: those past the next narrower
+    bucket, up to its own width (a cycle runs b on the narrowest bucket that holds it)."""
+    narrower = 0
+    for width in widths:
+        if width in counted:
+            yield width, range(narrower + 1, width + 1)
+        narrower = width
+
+
 class MeasuredPrices:
     """What the engine's chain cycles cost here and now, per row bucket and b, for the batch's width (`batch_width`)
     and the policies that price their choices (`PrefillState.prices`).
@@ -148,12 +158,11 @@ class MeasuredPrices:
             prices.measure_factor(width, seconds / prices.level)
         prices.run = prices.run + 1 if width == prices.last_width else 1
         prices.last_width = width
-        view, narrower = {}, 0
-        for each in self.widths:
-            if each in prices.factors:
-                view.update(dict.fromkeys(range(narrower + 1, each + 1), prices.level * prices.factors[each]))
-            narrower = each
-        self._views[bucket] = view
+        self._views[bucket] = {
+            b: prices.level * prices.factors[width]
+            for width, sizes in block_sizes_of(self.widths, prices.factors)
+            for b in sizes
+        }
 
     def remeasures(self, bucket: int, best: int) -> bool:
         """Whether a cycle of `bucket` rows whose prices choose width `best` runs the runner-up instead, to measure
@@ -200,9 +209,10 @@ class LonePeriods:
         """Width bucket -> the median period of its counted cycles (the widths with at least one)."""
         return {width: self.median(width) for width in self._periods}
 
-    def counted(self, width: int) -> bool:
-        """Whether a cycle of width bucket `width` was counted."""
-        return width in self._periods
+    @property
+    def counted(self) -> KeysView[int]:
+        """The width buckets of which a cycle was counted."""
+        return self._periods.keys()
 
     def median(self, width: int) -> float:
         """The median period of width bucket `width`'s counted cycles (KeyError: none counted)."""
@@ -222,16 +232,13 @@ class _PeriodsByBlockSize(Mapping):
 
     def __getitem__(self, block_size: int) -> float:
         width = self._width(block_size)
-        if width is None or not self._periods.counted(width):
+        if width is None or width not in self._periods.counted:
             raise KeyError(block_size)
         return self._periods.median(width)
 
     def __iter__(self) -> Iterator[int]:
-        narrower = 0
-        for width in self._periods.widths:
-            if self._periods.counted(width):
-                yield from range(narrower + 1, width + 1)
-            narrower = width
+        for _, sizes in block_sizes_of(self._periods.widths, self._periods.counted):
+            yield from sizes
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
