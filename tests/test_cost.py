@@ -3,8 +3,10 @@ prices any b (interpolated between measured points)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 import random
 
 import pytest
@@ -20,7 +22,17 @@ from blockpilot.cost import (
     round_relative_medians,
 )
 from blockpilot.data.labels import rows_to_table, write_label_file
-from blockpilot.decoding.calibration import calibrate, random_prompts, seconds_per_cycle
+from blockpilot.decoding.calibration import (
+    BUILD_WEIGHT,
+    HELPER_START,
+    BatchRig,
+    SecondBuilder,
+    calibrate,
+    random_prompts,
+    second_builder_fits,
+    seconds_per_cycle,
+    split_builds,
+)
 from blockpilot.policies.fixed import FixedBlockSize
 
 
@@ -54,6 +66,41 @@ def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plai
     assert cost.context_token >= 0 and cost.context_pass >= 0 and cost.prompt_context(16) > 0 and cost.flush > 0
     assert cost.start_token >= 0 and cost.start_pass >= 0 and cost.request([1], 16) > 0
     assert cost.request([4], 16) > cost.request([1], 16) and "a request's start" in cost.describe()
+
+
+def test_a_second_process_builds_whole_steps_about_half_of_them(random_models):
+    rig = BatchRig(random_models, 1, (1, 2, 3, 4, 5, 6), (3, 7, 15), True, 16, 2, "off", torch.Generator())
+    second = split_builds(rig)
+    ours = {rig.step_of(key) for key in rig.measurements if key not in second}
+    theirs = {rig.step_of(key) for key in second}
+    assert ours and theirs and not ours & theirs  # no step compiled twice: b = 3 and 4 share a width, for one
+    assert len(ours | theirs) < len(rig.measurements)
+    load = lambda steps: sum(BUILD_WEIGHT[kind] for kind, _ in steps)  # noqa: E731
+    assert abs(load(ours) - load(theirs) - HELPER_START) <= max(BUILD_WEIGHT.values())
+    assert second == [key for key in rig.measurements if key in second]  # in the rounds' order
+
+
+def test_a_second_process_runs_only_for_compiled_cpu_steps_of_models_it_can_load_again(random_models, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert second_builder_fits(random_models, "compile") and second_builder_fits(random_models, "auto")
+    assert not second_builder_fits(random_models, "off")
+    assert not second_builder_fits(dataclasses.replace(random_models, target_id="org/a-hub-id"), "compile")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert not second_builder_fits(random_models, "compile")  # one core: nothing to run it on
+
+
+def test_a_second_process_that_fails_says_why_and_leaves_its_steps_to_this_one(random_models, tmp_path):
+    rig = BatchRig(random_models, 1, (1, 4), (), False, 16, 2, "off", torch.Generator())
+    said: list[str] = []
+    not_models = dataclasses.replace(random_models, target_id=str(tmp_path))  # a folder without a model
+    with SecondBuilder.started(rig, not_models, said.append) as second:
+        assert second is None  # eager steps: nothing to build
+    builder = SecondBuilder.start(rig, not_models, said.append)
+    assert builder is not None and builder.keys == split_builds(rig)
+    builder.join()
+    assert said[0] == "[calibrate] batch 1: a second process builds 1 of 2"
+    assert said[1].startswith("[calibrate] the second process failed (") and str(tmp_path) in said[1]
+    assert all(measure() > 0 for measure in rig.measurements.values())  # this process runs every one
 
 
 def test_what_a_lone_request_pays_beyond_its_cycles():

@@ -3,11 +3,18 @@ the curve itself, its fit and its file are `blockpilot.cost`."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,6 +139,190 @@ def random_prompts(models: Any, count: int, length: int, generator: Any) -> list
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
+class BatchRig:
+    """The engines and measurements `calibrate` times at one batch size: a closure a key ("plain", b), ("decided", b)
+    or ("tree", nodes), each running `cycles` cycles of `batch` rows. Built alike in any process from the same
+    arguments (the prompts' tokens aside), so their compiled steps are the same: what `SecondBuilder` relies on."""
+
+    def __init__(
+        self,
+        models: Any,
+        batch: int,
+        block_sizes: Sequence[int],
+        tree_nodes: Sequence[int],
+        step_decision: bool,
+        prompt_tokens: int,
+        cycles: int,
+        compile: str,
+        generator: torch.Generator,
+    ) -> None:
+        self.arguments = (batch, tuple(block_sizes), tuple(tree_nodes), step_decision, prompt_tokens, cycles, compile)
+        depth = max(block_sizes)
+        prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
+        # At least the smallest span a live engine reads (`MIN_SPAN`): a short request's cycles read that many slots,
+        # and a calibration that read fewer priced a wide cycle a few percent low against an autoregressive one.
+        capacity = max(prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes)), MIN_SPAN)
+        if batch == 1 and capacity <= DEFAULT_CAPACITY:
+            # A lone row's engines at the default capacity, as live engines of one row are built (the demo's policy
+            # table): their steps are then the ones built here, not compiled again (the mini zoo's b = 1, 4, 8 and
+            # trees of 7 and 15 nodes: 84.4 s of compiles in the same process before, none after, docs/log.md). A
+            # cycle reads its span, not the capacity: it costs the same.
+            capacity = None
+        self.engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
+        self.tree_engine = None
+        if tree_nodes:
+            self.tree_engine = Engine(
+                models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
+            )
+        self.deciding, self.chosen = None, []
+        if step_decision and batch == 1 and models.drafter is not None:
+            held = HeldDecisionPolicy(models)
+            self.chosen = [b for b in block_sizes if b in held.candidates]  # what a step model may choose
+        if self.chosen:
+            width = max(self.chosen)  # its cycles alone compiled: each costs a compile, cold
+            self.deciding = Engine(models, max_batch=1, width=width, capacity=capacity, compile=compile)
+            self.deciding.decide_in_cycle(held)
+        engine, deciding, tree_engine = self.engine, self.deciding, self.tree_engine
+        self.measurements: dict[Any, Callable[[], float]] = {
+            ("plain", b): partial(seconds_per_cycle, models, prompts[b], [b] * batch, cycles, engine)
+            for b in block_sizes
+        }
+        if deciding is not None:  # keyed apart, in the same round: its level is the plain cycles'
+            self.measurements |= {
+                ("decided", b): partial(seconds_per_cycle, models, prompts[b], [b], cycles, deciding, policy=held.at)
+                for b in self.chosen
+            }
+        self.measurements |= {
+            ("tree", nodes): partial(
+                seconds_per_cycle, models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes
+            )
+            for nodes in tree_nodes
+        }
+
+    def step_of(self, key: tuple[str, int]) -> tuple[str, int]:
+        """The compiled step a measurement builds, as far as telling measurements apart needs: a chain's width bucket
+        (every b of a bucket runs its widest step), a tree's budget."""
+        kind, size = key
+        if kind == "tree":
+            return key
+        engine = self.deciding if kind == "decided" else self.engine
+        return kind, next(width for width in engine.widths if width >= size)
+
+
+# A tree's cycle compiles in about 1.5x a chain's (the mini zoo, cold: 29-58 s against 20-23, docs/log.md).
+BUILD_WEIGHT = {"plain": 1.0, "decided": 1.0, "tree": 1.5}
+# What the second process spends before its first build (its imports and the models' load), in chain builds.
+HELPER_START = 0.5
+
+
+def split_builds(rig: BatchRig) -> list[tuple[str, int]]:
+    """The measurements a second process builds: whole steps (never a step both processes would compile), assigned
+    longest first to whichever process has less to build, the second one starting behind by `HELPER_START`."""
+    steps: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for key in rig.measurements:
+        steps.setdefault(rig.step_of(key), []).append(key)
+    loads, shares = [0.0, HELPER_START], [[], []]
+    for step in sorted(steps, key=lambda step: -BUILD_WEIGHT[step[0]]):
+        lighter = 0 if loads[0] <= loads[1] else 1
+        loads[lighter] += BUILD_WEIGHT[step[0]]
+        shares[lighter] += steps[step]
+    return [key for key in rig.measurements if key in shares[1]]
+
+
+class SecondBuilder:
+    """A second process that compiles a share of a calibration's steps (`split_builds`) into the on-disk kernel cache
+    while this one compiles the rest; this process then loads them (about a second each) instead of compiling them.
+    On a CPU a compile keeps one core busy (its Python), and two processes built a tiny-zoo shape each in the time one
+    built one (docs/log.md). Started only where it can pay and nothing it does can be wrong: compiled steps on a CPU
+    of at least two cores, models loadable again from their folders, room in memory for a second copy. Whatever it
+    fails to build, this process builds. A new interpreter (`python -m blockpilot.decoding.calibration`), not a fork
+    (OpenMP's threads do not survive one) nor a spawn (which runs the caller's script again)."""
+
+    def __init__(self, keys: list[tuple[str, int]], process: subprocess.Popen, errors: Any, log: Callable) -> None:
+        self.keys, self._process, self._errors, self._log = keys, process, errors, log
+        self._joined = False
+
+    @classmethod
+    @contextmanager
+    def started(cls, rig: BatchRig, models: Any, log: Callable[[str], None]) -> Iterator[SecondBuilder | None]:
+        """The second process building its share of `rig`'s steps, or None where it cannot pay
+        (`second_builder_fits`); stopped on leaving the block if it is still running (this process failed)."""
+        builder = cls.start(rig, models, log) if second_builder_fits(models, rig.arguments[-1]) else None
+        try:
+            yield builder
+        finally:
+            if builder is not None and builder._process.poll() is None:
+                builder._process.kill()
+                builder._process.wait()
+            if builder is not None:
+                builder._errors.close()
+
+    @classmethod
+    def start(cls, rig: BatchRig, models: Any, log: Callable[[str], None]) -> SecondBuilder | None:
+        keys = split_builds(rig)
+        if not keys:
+            return None
+        from blockpilot.decoding import forwards
+
+        job = {
+            "target": models.target_id,
+            "drafter": models.drafter_id if models.drafter is not None else None,
+            "dtype": str(models.target.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),  # the threads a compiled kernel is generated for, as here
+            "few_rows": forwards.few_rows,  # the projections' form as measured here: part of the graph
+            "arguments": rig.arguments,
+            "keys": keys,
+        }
+        package = str(Path(__file__).resolve().parents[2])  # the blockpilot this process runs, wherever it came from
+        paths = os.pathsep.join(path for path in (package, os.environ.get("PYTHONPATH")) if path)
+        env = {**os.environ, "PYTHONPATH": paths}
+        errors = tempfile.TemporaryFile("w+")
+        command = [sys.executable, "-m", "blockpilot.decoding.calibration", json.dumps(job)]
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        log(f"[calibrate] batch {rig.arguments[0]}: a second process builds {len(keys)} of {len(rig.measurements)}")
+        return cls(keys, process, errors, log)
+
+    def join(self) -> None:
+        """Wait for the second process (once); where it failed, say so: this process builds what it did not."""
+        if self._joined:
+            return
+        self._joined = True
+        if self._process.wait() != 0:
+            self._errors.seek(0)
+            last = (self._errors.read().strip().splitlines() or ["no message"])[-1]
+            self._log(f"[calibrate] the second process failed ({last}): its shapes are built here")
+
+
+def second_builder_fits(models: Any, compile: str) -> bool:
+    """Whether `SecondBuilder` may run for `models`' steps compiled as `compile` says (its docstring)."""
+    if models.device.type != "cpu" or compile_mode(compile, models.device) != "compile":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    folders = [models.target_id] + ([models.drafter_id] if models.drafter is not None else [])
+    if cores < 2 or not all(folder and Path(folder).is_dir() for folder in folders):
+        return False
+    weights = sum(p.numel() * p.element_size() for m in (models.target, models.drafter) if m for p in m.parameters())
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no such figure here (macOS): no second copy
+        return False
+    return 4 * weights < free
+
+
+def build_share(job: dict[str, Any]) -> None:
+    """In a second process (`SecondBuilder`): load the models, build the rig and run each measurement of the job's
+    keys once, which compiles its step into the on-disk cache (`TORCHINDUCTOR_CACHE_DIR`, inherited)."""
+    from blockpilot.decoding import forwards
+    from blockpilot.models import load_models
+
+    torch.set_num_threads(job["threads"])
+    forwards.few_rows = job["few_rows"]
+    models = load_models(job["target"], job["drafter"], device="cpu", dtype=job["dtype"])
+    rig = BatchRig(models, *job["arguments"], torch.Generator().manual_seed(0))
+    for kind, size in job["keys"]:
+        rig.measurements[(kind, size)]()
+
+
 def calibrate(
     models: Any,
     block_sizes: Sequence[int],
@@ -182,45 +373,14 @@ def calibrate(
     prices: dict[str, float] = {}  # what a lone request pays beyond its cycles (`request_prices`)
     depth = max(block_sizes)
     for batch in batch_sizes:
-        prompts = {b: random_prompts(models, batch, prompt_tokens, generator) for b in block_sizes}
-        # At least the smallest span a live engine reads (`MIN_SPAN`): a short request's cycles read that many slots,
-        # and a calibration that read fewer priced a wide cycle a few percent low against an autoregressive one.
-        capacity = max(prompt_tokens + (cycles + 3) * depth + 1 + max((depth, *tree_nodes)), MIN_SPAN)
-        if batch == 1 and capacity <= DEFAULT_CAPACITY:
-            # A lone row's engines at the default capacity, as live engines of one row are built (the demo's policy
-            # table): their steps are then the ones built here, not compiled again (the mini zoo's b = 1, 4, 8 and
-            # trees of 7 and 15 nodes: 84.4 s of compiles in the same process before, none after, docs/log.md). A
-            # cycle reads its span, not the capacity: it costs the same.
-            capacity = None
-        engine = Engine(models, max_batch=batch, width=depth, capacity=capacity, compile=compile)
-        tree_engine = None
-        if tree_nodes:
-            tree_engine = Engine(
-                models, max_batch=batch, width=depth, capacity=capacity, compile=compile, tree_nodes=max(tree_nodes)
-            )
-        deciding, chosen = None, []
-        if step_decision and batch == 1 and models.drafter is not None:
-            held = HeldDecisionPolicy(models)
-            chosen = [b for b in block_sizes if b in held.candidates]  # what a step model may choose
-        if chosen:
-            width = max(chosen)  # its cycles alone compiled: each costs a compile, cold
-            deciding = Engine(models, max_batch=1, width=width, capacity=capacity, compile=compile)
-            deciding.decide_in_cycle(held)
-        measurements: dict[Any, Callable[[], float]] = {
-            ("plain", b): partial(seconds_per_cycle, models, prompts[b], [b] * batch, cycles, engine)
-            for b in block_sizes
-        }
-        if deciding is not None:  # keyed apart, in the same round: its level is the plain cycles'
-            measurements |= {
-                ("decided", b): partial(seconds_per_cycle, models, prompts[b], [b], cycles, deciding, policy=held.at)
-                for b in chosen
-            }
-        measurements |= {
-            ("tree", nodes): partial(
-                seconds_per_cycle, models, prompts[depth], [depth] * batch, cycles, tree_engine, nodes
-            )
-            for nodes in tree_nodes
-        }
+        rig = BatchRig(models, batch, block_sizes, tree_nodes, step_decision, prompt_tokens, cycles, compile, generator)
+        engine, deciding, tree_engine, chosen, measurements = (
+            rig.engine,
+            rig.deciding,
+            rig.tree_engine,
+            rig.chosen,
+            rig.measurements,
+        )
         log(
             f"[calibrate] batch {batch}: {len(measurements)} cycles (b = {_listed(block_sizes)}"
             + (f"; choosing b = {_listed(chosen)}" if chosen else "")
@@ -229,24 +389,30 @@ def calibrate(
         )
         engines = [each for each in (engine, deciding, tree_engine) if each is not None]
         started = time.perf_counter()
-        rounds, tree_rounds = [], []
-        for attempt in range(warmup + repeats):
-            timed, timed_trees = {}, {}
-            for key, measure in measurements.items():
-                before = _compile_seconds(engines)
-                seconds = measure()
-                built, (kind, size) = _compile_seconds(engines) - before, key
-                if built > 0:
-                    shape = f"a tree of {size} nodes" if kind == "tree" else f"b = {size}"
-                    choosing = ", choosing the next b" if kind == "decided" else ""
-                    log(f"[calibrate] batch {batch}: {shape}{choosing} built in {built:.1f} s")
-                if kind == "tree":
-                    timed_trees[size] = seconds
-                else:
-                    timed[key] = seconds
-            if attempt >= warmup:
-                rounds.append(timed)
-                tree_rounds.append(timed_trees)
+        with SecondBuilder.started(rig, models, log) if warmup > 0 else nullcontext() as second:
+            rounds, tree_rounds = [], []
+            for attempt in range(warmup + repeats):
+                timed, timed_trees = {}, {}
+                order = list(measurements)
+                if attempt == 0 and second is not None:  # this process's share first, then the second one's
+                    order = [key for key in order if key not in second.keys] + second.keys
+                for key in order:
+                    if attempt == 0 and second is not None and key in second.keys:
+                        second.join()
+                    before = _compile_seconds(engines)
+                    seconds = measurements[key]()
+                    built, (kind, size) = _compile_seconds(engines) - before, key
+                    if built > 0:
+                        shape = f"a tree of {size} nodes" if kind == "tree" else f"b = {size}"
+                        choosing = ", choosing the next b" if kind == "decided" else ""
+                        log(f"[calibrate] batch {batch}: {shape}{choosing} built in {built:.1f} s")
+                    if kind == "tree":
+                        timed_trees[size] = seconds
+                    else:
+                        timed[key] = seconds
+                if attempt >= warmup:
+                    rounds.append(timed)
+                    tree_rounds.append(timed_trees)
         log(f"[calibrate] batch {batch}: timed in {time.perf_counter() - started:.1f} s")
         medians = round_relative_medians(rounds)
         measured[batch] = {b: value for (kind, b), value in medians.items() if kind == "plain"}
@@ -339,3 +505,7 @@ def _versions() -> dict[str, str]:
     import blockpilot
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "blockpilot": blockpilot.__version__}
+
+
+if __name__ == "__main__":  # `SecondBuilder`'s process: the job as JSON
+    build_share(json.loads(sys.argv[1]))
