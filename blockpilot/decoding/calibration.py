@@ -360,7 +360,8 @@ def calibrate(
 
     `log` gets a line per batch, one per shape its first round builds, with the seconds it took, and one when its
     rounds are done: compiled cold on a 2-core CPU, a chain's shape took 20-23 s and a tree's 29-58 s, 303 of the 322
-    s the mini zoo's demo curve took (docs/log.md).
+    s the mini zoo's demo curve took (docs/log.md). A second process compiles about half of them meanwhile where that
+    can pay (`SecondBuilder`, said in a line); the first round times its own share first, then loads the other.
     """
     block_sizes = distinct_block_sizes(block_sizes, "block sizes")
     batch_sizes = distinct_block_sizes(batch_sizes, "batch sizes")
