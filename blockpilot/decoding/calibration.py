@@ -251,11 +251,8 @@ class SecondBuilder:
         try:
             yield builder
         finally:
-            if builder is not None and builder._process.poll() is None:
-                builder._process.kill()
-                builder._process.wait()
             if builder is not None:
-                builder._errors.close()
+                builder.close()
 
     @classmethod
     def start(cls, rig: BatchRig, models: Any, log: Callable[[str], None]) -> SecondBuilder | None:
@@ -291,6 +288,13 @@ class SecondBuilder:
             self._errors.seek(0)
             last = (self._errors.read().strip().splitlines() or ["no message"])[-1]
             self._log(f"[calibrate] the second process failed ({last}): its shapes are built here")
+
+    def close(self) -> None:
+        """Stop the second process if it still runs (this one failed before joining it), and drop its messages."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._errors.close()
 
 
 def second_builder_fits(models: Any, compile: str) -> bool:
@@ -375,20 +379,14 @@ def calibrate(
     depth = max(block_sizes)
     for batch in batch_sizes:
         rig = BatchRig(models, batch, block_sizes, tree_nodes, step_decision, prompt_tokens, cycles, compile, generator)
-        engine, deciding, tree_engine, chosen, measurements = (
-            rig.engine,
-            rig.deciding,
-            rig.tree_engine,
-            rig.chosen,
-            rig.measurements,
-        )
+        engine, deciding, measurements = rig.engine, rig.deciding, rig.measurements
         log(
             f"[calibrate] batch {batch}: {len(measurements)} cycles (b = {_listed(block_sizes)}"
-            + (f"; choosing b = {_listed(chosen)}" if chosen else "")
+            + (f"; choosing b = {_listed(rig.chosen)}" if rig.chosen else "")
             + (f"; trees of {_listed(tree_nodes)} nodes" if tree_nodes else "")
             + f"), {warmup + repeats} rounds, {compile_mode(compile, models.device)}"
         )
-        engines = [each for each in (engine, deciding, tree_engine) if each is not None]
+        engines = [each for each in (engine, deciding, rig.tree_engine) if each is not None]
         started = time.perf_counter()
         with SecondBuilder.started(rig, models, log) if warmup > 0 else nullcontext() as second:
             rounds, tree_rounds = [], []
