@@ -68,6 +68,19 @@ def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plai
     assert cost.request([4], 16) > cost.request([1], 16) and "a request's start" in cost.describe()
 
 
+def test_an_autoregressive_row_computing_the_choice_keeps_its_option_to_draft_in_every_round(random_models):
+    """The lone autoregressive row that `calibrate` times computing a step model's choice keeps the drafter's context
+    and the choice in every round: the engine's verdict that its drafts save nothing (they never draft) sent it
+    autoregressive for good after a few rounds, which then timed the plain cycle under the choice's name."""
+    rig = BatchRig(random_models, 1, (1, 6), (), True, 16, 30, "off", torch.Generator().manual_seed(0))
+    steps, ran = rig.deciding.decoder.steps, []
+    run = steps.run
+    steps.run = lambda name, *shape: ran.append(name) or run(name, *shape)
+    for _ in range(6):  # 33 cycles each: past the cycles the engine's verdict on the drafts' savings waits for
+        rig.measurements[("decided", 1)]()
+    assert "_deferred_cycle" in ran and "_plain_cycle" not in ran
+
+
 def test_a_second_process_builds_whole_steps_about_half_of_them(random_models):
     rig = BatchRig(random_models, 1, (1, 2, 3, 4, 5, 6), (3, 7, 15), True, 16, 2, "off", torch.Generator())
     second = split_builds(rig)

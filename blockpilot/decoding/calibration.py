@@ -126,6 +126,14 @@ class HeldDecisionPolicy(BlockSizePolicy):
         self.block_size = block_size
         return self
 
+    def autoregressive_for_good(
+        self, prefill: PrefillState, block_size: int, option_price: float = 0.0, saves: float | None = None
+    ) -> bool:
+        """Never: an autoregressive row here is timed keeping its option to draft. Its drafts save nothing (it never
+        drafts), and the engine's verdict on that sent it autoregressive for good after 128 cycles, so later rounds
+        timed the plain cycle as the choice's (on the mini zoo, 3 of 7 rounds)."""
+        return False
+
     def initial_block_size(self, prefill: PrefillState) -> int:
         return self.block_size
 
