@@ -71,8 +71,11 @@ def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plai
 def test_an_autoregressive_row_computing_the_choice_keeps_its_option_to_draft_in_every_round(random_models):
     """The lone autoregressive row that `calibrate` times computing a step model's choice keeps the drafter's context
     and the choice in every round: the engine's verdict that its drafts save nothing (they never draft) sent it
-    autoregressive for good after a few rounds, which then timed the plain cycle under the choice's name."""
-    rig = BatchRig(random_models, 1, (1, 6), (), True, 16, 30, "off", torch.Generator().manual_seed(0))
+    autoregressive for good after a few rounds, which then timed the plain cycle under the choice's name. Where b = 1
+    is the only candidate timed (here b = 4 is none), its engine has a drafter all the same."""
+    assert 4 not in label_candidates(random_models.train_block_size)
+    rig = BatchRig(random_models, 1, (1, 4), (), True, 16, 30, "off", torch.Generator().manual_seed(0))
+    assert rig.chosen == [1] and rig.deciding.decoder.drafter is not None
     steps, ran = rig.deciding.decoder.steps, []
     run = steps.run
     steps.run = lambda name, *shape: ran.append(name) or run(name, *shape)

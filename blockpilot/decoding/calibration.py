@@ -187,7 +187,9 @@ class BatchRig:
             held = HeldDecisionPolicy(models)
             self.chosen = [b for b in block_sizes if b in held.candidates]  # what a step model may choose
         if self.chosen:
-            width = max(self.chosen)  # its cycles alone compiled: each costs a compile, cold
+            # Its cycles alone compiled (each costs a compile, cold); a drafter even where b = 1 is all it times, as a
+            # live engine's autoregressive row keeps the drafter's context for later.
+            width = max(self.chosen) if max(self.chosen) > AUTOREGRESSIVE else depth
             self.deciding = Engine(models, max_batch=1, width=width, capacity=capacity, compile=compile)
             self.deciding.decide_in_cycle(held)
         engine, deciding, tree_engine = self.engine, self.deciding, self.tree_engine
