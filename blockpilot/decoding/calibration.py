@@ -402,11 +402,9 @@ def calibrate(
             rounds, tree_rounds = [], []
             for attempt in range(warmup + repeats):
                 timed, timed_trees = {}, {}
-                order = list(measurements)
-                if attempt == 0 and second is not None:  # this process's share first, then the second one's
-                    order = [key for key in order if key not in second.keys] + second.keys
-                for key in order:
-                    if attempt == 0 and second is not None and key in second.keys:
+                waits = second.keys if attempt == 0 and second is not None else []  # the second process's share
+                for key in [key for key in measurements if key not in waits] + waits:  # this process's share first
+                    if key in waits:
                         second.join()
                     before = _compile_seconds(engines)
                     seconds = measurements[key]()
