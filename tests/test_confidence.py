@@ -60,8 +60,7 @@ def test_the_means_are_those_of_the_fixed_walks_cycles():
     walk every cursor, after an autoregressive cycle. Each cell's mean is over the cycles that landed in it."""
     four = np.array([4, 1, 1, 1, 2, 1, 3, 1], dtype=np.int16)
     table = AcceptanceTable(CANDIDATES, np.stack([np.ones(8, dtype=np.int16), four]), max_new_tokens=64)
-    top = np.full((8, 2), 0.999, dtype=np.float32)
-    row = StepRow("p", 0.0, [table], [Anchors(np.zeros(8, dtype=np.float32), top, 0.0)])
+    row = StepRow("p", 0.0, [table], [Anchors(np.full(8, 0.999, dtype=np.float32), 0.0)])
     rule = fit_confidence_rule([row], CycleCost({1: {1: 1.0, 4: 2.0}}), min_cycles=1)
     last = len(EDGES)  # every anchor is in the top bucket
     # First or after autoregression: the 8 cursors of the b = 1 walk and cursor 1 of the b = 4 walk.

@@ -238,7 +238,7 @@ def test_the_step_model_trains_on_ray_and_reports_every_policy(local_ray, tiny_l
     vocab = tiny_models.target.get_output_embeddings().weight.shape[0]
     model = StepModel.load(outcome.model_dir)
     view = CycleView(
-        rng.random(16) * 3, rng.random((16, 4)), 0.0, rng.integers(1, 40, 16), rng.integers(NO_TOKEN, vocab, (16, 2)),
+        rng.random(16), 0.0, rng.integers(1, 40, 16), rng.integers(NO_TOKEN, vocab, (16, 2)),
         batch_rows=rng.choice([1, 2, 8, 30], size=16),
     )
     features = model.config.features.build(view)

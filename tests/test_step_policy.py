@@ -76,23 +76,23 @@ def mlp_input(model: StepModel, name: str) -> int:
 def random_views(n: int, seed: int = 0, **known) -> CycleView:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, VOCAB, size=(n, 2))
-    return CycleView(rng.random(n), rng.random((n, 4)), 0.0, np.arange(1, n + 1), tokens, **known)
+    return CycleView(rng.random(n), 0.0, np.arange(1, n + 1), tokens, **known)
 
 
 def sweep_anchors(sweep) -> Anchors:
-    return Anchors(np.asarray(sweep.anchor_entropy), np.asarray(sweep.anchor_top_probs), 0.0)
+    return Anchors(np.asarray(sweep.anchor_top_probs)[:, 0], 0.0)
 
 
 def growing_step_model(vocab: int, candidates=CANDIDATES, prior: bool = False) -> StepModel:
-    """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's entropy and top
-    probability and by the last cycle, so the choices change within one generation whatever the target's
+    """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's top probability and
+    by the last cycle, so the choices change within one generation whatever the target's
     weights (the tokens are left out: a zero embedding; with `prior`, its columns are read with weight 0)."""
     model = StepModel(step_config(candidates, vocab=vocab, hidden_size=3, prior=prior))
     first, out = model.net[0], model.net[2]
     with torch.no_grad():
         model.token_embedding.weight.zero_()
         first.weight.zero_()
-        for name, weight in (("log_cursor", 1.0), ("entropy", 0.05), ("top1", 0.05), ("log1p_last_accepted", 0.4)):
+        for name, weight in (("log_cursor", 1.0), ("anchor_top1", 0.05), ("log1p_last_accepted", 0.4)):
             first.weight[:, mlp_input(model, name)] = weight
         first.bias.copy_(-torch.log1p(torch.tensor([2.0, 6.0, 14.0])))
         k = torch.arange(len(candidates), dtype=torch.float32)
@@ -800,7 +800,7 @@ def test_a_sample_without_a_cycle_walks_to_nothing_beside_the_prior():
     empty = AcceptanceTable((1, 2, 3), np.ones((3, 0), dtype=np.int16), max_new_tokens=8, tokens=np.array([5]))
     commits = np.asarray([[1, 1, 1], [2, 1, 1], [3, 2, 1]], dtype=np.int16)
     table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8, tokens=np.array([5, 6, 7, 8]))
-    anchors = [Anchors(np.zeros(t.n - 1), np.zeros((t.n - 1, 4)), 0.0) for t in (empty, table)]
+    anchors = [Anchors(np.zeros(t.n - 1), 0.0) for t in (empty, table)]
     row = StepRow("p", 0.0, [empty, table], anchors, prior_block_size=3, prior_probabilities=np.full(3, 1 / 3))
     metrics = evaluate_step_model(random_prior_step_model(13, (1, 2, 3)), [row], CycleCost.uniform())
     assert metrics["tau_request"] == pytest.approx(3 / len(table.walk(3)))

@@ -67,7 +67,7 @@ from blockpilot.decoding.sampling import (
 )
 from blockpilot.decoding.steps import Steps
 from blockpilot.models.loading import SpeculativeModels
-from blockpilot.policies.base import distribution_summary
+from blockpilot.policies.base import distribution_summary, top_probability
 from blockpilot.tree import TOP_K, grow_trees
 
 CONTEXT_MODES = ("encode", "defer", "skip")
@@ -384,7 +384,7 @@ class StaticDecoder:
         self.tokens[:n, : out.shape[1]].copy_(out)
         self.counts[:n].copy_(accepted + 1)
         anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
-        self._keep_anchor(n, anchor)
+        confidence = self._keep_anchor(n, anchor)
         last = out.gather(1, accepted[:, None])[:, 0]
         grown = torch.where(self.active[:n], accepted + 1, torch.zeros_like(accepted))  # free rows stay at 0
         if decide and n == 1 and self.decision is not None:
@@ -394,7 +394,7 @@ class StaticDecoder:
             cursor = self.length[:n] + grown - self.origins[:n]  # the tokens generated, the prefill's one included
             self.decided[:n].copy_(
                 self.decision(
-                    anchor.float(),
+                    confidence,
                     torch.stack([last, before], dim=1),
                     self.temperatures[:n],
                     cursor,
@@ -406,12 +406,14 @@ class StaticDecoder:
         self.last_token[:n].copy_(last)
         self.length[:n].add_(grown)
 
-    def _keep_anchor(self, n: int, anchor: torch.Tensor) -> None:
-        """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability: softmax's largest
-        entry, 1 / sum(exp(logits - max)), what a per-step rule reads, with no pass of its own."""
+    def _keep_anchor(self, n: int, anchor: torch.Tensor) -> torch.Tensor:
+        """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability (`top_probability`,
+        what per-step policies read, with no pass of their own), which it returns (n,)."""
         anchor = anchor.float()
+        confidence = top_probability(anchor)
         self.anchor_logits[:n].copy_(anchor)
-        self.anchor_confidence[:n].copy_((anchor - anchor.amax(dim=-1, keepdim=True)).exp().sum(dim=-1).reciprocal())
+        self.anchor_confidence[:n].copy_(confidence)
+        return confidence
 
     def _grow(self, n: int, span: int, slots_n: int) -> None:
         """The drafter over every row's block of depth b (its block size), then each row's best-first tree of its

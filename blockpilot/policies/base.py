@@ -34,6 +34,14 @@ def distribution_summary(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor
     return entropy, top_ids, top_probs
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """softmax(logits)'s largest entry at T = 1, (..., V) -> (...): 1 / sum(exp(logits - max)), two reductions and no
+    softmax. A cycle computes it at every anchor (`StaticDecoder.anchor_confidence`), what the confidence rule and the
+    step model read."""
+    logits = logits.float()
+    return (logits - logits.amax(dim=-1, keepdim=True)).exp().sum(dim=-1).reciprocal()
+
+
 def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
     """The drafter's top probability at T = 1 in each drafted slot, (..., V) -> (...): the labels' table keeps it."""
     return torch.softmax(draft_logits.float(), dim=-1).amax(dim=-1)

@@ -10,8 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from blockpilot.data.labels import ANCHOR_TOP_K
-from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, distribution_summary
+from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, top_probability
 from blockpilot.predictor.step_features import CycleView, tail_tokens
 from blockpilot.predictor.step_model import StepModel
 
@@ -45,16 +44,14 @@ class StepPolicy(BlockSizePolicy):
         prefills: Sequence[PrefillState],  # each row's, as its first choice saw it
         **known: np.ndarray,  # temperature, cursor, last_accepted, last_block_size, prior_block_size, batch_rows
     ) -> list[int]:
-        """The candidate the model picks for each of N rows, from one summary of their distributions, one
+        """The candidate the model picks for each of N rows, from their distributions' top-1 probabilities, one
         device-to-host read and one model call."""
-        entropy, _, top_probs = distribution_summary(logits, ANCHOR_TOP_K)
-        summary = torch.cat([entropy[:, None], top_probs], dim=1).cpu().numpy()
+        confidence = top_probability(logits).cpu().numpy()
         probabilities = None
         if self.model.config.prior:
             probabilities = np.stack([self.prior.probabilities(prefill) for prefill in prefills])
         view = CycleView(
-            summary[:, 0],
-            summary[:, 1:],
+            confidence,
             tokens=tail_tokens(recent_tokens),
             prior_probabilities=probabilities,
             **known,
@@ -142,8 +139,8 @@ class PriorStepPolicy(StepPolicy):
 
 class CycleDecision(nn.Module):
     """A step policy's next b computed inside the compiled cycle of a lone row (`StaticDecoder.set_decision`): the
-    features of `StepFeatures.build_tensor` from what the cycle holds (the anchor's logits, the last two tokens, the
-    cursor, the last acceptance) and the request's per-request inputs (`row_inputs`), then the model's best
+    features of `StepFeatures.build_tensor` from what the cycle holds (the anchor's top-1 probability, the last two
+    tokens, the cursor, the last acceptance) and the request's per-request inputs (`row_inputs`), then the model's best
     candidate, for a batch of one. No host round trip: the engine reads b with the cycle's tokens."""
 
     def __init__(self, policy: StepPolicy) -> None:
@@ -163,7 +160,7 @@ class CycleDecision(nn.Module):
 
     def forward(
         self,
-        anchor_logits: torch.Tensor,  # (N, V) the target's logits at each row's new last token
+        anchor_confidence: torch.Tensor,  # (N,) the target's top-1 probability at each row's new last token
         tokens: torch.Tensor,  # (N, 2) that token and the one before it
         temperature: torch.Tensor,  # (N,)
         cursor: torch.Tensor,  # (N,) tokens generated, the prefill's one included
@@ -172,10 +169,8 @@ class CycleDecision(nn.Module):
         inputs: torch.Tensor,  # (N, `inputs`) `row_inputs`
     ) -> torch.Tensor:
         """(N,) long: each row's next b."""
-        entropy, _, top_probs = distribution_summary(anchor_logits, ANCHOR_TOP_K)
         view = CycleView(
-            entropy,
-            top_probs,
+            anchor_confidence,
             temperature=temperature,
             cursor=cursor,
             tokens=tokens,

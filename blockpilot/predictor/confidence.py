@@ -244,7 +244,7 @@ def fit_confidence_rule(
     for row in rows:
         group = temperatures.index(row.temperature)
         for table, anchors in zip(row.tables, row.anchors, strict=True):
-            buckets = np.searchsorted(np.asarray(edges), anchors.top_probs[:, 0], side="right")
+            buckets = np.searchsorted(np.asarray(edges), anchors.confidence, side="right")
             commits = table.commits.T.astype(np.float64)  # (n - 1, K)
             for index, b in enumerate(candidates):
                 cursor, outcome = 1, FIRST_OR_AUTOREGRESSIVE
@@ -270,7 +270,7 @@ def walk_rule(rule: ConfidenceRule, table, anchors) -> list[int]:
     temperature, record = anchors.temperature, DraftRecord()
 
     def choose(cursor: int, last_size: int | None, last_accepted: int | None) -> int:
-        confidence = float(anchors.top_probs[cursor - 1, 0])
+        confidence = float(anchors.confidence[cursor - 1])
         record.settle(last_size, last_accepted)
         return rule.choose(temperature, confidence, cycle_outcome(last_size, last_accepted), record=record)
 

@@ -41,17 +41,16 @@ from blockpilot.walks import (
 )
 
 STEP_COLUMNS = ["prompt_id", "temperature", "candidates", "train_block_size", "max_new_tokens", "vocab_size"]
-STEP_COLUMNS += ["table_commits", "table_anchors", "table_tokens", "anchor_entropy", "anchor_top_probs"]
+STEP_COLUMNS += ["table_commits", "table_anchors", "table_tokens", "anchor_top_probs"]
 STEP_COLUMNS += ["tree_budgets", "table_tree_commits"]
 
 
 @dataclass(frozen=True)
 class Anchors:
-    """The target's distribution at every cursor 1 .. n - 1 of one table (row i - 1 is cursor i): its entropy (n - 1,)
-    and top probabilities (n - 1, K); and the row's temperature."""
+    """The target's top-1 probability at every cursor 1 .. n - 1 of one table (entry i - 1 is cursor i), (n - 1,);
+    and the row's temperature."""
 
-    entropy: np.ndarray
-    top_probs: np.ndarray
+    confidence: np.ndarray
     temperature: float
 
     def view(self, table: AcceptanceTable, cursors: np.ndarray, **known: Any) -> CycleView:
@@ -61,8 +60,7 @@ class Anchors:
         if table.tokens is None:
             raise ValueError("a step model reads the block's first tokens: the table must know its sequence")
         return CycleView(
-            self.entropy[cursors - 1],
-            self.top_probs[cursors - 1],
+            self.confidence[cursors - 1],
             self.temperature,
             cursors,
             anchor_tokens(table.tokens, cursors),
@@ -90,7 +88,7 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
     missing = [c for c in STEP_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"labels lack the columns a step model needs: {missing}")
-    table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_entropy"])))
+    table = table.filter(pc.and_(pc.is_valid(table["table_commits"]), pc.is_valid(table["anchor_top_probs"])))
     priors = _prior_choices(prior, table) if prior is not None else [(None, None)] * table.num_rows
     out = []
     columns = STEP_COLUMNS + (["prompt_tokens"] if "prompt_tokens" in table.column_names else [])
@@ -98,15 +96,13 @@ def step_rows(table: pa.Table, prior: Any | None = None) -> list[StepRow]:
         tables = tables_from_row(row)
         if not tables:
             continue
-        entropy = np.asarray(row["anchor_entropy"], dtype=np.float32)
-        top = np.asarray(row["anchor_top_probs"], dtype=np.float32).reshape(len(entropy), -1)
+        confidence = np.asarray([top[0] for top in row["anchor_top_probs"]], dtype=np.float32)
         anchors, start = [], 0
         for t in tables:
-            span = slice(start, start + t.n - 1)
-            anchors.append(Anchors(entropy[span], top[span], float(row["temperature"])))
+            anchors.append(Anchors(confidence[start : start + t.n - 1], float(row["temperature"])))
             start += t.n - 1
-        if start != len(entropy):
-            raise ValueError(f"row {row['prompt_id']!r}: {len(entropy)} anchor features for {start} table anchors")
+        if start != len(confidence):
+            raise ValueError(f"row {row['prompt_id']!r}: {len(confidence)} anchor features for {start} table anchors")
         prompt_tokens = int(row.get("prompt_tokens") or 0)
         out.append(
             StepRow(row["prompt_id"], float(row["temperature"]), tables, anchors, b0, probabilities, prompt_tokens)

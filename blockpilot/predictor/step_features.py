@@ -3,8 +3,9 @@ label tables' walks) and table walks (evaluation) all build the model's input wi
 `CycleView` of the cycles they decide.
 
 Features of the cycle at cursor i (its block's first token is g_{i-1}; nothing extra is computed for them):
-- the target's distribution that produced g_{i-1} (at the first cycle, the prefill's): its entropy and top
-  `ANCHOR_TOP_K` probabilities; the sampling temperature; log(1 + i);
+- the target's distribution that produced g_{i-1} (at the first cycle, the prefill's): its top-1 probability at
+  T = 1 (`top_probability`, which the cycle computes anyway; its entropy and top 4 walked no better, and cost the
+  compiled cycle more, docs/log.md); the sampling temperature; log(1 + i);
 - the last cycle: log(1 + a) and a / b of its acceptance length a and block size b (both 0 before the first cycle);
 - the block's first token g_{i-1} and the one before it (`NO_TOKEN` at cursor 1), each read through a learned
   embedding: where the generation is (a separator, the middle of a number, a copied span) says how far the drafter
@@ -23,8 +24,6 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from blockpilot.data.labels import ANCHOR_TOP_K
-
 TOKEN_FEATURES = ("anchor_token", "previous_token")
 NO_TOKEN = -1  # the token before the first block's first one: there is none in the generation
 
@@ -33,8 +32,7 @@ NO_TOKEN = -1  # the token before the first block's first one: there is none in 
 class CycleView:
     """What is known of N cycles before each is drafted. Arrays have N rows; a scalar holds for every cycle."""
 
-    entropy: np.ndarray  # (N,) the target's distribution at the anchor: its entropy (nats)
-    top_probs: np.ndarray  # (N, >= ANCHOR_TOP_K) and its top probabilities, most likely first
+    confidence: np.ndarray  # (N,) the target's top-1 probability at the anchor (T = 1)
     temperature: np.ndarray | float
     cursor: np.ndarray  # (N,) i: the tokens generated before the block
     tokens: np.ndarray | None  # (N, 2) `anchor_tokens`: the block's first token and the one before it
@@ -113,8 +111,7 @@ class StepFeatures:
     @cached_property
     def groups(self) -> tuple[tuple[tuple[str, ...], Column], ...]:
         groups: list[tuple[tuple[str, ...], Column]] = [
-            (("entropy",), lambda v, xp: v.entropy),
-            (tuple(f"top{k + 1}" for k in range(ANCHOR_TOP_K)), lambda v, xp: xp.floats(v.top_probs)[:, :ANCHOR_TOP_K]),
+            (("anchor_top1",), lambda v, xp: v.confidence),
             (("temperature",), lambda v, xp: v.temperature),
             (("log_cursor",), lambda v, xp: xp.log1p(xp.floats(v.cursor))),
             (("log1p_last_accepted",), lambda v, xp: xp.log1p(xp.floats(v.last_accepted))),
@@ -147,7 +144,7 @@ class StepFeatures:
 
     def build(self, view: CycleView) -> np.ndarray:
         """(N, len(names)) float32: every column of every cycle of `view`."""
-        n = len(np.asarray(view.entropy))
+        n = len(np.asarray(view.confidence))
         out = np.empty((n, len(self.names)), dtype=np.float32)
         start = 0
         for names, column in self.groups:
@@ -161,9 +158,9 @@ class StepFeatures:
     def build_tensor(self, view: CycleView) -> torch.Tensor:
         """`build` on the device: (N, len(names)) float32 from a `CycleView` of tensors (each (N,) or (N, k); a
         Python number holds for every cycle). Traces into a compiled cycle: no host copy."""
-        n = view.entropy.shape[0]
+        n = view.confidence.shape[0]
         parts = []
         for names, column in self.groups:
-            value = _Torch.floats(column(view, _Torch)).to(view.entropy.device)
+            value = _Torch.floats(column(view, _Torch)).to(view.confidence.device)
             parts.append(value.reshape(n, len(names)) if value.dim() else value.expand(n, len(names)))
         return torch.cat(parts, dim=1)
