@@ -141,7 +141,9 @@ class CycleDecision(nn.Module):
     """A step policy's next b computed inside the compiled cycle of a lone row (`StaticDecoder.set_decision`): the
     features of `StepFeatures.build_tensor` from what the cycle holds (the anchor's top-1 probability, the last two
     tokens, the cursor, the last acceptance) and the request's per-request inputs (`row_inputs`), then the model's best
-    candidate, for a batch of one. No host round trip: the engine reads b with the cycle's tokens."""
+    candidate, for a batch of one. No host round trip: the engine reads b with the cycle's tokens. A row at a
+    temperature where the model keeps its prior (`keeps_block_size_of`) never runs it: alone, it runs the cycle
+    without the choice (`_kept_cycle`)."""
 
     def __init__(self, policy: StepPolicy) -> None:
         super().__init__()
@@ -180,7 +182,4 @@ class CycleDecision(nn.Module):
             prior_probabilities=inputs[:, 1:] if self.prior is not None else None,
         )
         scores = self.model.scores_at(self.features.build_tensor(view), batch_rows=1)
-        chosen = self.candidates[scores.argmax(dim=1)]
-        if self.prior is None or not self.model.config.prior_temperatures:
-            return chosen
-        return torch.where(self.model.config.keeps_prior(temperature), inputs[:, 0].long(), chosen)
+        return self.candidates[scores.argmax(dim=1)]
