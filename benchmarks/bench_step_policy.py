@@ -6,7 +6,7 @@
     python benchmarks/bench_step_policy.py --target ... --drafter ... --batch 32   # a batch's rows, decided at once
 
 Times the per-step policy's decision for --batch rows (`StepPolicy.next_block_sizes`, what the engine calls once
-per cycle for the rows that share a policy: entropy and top-k of every row's anchor distribution, then the MLP;
+per cycle for the rows that share a policy: the top-1 probability of every row's anchor distribution, then the MLP;
 an untrained model over B-2..B+2 unless --model is given) on the device's logits, median of --repeats calls, and
 the median cycle of a fixed-B batch of as many rows on the same models; prints both and their ratio, and the
 decision made row by row for comparison.
