@@ -117,8 +117,11 @@ def main() -> None:
         if name == "step":
             decision = step.cycle_decision(models.device)
             decoder.set_decision(decision, decision.inputs)
-            if decision.inputs:  # a prior's b0 and its (here uniform) probabilities
-                decoder.set_decision_inputs(0, [float(widest), *[1 / len(step.candidates)] * len(step.candidates)])
+            # the request's bias: T = 0 and, beside a prior, its b0 and probabilities for a prompt-like distribution
+            noise = torch.Generator().manual_seed(0)
+            logits = torch.randn(models.target.get_input_embeddings().weight.shape[0], generator=noise)
+            first = PrefillState(logits, prompt, 0.0, models.train_block_size, first_token=int(prompt[-1]))
+            decoder.set_decision_inputs(0, decision.row_inputs(first, widest))
         if name in RECOMPILED:
             with compiled_with(**RECOMPILED[name]):
                 for width, context in shapes:

@@ -3,7 +3,6 @@ the policy in one model call, from what the last verify pass already computed.""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,8 +10,8 @@ import torch
 from torch import nn
 
 from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState, top_probability
-from blockpilot.predictor.step_features import CycleView, tail_tokens
-from blockpilot.predictor.step_model import StepModel
+from blockpilot.predictor.step_features import TOKEN_FEATURES, CycleView, tail_tokens
+from blockpilot.predictor.step_model import StepModel, embedding_rows
 
 
 class StepPolicy(BlockSizePolicy):
@@ -138,27 +137,49 @@ class PriorStepPolicy(StepPolicy):
 
 
 class CycleDecision(nn.Module):
-    """A step policy's next b computed inside the compiled cycle of a lone row (`StaticDecoder.set_decision`): the
-    features of `StepFeatures.build_tensor` from what the cycle holds (the anchor's top-1 probability, the last two
-    tokens, the cursor, the last acceptance) and the request's per-request inputs (`row_inputs`), then the model's best
-    candidate, for a batch of one. No host round trip: the engine reads b with the cycle's tokens. A row at a
-    temperature where the model keeps its prior (`keeps_block_size_of`) never runs it: alone, it runs the cycle
+    """A step policy's next b computed inside the compiled cycle of a lone row (`StaticDecoder.set_decision`), by the
+    model's `FoldedHead` for one row: the columns a request fixes (its temperature, its prior's choice and
+    probabilities) enter as one first-layer bias per request (`row_inputs`, on the host once), the columns that change
+    every cycle (`StepFeatures.build_tensor`: the anchor's top-1 probability, the last two tokens, the cursor, the last
+    acceptance) from what the cycle holds; then the best candidate. On the CPU this costs the mini zoo's width-1 cycle
+    half what the model unfolded did (docs/log.md). No host round trip: the engine reads b with the cycle's tokens. A row at
+    a temperature where the model keeps its prior (`keeps_block_size_of`) never runs it: alone, it runs the cycle
     without the choice (`_kept_cycle`)."""
 
     def __init__(self, policy: StepPolicy) -> None:
         super().__init__()
-        self.prior = policy.prior if policy.model.config.prior else None
-        self.model = copy.deepcopy(policy.model).eval()  # the host's hook keeps its own (on the CPU, folded)
-        self.features = policy.model.config.features
+        model = policy.model
+        self.prior = policy.prior if model.config.prior else None
+        self.features = model.config.features
+        self.vocab_size = model.config.vocab_size
+        head = model.folded_head(batch_rows=1)
+        numeric, per_cycle = model.numeric_names, self.features.cycle_names
+        by_request = [i for i, name in enumerate(numeric) if name not in per_cycle]
+        columns = [self.features.names.index(numeric[i]) for i in by_request]
+        self._request = (columns, head.numeric[by_request], head.bias)  # host arrays: `row_inputs`'s
+        self.cycle_numeric = [per_cycle.index(name) for name in numeric if name in per_cycle]
+        self.cycle_tokens = [per_cycle.index(name) for name in TOKEN_FEATURES]
+        rows = [i for i, name in enumerate(numeric) if name in per_cycle]
+        self.register_buffer("weights", torch.as_tensor(head.numeric[rows]))  # (per-cycle numeric columns, H)
+        self.register_buffer("token_tables", torch.as_tensor(np.stack(head.tables)))  # (2, V + 1, H)
+        self.register_buffer("second", torch.as_tensor(head.second))  # (H, K)
+        self.register_buffer("second_bias", torch.as_tensor(head.second_bias))  # (K,)
         self.register_buffer("candidates", torch.tensor(policy.candidates, dtype=torch.long))
-        self.inputs = 1 + len(policy.candidates) if self.prior is not None else 0
+        self.inputs = len(head.bias)
 
     def row_inputs(self, prefill: PrefillState, first_block_size: int) -> list[float]:
-        """The request's numbers the decision reads at every cycle: with a prior, b0 and the prior's probability of
-        each candidate (as the hook reads them)."""
-        if self.prior is None:
-            return []
-        return [float(first_block_size), *map(float, self.prior.probabilities(prefill))]
+        """The request's first-layer bias (H,): the folded bias plus the columns the request fixes (`build`'s, as the
+        hook reads them: its temperature, b0 and the prior's probability of each candidate), times their weights."""
+        columns, weights, bias = self._request
+        view = CycleView(
+            np.zeros(1),
+            prefill.temperature,
+            np.ones(1),
+            np.zeros((1, 2)),
+            prior_block_size=first_block_size if self.prior is not None else None,
+            prior_probabilities=self.prior.probabilities(prefill) if self.prior is not None else None,
+        )
+        return (bias + self.features.build(view)[0, columns] @ weights).tolist()
 
     def forward(
         self,
@@ -168,7 +189,7 @@ class CycleDecision(nn.Module):
         cursor: torch.Tensor,  # (N,) tokens generated, the prefill's one included
         last_accepted: torch.Tensor,  # (N,) tokens the cycle committed
         last_block_size: torch.Tensor,  # (N,) its b
-        inputs: torch.Tensor,  # (N, `inputs`) `row_inputs`
+        inputs: torch.Tensor,  # (N, H) `row_inputs`
     ) -> torch.Tensor:
         """(N,) long: each row's next b."""
         view = CycleView(
@@ -178,8 +199,11 @@ class CycleDecision(nn.Module):
             tokens=tokens,
             last_accepted=last_accepted,
             last_block_size=last_block_size,
-            prior_block_size=inputs[:, 0] if self.prior is not None else None,
-            prior_probabilities=inputs[:, 1:] if self.prior is not None else None,
         )
-        scores = self.model.scores_at(self.features.build_tensor(view), batch_rows=1)
+        columns = self.features.build_tensor(view)  # (N, per-cycle columns)
+        ids = embedding_rows(columns[:, self.cycle_tokens], self.vocab_size)  # (N, 2)
+        # Products as reductions, which inductor fuses into loops: no matrix-library call for one row.
+        hidden = inputs + (columns[:, self.cycle_numeric, None] * self.weights).sum(dim=1)
+        hidden = hidden + self.token_tables[0][ids[:, 0]] + self.token_tables[1][ids[:, 1]]
+        scores = (hidden.clamp(min=0)[:, :, None] * self.second).sum(dim=1) + self.second_bias
         return self.candidates[scores.argmax(dim=1)]

@@ -99,6 +99,16 @@ Column = Callable[[CycleView, type], object]
 
 
 @dataclass(frozen=True)
+class Group:
+    """Columns computed together from a `CycleView`; `per_request`: fixed for every cycle of a lone row's request (its
+    temperature, its prior's choice, its load of one), which the decision inside the cycle folds into one bias."""
+
+    names: tuple[str, ...]
+    column: Column
+    per_request: bool = False
+
+
+@dataclass(frozen=True)
 class StepFeatures:
     """The step model's input columns, in order, and how each is computed from a `CycleView`: the same formulas on
     numpy arrays (`build`: training, table walks, the host's hook) and on tensors (`build_tensor`: the decision
@@ -109,28 +119,39 @@ class StepFeatures:
     load: bool = False  # reads the rows in the cycle's batch (a load-aware model)
 
     @cached_property
-    def groups(self) -> tuple[tuple[tuple[str, ...], Column], ...]:
-        groups: list[tuple[tuple[str, ...], Column]] = [
-            (("anchor_top1",), lambda v, xp: v.confidence),
-            (("temperature",), lambda v, xp: v.temperature),
-            (("log_cursor",), lambda v, xp: xp.log1p(xp.floats(v.cursor))),
-            (("log1p_last_accepted",), lambda v, xp: xp.log1p(xp.floats(v.last_accepted))),
-            (("last_accepted_share",), _accepted_share),
-            (TOKEN_FEATURES, lambda v, xp: _needs(v.tokens, "the block's first tokens")),
+    def groups(self) -> tuple[Group, ...]:
+        groups = [
+            Group(("anchor_top1",), lambda v, xp: v.confidence),
+            Group(("temperature",), lambda v, xp: v.temperature, per_request=True),
+            Group(("log_cursor",), lambda v, xp: xp.log1p(xp.floats(v.cursor))),
+            Group(("log1p_last_accepted",), lambda v, xp: xp.log1p(xp.floats(v.last_accepted))),
+            Group(("last_accepted_share",), _accepted_share),
+            Group(TOKEN_FEATURES, lambda v, xp: _needs(v.tokens, "the block's first tokens")),
         ]
         if self.prior:
             prior = "the per-request predictor's choice"
-            groups.append((("log_prior_b",), lambda v, xp: xp.log(xp.floats(_needs(v.prior_block_size, prior)))))
             groups.append(
-                (tuple(f"prior_p_b{b}" for b in self.candidates), lambda v, xp: _needs(v.prior_probabilities, prior))
+                Group(("log_prior_b",), lambda v, xp: xp.log(xp.floats(_needs(v.prior_block_size, prior))), True)
+            )
+            groups.append(
+                Group(
+                    tuple(f"prior_p_b{b}" for b in self.candidates),
+                    lambda v, xp: _needs(v.prior_probabilities, prior),
+                    per_request=True,
+                )
             )
         if self.load:
-            groups.append((("log_batch_rows",), lambda v, xp: xp.log(xp.floats(v.batch_rows))))
+            groups.append(Group(("log_batch_rows",), lambda v, xp: xp.log(xp.floats(v.batch_rows)), True))
         return tuple(groups)
 
     @cached_property
     def names(self) -> tuple[str, ...]:
-        return tuple(name for names, _ in self.groups for name in names)
+        return tuple(name for group in self.groups for name in group.names)
+
+    @cached_property
+    def cycle_names(self) -> tuple[str, ...]:
+        """The columns that change from one cycle of a lone row to the next, in order: what `build_tensor` builds."""
+        return tuple(name for group in self.groups if not group.per_request for name in group.names)
 
     @cached_property
     def token_columns(self) -> list[int]:
@@ -147,20 +168,25 @@ class StepFeatures:
         n = len(np.asarray(view.confidence))
         out = np.empty((n, len(self.names)), dtype=np.float32)
         start = 0
-        for names, column in self.groups:
-            value = np.asarray(column(view, _Numpy), dtype=np.float32)
-            if len(names) == 1 and value.ndim == 1:
+        for group in self.groups:
+            width = len(group.names)
+            value = np.asarray(group.column(view, _Numpy), dtype=np.float32)
+            if width == 1 and value.ndim == 1:
                 value = value[:, None]  # (N,) -> (N, 1); a scalar or a (K,) row broadcasts as it is
-            out[:, start : start + len(names)] = value
-            start += len(names)
+            out[:, start : start + width] = value
+            start += width
         return out
 
     def build_tensor(self, view: CycleView) -> torch.Tensor:
-        """`build` on the device: (N, len(names)) float32 from a `CycleView` of tensors (each (N,) or (N, k); a
-        Python number holds for every cycle). Traces into a compiled cycle: no host copy."""
+        """`build`'s `cycle_names` columns on the device: (N, len(cycle_names)) float32 from a `CycleView` of tensors
+        (each (N,) or (N, k); a Python number holds for every cycle), its per-request fields unread. Traces into a
+        compiled cycle: no host copy."""
         n = view.confidence.shape[0]
         parts = []
-        for names, column in self.groups:
-            value = _Torch.floats(column(view, _Torch)).to(view.confidence.device)
-            parts.append(value.reshape(n, len(names)) if value.dim() else value.expand(n, len(names)))
+        for group in self.groups:
+            if group.per_request:
+                continue
+            width = len(group.names)
+            value = _Torch.floats(group.column(view, _Torch)).to(view.confidence.device)
+            parts.append(value.reshape(n, width) if value.dim() else value.expand(n, width))
         return torch.cat(parts, dim=1)

@@ -105,6 +105,16 @@ class StepModelConfig:
         return bool(self.keeps_prior(torch.tensor([temperature], dtype=torch.float32))[0])
 
 
+def embedding_rows(tokens: torch.Tensor | np.ndarray, vocab_size: int) -> torch.Tensor | np.ndarray:
+    """Token ids (float feature columns, any shape) as rows of a step model's token embedding: an id outside the
+    vocabulary (NO_TOKEN among them) reads the row past it."""
+    if torch.is_tensor(tokens):
+        ids = tokens.round().long()
+        return torch.where((ids >= 0) & (ids < vocab_size), ids, torch.full_like(ids, vocab_size))
+    ids = np.rint(tokens).astype(np.int64)
+    return np.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+
+
 @dataclass(frozen=True)
 class FoldedHead:
     """One MLP of a `StepModel` with its input's standardization folded into the first layer's numeric weights and
@@ -178,27 +188,13 @@ class StepModel(nn.Module):
         return np.asarray([loads.index(nearest_batch_size(loads, int(n))) for n in distinct])[inverse.reshape(-1)]
 
     def _token_ids(self, features: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-        """(N, 2) the token columns as embedding rows: an id outside the vocabulary (NO_TOKEN among them) reads the
-        row past it."""
-        vocab = self.config.vocab_size
-        if torch.is_tensor(features):
-            ids = features[:, self._tokens].round().long()
-            return torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
-        ids = np.rint(features[:, self._tokens]).astype(np.int64)
-        return np.where((ids >= 0) & (ids < vocab), ids, vocab)
+        """(N, 2) the token columns of `features` (N, F) as embedding rows (`embedding_rows`)."""
+        return embedding_rows(features[:, self._tokens], self.config.vocab_size)
 
     def _inputs(self, features: torch.Tensor) -> torch.Tensor:
         """The MLP's input: the numeric features standardized, then the token columns' embeddings."""
         x = ((features - self.feature_mean) / self.feature_scale)[:, self._numeric]
         return torch.cat([x, self.token_embedding(self._token_ids(features)).flatten(1)], dim=1)
-
-    def scores_at(self, features: torch.Tensor, batch_rows: int) -> torch.Tensor:
-        """`forward` for rows that all run in batches of `batch_rows` (a load-aware model's head of that load), in
-        torch ops alone: what a compiled cycle traces."""
-        if not self.config.loads:
-            return self.net(self._inputs(features))
-        head = self.heads[self.config.loads.index(nearest_batch_size(self.config.loads, batch_rows))]
-        return head(self._inputs(features))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = self._inputs(features)
@@ -226,6 +222,17 @@ class StepModel(nn.Module):
             if rows.any():
                 scores[rows] = head(numeric[rows], ids[rows])
         return scores.argmax(axis=1)
+
+    def folded_head(self, batch_rows: int) -> FoldedHead:
+        """The `FoldedHead` of the MLP that chooses for rows in batches of `batch_rows` (a load-aware model's head of
+        the nearest load)."""
+        loads = self.config.loads
+        return self._folded()[loads.index(nearest_batch_size(loads, batch_rows)) if loads else 0]
+
+    @property
+    def numeric_names(self) -> tuple[str, ...]:
+        """The names of the columns a `FoldedHead` reads as numbers (its `numeric` rows), in order."""
+        return tuple(self.config.features.names[i] for i in self._numeric)
 
     def _folded(self) -> list[FoldedHead]:
         """`forward` at eval time in numpy, one `FoldedHead` per head: a live decision (one row, before every cycle)
