@@ -131,7 +131,11 @@ class StepFeatures:
         if self.prior:
             prior = "the per-request predictor's choice"
             groups.append(
-                Group(("log_prior_b",), lambda v, xp: xp.log(xp.floats(_needs(v.prior_block_size, prior))), True)
+                Group(
+                    ("log_prior_b",),
+                    lambda v, xp: xp.log(xp.floats(_needs(v.prior_block_size, prior))),
+                    per_request=True,
+                )
             )
             groups.append(
                 Group(
@@ -141,7 +145,7 @@ class StepFeatures:
                 )
             )
         if self.load:
-            groups.append(Group(("log_batch_rows",), lambda v, xp: xp.log(xp.floats(v.batch_rows)), True))
+            groups.append(Group(("log_batch_rows",), lambda v, xp: xp.log(xp.floats(v.batch_rows)), per_request=True))
         return tuple(groups)
 
     @cached_property
