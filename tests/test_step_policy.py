@@ -166,7 +166,7 @@ def test_the_live_choices_are_the_table_walk_of_the_same_model(tiny_models):
 
 
 def test_the_features_on_the_device_are_the_hosts():
-    """`StepFeatures.build_tensor` (the decision inside a compiled cycle) computes every column that changes from cycle
+    """`StepFeatures.cycle_parts` (the decision inside a compiled cycle) computes every column that changes from cycle
     to cycle as `build` does."""
     for features in (step_config(prior=True).features, step_config(loads=(1, 4)).features):
         view = random_views(12, last_accepted=np.arange(12) % 5, last_block_size=np.arange(12) % 3, batch_rows=4)
@@ -177,7 +177,7 @@ def test_the_features_on_the_device_are_the_hosts():
             name: torch.as_tensor(value) if isinstance(value, np.ndarray) else value
             for name, value in vars(view).items()
         }
-        on_device = features.build_tensor(CycleView(**tensors))
+        on_device = torch.cat(features.cycle_parts(CycleView(**tensors)), dim=1)
         per_cycle = [features.names.index(name) for name in features.cycle_names]
         assert on_device.dtype == torch.float32 and "temperature" not in features.cycle_names
         assert np.allclose(on_device.numpy(), features.build(view)[:, per_cycle], atol=1e-6)

@@ -140,11 +140,11 @@ class CycleDecision(nn.Module):
     """A step policy's next b computed inside the compiled cycle of a lone row (`StaticDecoder.set_decision`), by the
     model's `FoldedHead` for one row: the columns a request fixes (its temperature, its prior's choice and
     probabilities) enter as one first-layer bias per request (`row_inputs`, on the host once), the columns that change
-    every cycle (`StepFeatures.build_tensor`: the anchor's top-1 probability, the last two tokens, the cursor, the last
-    acceptance) from what the cycle holds; then the best candidate. On the CPU this costs the mini zoo's width-1 cycle
-    half what the model unfolded did (docs/log.md). No host round trip: the engine reads b with the cycle's tokens. A row at
-    a temperature where the model keeps its prior (`keeps_block_size_of`) never runs it: alone, it runs the cycle
-    without the choice (`_kept_cycle`)."""
+    every cycle (`StepFeatures.cycle_parts`: the anchor's top-1 probability, the last two tokens, the cursor, the last
+    acceptance) from what the cycle holds, each times its weight row; then the best candidate. On the CPU this costs
+    the mini zoo's width-1 cycle half what the model unfolded did (docs/log.md). No host round trip: the engine reads
+    b with the cycle's tokens. A row at a temperature where the model keeps its prior (`keeps_block_size_of`) never
+    runs it: alone, it runs the cycle without the choice (`_kept_cycle`)."""
 
     def __init__(self, policy: StepPolicy) -> None:
         super().__init__()
@@ -157,9 +157,7 @@ class CycleDecision(nn.Module):
         by_request = [i for i, name in enumerate(numeric) if name not in per_cycle]
         columns = [self.features.names.index(numeric[i]) for i in by_request]
         self._request = (columns, head.numeric[by_request], head.bias)  # host arrays: `row_inputs`'s
-        self.cycle_numeric = [per_cycle.index(name) for name in numeric if name in per_cycle]
-        self.cycle_tokens = [per_cycle.index(name) for name in TOKEN_FEATURES]
-        rows = [i for i, name in enumerate(numeric) if name in per_cycle]
+        rows = [numeric.index(name) for name in per_cycle if name not in TOKEN_FEATURES]  # in `cycle_parts`' order
         self.register_buffer("weights", torch.as_tensor(head.numeric[rows]))  # (per-cycle numeric columns, H)
         self.register_buffer("token_tables", torch.as_tensor(np.stack(head.tables)))  # (2, V + 1, H)
         self.register_buffer("second", torch.as_tensor(head.second))  # (H, K)
@@ -200,10 +198,17 @@ class CycleDecision(nn.Module):
             last_accepted=last_accepted,
             last_block_size=last_block_size,
         )
-        columns = self.features.build_tensor(view)  # (N, per-cycle columns)
-        ids = embedding_rows(columns[:, self.cycle_tokens], self.vocab_size)  # (N, 2)
-        # Products as reductions, which inductor fuses into loops: no matrix-library call for one row.
-        hidden = inputs + (columns[:, self.cycle_numeric, None] * self.weights).sum(dim=1)
-        hidden = hidden + self.token_tables[0][ids[:, 0]] + self.token_tables[1][ids[:, 1]]
+        # The first layer as a sum of each column times its weight row, with no feature vector built: pointwise work
+        # inductor fuses (a vector and one product read 1-3 points more of the mini zoo's cycle, docs/log.md).
+        hidden, row = inputs, 0
+        for group, part in zip(self.features.cycle_groups, self.features.cycle_parts(view), strict=True):
+            if group.names == TOKEN_FEATURES:
+                ids = embedding_rows(part, self.vocab_size)  # (N, 2)
+                hidden = hidden + self.token_tables[0][ids[:, 0]] + self.token_tables[1][ids[:, 1]]
+                continue
+            for column in range(part.shape[1]):
+                hidden = hidden + part[:, column, None] * self.weights[row]
+                row += 1
+        # A product as a reduction, which inductor fuses into a loop: no matrix-library call for one row.
         scores = (hidden.clamp(min=0)[:, :, None] * self.second).sum(dim=1) + self.second_bias
         return self.candidates[scores.argmax(dim=1)]

@@ -77,7 +77,7 @@ class _Numpy:
 
 
 class _Torch:
-    """The same operations on tensors, on the device and inside a compiled cycle (`StepFeatures.build_tensor`)."""
+    """The same operations on tensors, on the device and inside a compiled cycle (`StepFeatures.cycle_parts`)."""
 
     log, log1p, where = torch.log, torch.log1p, torch.where
 
@@ -111,7 +111,7 @@ class Group:
 @dataclass(frozen=True)
 class StepFeatures:
     """The step model's input columns, in order, and how each is computed from a `CycleView`: the same formulas on
-    numpy arrays (`build`: training, table walks, the host's hook) and on tensors (`build_tensor`: the decision
+    numpy arrays (`build`: training, table walks, the host's hook) and on tensors (`cycle_parts`: the decision
     inside the compiled cycle)."""
 
     candidates: tuple[int, ...]
@@ -153,9 +153,13 @@ class StepFeatures:
         return tuple(name for group in self.groups for name in group.names)
 
     @cached_property
+    def cycle_groups(self) -> tuple[Group, ...]:
+        """The groups whose columns change from one cycle of a lone row to the next, in order: `cycle_parts`'s."""
+        return tuple(group for group in self.groups if not group.per_request)
+
+    @cached_property
     def cycle_names(self) -> tuple[str, ...]:
-        """The columns that change from one cycle of a lone row to the next, in order: what `build_tensor` builds."""
-        return tuple(name for group in self.groups if not group.per_request for name in group.names)
+        return tuple(name for group in self.cycle_groups for name in group.names)
 
     @cached_property
     def token_columns(self) -> list[int]:
@@ -181,16 +185,14 @@ class StepFeatures:
             start += width
         return out
 
-    def build_tensor(self, view: CycleView) -> torch.Tensor:
-        """`build`'s `cycle_names` columns on the device: (N, len(cycle_names)) float32 from a `CycleView` of tensors
-        (each (N,) or (N, k); a Python number holds for every cycle), its per-request fields unread. Traces into a
-        compiled cycle: no host copy."""
+    def cycle_parts(self, view: CycleView) -> list[torch.Tensor]:
+        """`build`'s columns of each of `cycle_groups` on the device, (N, its width) float32 each, from a `CycleView`
+        of tensors (each (N,) or (N, k); a Python number holds for every cycle), its per-request fields unread. Traces
+        into a compiled cycle: no host copy, and no feature vector, which a consumer multiplies part by part."""
         n = view.confidence.shape[0]
         parts = []
-        for group in self.groups:
-            if group.per_request:
-                continue
+        for group in self.cycle_groups:
             width = len(group.names)
             value = _Torch.floats(group.column(view, _Torch)).to(view.confidence.device)
             parts.append(value.reshape(n, width) if value.dim() else value.expand(n, width))
-        return torch.cat(parts, dim=1)
+        return parts
