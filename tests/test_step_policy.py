@@ -84,9 +84,9 @@ def sweep_anchors(sweep) -> Anchors:
 
 
 def growing_step_model(vocab: int, candidates=CANDIDATES, prior: bool = False) -> StepModel:
-    """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's top probability and
-    by the last cycle, so the choices change within one generation whatever the target's
-    weights (the tokens are left out: a zero embedding; with `prior`, its columns are read with weight 0)."""
+    """Hand-set weights: b grows with the cursor (1 early, 6 late), nudged by the anchor's top probability and by the
+    last cycle, so the choices change within one generation whatever the target's weights (the tokens are left out:
+    a zero embedding; with `prior`, its columns are read with weight 0)."""
     model = StepModel(step_config(candidates, vocab=vocab, hidden_size=3, prior=prior))
     first, out = model.net[0], model.net[2]
     with torch.no_grad():

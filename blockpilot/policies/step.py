@@ -199,7 +199,7 @@ class CycleDecision(nn.Module):
             last_block_size=last_block_size,
         )
         # The first layer as a sum of each column times its weight row, with no feature vector built: pointwise work
-        # inductor fuses (a vector and one product read 1-3 points more of the mini zoo's cycle, docs/log.md).
+        # inductor fuses (a vector and one product read 0.2-1.6 points more of the mini zoo's cycle, docs/log.md).
         hidden, row = inputs, 0
         for group, part in zip(self.features.cycle_groups, self.features.cycle_parts(view), strict=True):
             if group.names == TOKEN_FEATURES:
