@@ -18,6 +18,7 @@ from blockpilot.blocks import flush_passes
 from blockpilot.cost import CycleCost
 from blockpilot.decoding import GenerationConfig, GenerationRequest, generate, generate_many
 from blockpilot.decoding.engine import Engine
+from blockpilot.decoding.static import StaticDecoder
 from blockpilot.policies.base import CycleState, PrefillState
 from blockpilot.policies.learned import LearnedPolicy
 from blockpilot.policies.resolve import resolve_policy
@@ -225,6 +226,27 @@ def test_a_lone_rows_choice_inside_the_cycle_is_the_hooks_and_asks_no_hook(tiny_
     cut = [table.block_size_at(int(c), b) for c, b in zip(cursors, sizes, strict=True)]
     assert (live.block_sizes, live.acceptance_lengths) == (cut, lengths)
     assert random_weights or len(set(sizes)) > 1, "a model that never changes b would not test the choice"
+
+
+def test_the_decoder_holds_a_choice_only_after_a_cycle_that_chose(tiny_models):
+    """`StaticDecoder.decided` holds the b of the last cycle that computed the choice, and 0 after one that did not (a
+    lone row's kept cycle, a cycle of two rows), each written by the cycle itself: the engine reads it after every
+    chain cycle."""
+    policy = StepPolicy(growing_step_model(vocab_of(tiny_models)))
+    decision = policy.cycle_decision(torch.device("cpu"))
+    decoder = StaticDecoder(tiny_models, rows=2, width=max(CANDIDATES), capacity=128, compile="off")
+    decoder.set_decision(decision, decision.inputs)
+    prompt = tiny_models.encode_prompt("Write the numbers from 2 to 20.")
+    decoder.prefill(0, [prompt, prompt])
+    for row in (0, 1):
+        decoder.place(row, length=len(prompt), last_token=int(prompt[-1]), temperature=0.0, seed=row)
+    chosen = []
+    for rows, decide in ((1, True), (1, False), (1, True), (2, True)):
+        decoder.set_block_sizes([3] * rows)
+        decoder.cycle(rows, width=3, decide=decide)
+        chosen.append(decoder.decided[:rows].tolist())
+    assert chosen[0][0] in CANDIDATES and chosen[2][0] in CANDIDATES
+    assert chosen[1] == [0] and chosen[3] == [0, 0]
 
 
 def test_a_row_that_runs_alone_after_a_batch_decides_inside_the_cycle_with_its_own_prior(tiny_models):

@@ -159,7 +159,8 @@ class StaticDecoder:
         self.anchor_logits = torch.zeros(rows, self.target.head.shape[0], dtype=torch.float32, device=self.device)
         self.anchor_confidence = torch.zeros(rows, dtype=torch.float32, device=self.device)  # its top-1 probability
         # A per-step policy's choice of the next b, inside the cycle of a lone row (`set_decision`): the row's
-        # per-request inputs, the slot before its first generated token (its cursor is length - origin), and b.
+        # per-request inputs, the slot before its first generated token (its cursor is length - origin), and b (0 after
+        # a cycle that did not choose).
         self.decision: Callable[..., torch.Tensor] | None = None
         self.decision_inputs = torch.zeros(rows, 0, dtype=torch.float32, device=self.device)
         self.origins = torch.zeros(rows, **long)
@@ -403,6 +404,8 @@ class StaticDecoder:
                     self.decision_inputs[:n],
                 )
             )
+        elif self.decision is not None:  # 0: this cycle did not choose (written here, not by an eager op before it)
+            self.decided[:n].zero_()
         self.last_token[:n].copy_(last)
         self.length[:n].add_(grown)
 
@@ -529,8 +532,6 @@ class StaticDecoder:
             span = span_bucket(int(self.length[:n].max()) + self.width, self.capacity)
         if context not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, got {context!r}")
-        if self.decision is not None:  # 0 unless this cycle's step chooses (one row, chains, a row that may draft)
-            self.decided[:n].zero_()
         self.packed = 0
         step = ("_plain_cycle" if context == "skip" else "_deferred_cycle", n, span, truncate)
         packed = ("_packed_cycle", n, span, width, self.packed_tokens(n, width), rejection, truncate)

@@ -160,9 +160,9 @@ class CycleDecision(nn.Module):
         rows = [numeric.index(name) for name in per_cycle if name not in TOKEN_FEATURES]  # in `cycle_parts`' order
         self.register_buffer("weights", torch.as_tensor(head.numeric[rows]))  # (per-cycle numeric columns, H)
         self.register_buffer("token_tables", torch.as_tensor(np.stack(head.tables)))  # (2, V + 1, H)
-        self.register_buffer("second", torch.as_tensor(head.second))  # (H, K)
+        self.register_buffer("second", torch.as_tensor(head.second.T.copy()))  # (K, H): a row per candidate
         self.register_buffer("second_bias", torch.as_tensor(head.second_bias))  # (K,)
-        self.register_buffer("candidates", torch.tensor(policy.candidates, dtype=torch.long))
+        self.candidates = tuple(policy.candidates)
         self.inputs = len(head.bias)
 
     def row_inputs(self, prefill: PrefillState, first_block_size: int) -> list[float]:
@@ -209,6 +209,16 @@ class CycleDecision(nn.Module):
             for column in range(part.shape[1]):
                 hidden = hidden + part[:, column, None] * self.weights[row]
                 row += 1
-        # A product as a reduction, which inductor fuses into a loop: no matrix-library call for one row.
-        scores = (hidden.clamp(min=0)[:, :, None] * self.second).sum(dim=1) + self.second_bias
-        return self.candidates[scores.argmax(dim=1)]
+        # Each candidate's score a reduction over the hidden units, then the best kept by comparisons (the first on
+        # a tie, as an argmax): inductor fuses the scores into one loop and the choice into one more, with no
+        # matrix-library call, argmax or gather for one row (with `decided`'s 0 written by the cycle, the mini zoo's
+        # width-1 cycle +4.5% -> +3.3%, medians of 6 runs, docs/log.md).
+        active = hidden.clamp(min=0)
+        best_score = (active * self.second[0]).sum(dim=1) + self.second_bias[0]
+        best = torch.full_like(best_score, self.candidates[0], dtype=torch.long)
+        for index in range(1, len(self.candidates)):
+            score = (active * self.second[index]).sum(dim=1) + self.second_bias[index]
+            better = score > best_score
+            best = torch.where(better, self.candidates[index], best)
+            best_score = torch.where(better, score, best_score)
+        return best
