@@ -4,6 +4,9 @@ hands it the anchor's top-1 probability and the engine's measured prices. Proper
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -24,8 +27,8 @@ from blockpilot.predictor.confidence import (
     EDGES,
     FIRST_OR_AUTOREGRESSIVE,
     OUTCOMES,
-    REJECTED,
     PRIOR_DRAFTS,
+    REJECTED,
     ConfidenceRule,
     DraftRecord,
     cycle_outcome,
@@ -223,6 +226,38 @@ def test_the_engine_prices_the_option_to_draft_from_what_it_measured(tiny_models
     rule = rule_of({1: 1.0, 4: 1.0}, {1: 1.0, 4: 3.0})
     generate_many(tiny_models, [GenerationRequest(second, config, Seeing(rule, False))], engine=engine)
     assert seen[0] > 0  # the autoregressive cycles of the first row priced it
+
+
+def test_the_rule_never_drafts_where_its_walks_are_slower_than_autoregression(tmp_path):
+    """At T = 1 every draft is rejected, at T = 0 every draft accepted, at twice autoregression's price; a request's
+    drafter context costs a unit. The fitted rule drafts at T = 0 and never at T = 1, even where its table would
+    (a cell pooled from every outcome): there it saves nothing, chooses b = 1 and walks as autoregression, keeping no
+    option. Saved and loaded, the same; a rule saved before this gate loads drafting at every temperature."""
+    rows = []
+    for temperature, commits in ((0.0, 4), (1.0, 1)):
+        four = np.minimum(commits, np.arange(64, 0, -1)).astype(np.int16)  # no block past the end
+        table = AcceptanceTable(CANDIDATES, np.stack([np.ones_like(four), four]), max_new_tokens=512)
+        anchors = Anchors(np.full(64, 0.85, dtype=np.float32), temperature)
+        rows.append(StepRow(f"p{temperature}", temperature, [table], [anchors], prompt_tokens=8))
+    cost = CycleCost({1: {1: 1.0, 4: 2.0}}, context_pass=1.0)
+    rule = fit_confidence_rule(rows, cost, min_cycles=1)
+    assert rule.autoregressive == (False, True)
+    assert rule.choose(0.0, 0.85, FIRST_OR_AUTOREGRESSIVE) == 4 and rule.drafting_saves(0.0) > 0
+    eager = replace(rule, autoregressive=(), commits=np.broadcast_to(rule.commits[:1], rule.commits.shape).copy())
+    assert eager.choose(1.0, 0.85, ALL_ACCEPTED) == 4  # the table alone, with T = 0's means, would draft at T = 1
+    gated = replace(eager, autoregressive=(False, True))
+    assert gated.choose(1.0, 0.85, ALL_ACCEPTED) == 1 and gated.drafting_saves(1.0) == 0.0
+    assert walk_rule(gated, rows[1].tables[0], rows[1].anchors[0]) == [1] * 64
+    metrics = evaluate_step_model(None, rows[1:], cost, train_block_size=4, rule=gated)
+    assert metrics["throughput_rule"] == pytest.approx(metrics["throughput_autoregressive"])  # no option kept
+    loaded = ConfidenceRule.load(rule.save(tmp_path / "rule.json"))
+    assert loaded.autoregressive == rule.autoregressive
+    older = json.loads((tmp_path / "rule.json").read_text())
+    del older["autoregressive"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert not ConfidenceRule.load(tmp_path / "older.json").never_drafts(1.0)
+    with pytest.raises(ValueError, match="temperature groups"):
+        replace(rule, autoregressive=(True,))
 
 
 def test_live_choices_are_the_rules_walk_of_the_table(tiny_models):

@@ -15,6 +15,10 @@ calibrated curve the rule keeps. Each request's own drafts correct the table (`D
 the table expects are scaled by those the request's drafted cycles got against what the table expected of them,
 shrunk toward the table by `PRIOR_DRAFTS`, so that a request whose drafts accept less than the labels' (a prompt
 unlike them, a continuation past the end of the answer) stops paying for them.
+
+At a temperature where the rule's walks over the training tables are slower than autoregression's, with what a
+request pays beyond its cycles (the drafter's context, its flushes), the rule never drafts (`never_drafts`): a
+request there is autoregressive for good.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -83,6 +87,7 @@ class ConfidenceRule:
     cycles: np.ndarray  # (temperatures, buckets, OUTCOMES) cycles each mean was measured on
     cost: dict[int, float]  # b -> seconds of a cycle at batch 1: the calibrated curve, the prices' fallback
     edges: tuple[float, ...] = EDGES
+    autoregressive: tuple[bool, ...] = ()  # per temperature group, whether the rule never drafts there (empty: none)
 
     def __post_init__(self) -> None:
         shape = (len(self.temperatures), len(self.edges) + 1, OUTCOMES, len(self.candidates))
@@ -91,6 +96,13 @@ class ConfidenceRule:
         missing = [b for b in self.candidates if b not in self.cost]
         if missing:
             raise ValueError(f"the rule's cost curve lacks the candidates {missing}")
+        if len(self.autoregressive) not in (0, len(self.temperatures)):
+            raise ValueError(
+                f"a rule of {len(self.temperatures)} temperature groups needs whether it drafts at each, or at none: "
+                f"got {len(self.autoregressive)}"
+            )
+        if any(self.autoregressive) and 1 not in self.candidates:
+            raise ValueError("a rule that never drafts at a temperature needs b = 1 among its candidates")
 
     def expected(self, temperature: float, confidence: float, outcome: int) -> list[float]:
         """The mean tokens a cycle of each candidate commits after `outcome` at an anchor of top-1 probability
@@ -107,7 +119,10 @@ class ConfidenceRule:
     ) -> int:
         """The candidate of the most expected tokens per second (the smaller on a tie), each priced by `priced`;
         with a request's `record`, the accepted drafts the table expects scaled by it, and the choice kept in it.
-        Plain Python over a few candidates: it runs before every cycle."""
+        Autoregressive where the rule `never_drafts`. Plain Python over a few candidates: it runs before every
+        cycle."""
+        if self.never_drafts(temperature):
+            return 1
         scale = record.scale if record is not None else 1.0
         expected = self.expected(temperature, confidence, outcome)
         best, best_rate, best_tokens = self.candidates[0], -1.0, 1.0
@@ -124,9 +139,12 @@ class ConfidenceRule:
         autoregressive cycle the outcome is FIRST_OR_AUTOREGRESSIVE again, and in each anchor bucket, met as often
         as the labels' autoregressive cycles met it, the rule's choice there takes price(b) / commits(b) a token
         against price(1). 0 where it chooses b = 1 at every confidence: a row that starts autoregressive never
-        drafts. What keeping the option costs (the drafter's context) is the engine's to weigh against it."""
+        drafts (as where the rule `never_drafts`). What keeping the option costs (the drafter's context) is the
+        engine's to weigh against it."""
         if 1 not in self.candidates:  # a rule of older labels, without autoregression: it always drafts
             return float("inf")
+        if self.never_drafts(temperature):
+            return 0.0
         share = self._autoregressive_share[self._group(temperature)]
         priced = self.priced(prices)
         autoregressive = priced[self.candidates.index(1)]
@@ -138,6 +156,11 @@ class ConfidenceRule:
                 tokens = self.expected(temperature, confidence, FIRST_OR_AUTOREGRESSIVE)[index]
                 saves += share[bucket] * (1.0 - priced[index] / (tokens * autoregressive))
         return saves
+
+    def never_drafts(self, temperature: float) -> bool:
+        """Whether the rule never drafts at `temperature` (its group's walks over the training tables were slower
+        than autoregression's: `fit_confidence_rule`)."""
+        return bool(self.autoregressive) and self.autoregressive[self._group(temperature)]
 
     def priced(self, prices: Mapping[int, float] | None = None) -> list[float]:
         """Each candidate's price: measured where `prices` (the engine's, at the batch the row runs in) has it, else
@@ -197,6 +220,7 @@ class ConfidenceRule:
             "commits": self.commits.round(4).tolist(),
             "cycles": self.cycles.astype(int).tolist(),
             "cost": {str(b): seconds for b, seconds in self.cost.items()},
+            "autoregressive": list(self.autoregressive),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -224,6 +248,7 @@ class ConfidenceRule:
             cycles=np.asarray(raw["cycles"], dtype=np.int64),
             cost={int(b): float(seconds) for b, seconds in raw["cost"].items()},
             edges=tuple(float(e) for e in raw["edges"]),
+            autoregressive=tuple(bool(a) for a in raw.get("autoregressive", [])),  # older rules: none
         )
 
 
@@ -233,7 +258,8 @@ def fit_confidence_rule(
     """The rule's means from label rows with tables and anchors (`step_data.StepRow`): every cycle of every
     candidate's fixed-b walk over each table adds what each candidate commits at its cursor to the cell of its
     temperature, anchor bucket and the outcome of the walk's last cycle. A cell of fewer than `min_cycles` cycles
-    takes its bucket's mean over every outcome."""
+    takes its bucket's mean over every outcome. At each temperature where the rule's walks over `rows` are slower
+    than autoregression's (`autoregressive_walks_faster`), it never drafts."""
     if not rows:
         raise ValueError("a confidence rule needs label rows with acceptance tables; got none")
     candidates = rows[0].tables[0].candidates
@@ -260,7 +286,26 @@ def fit_confidence_rule(
     sparse = counts < min_cycles
     means[sparse] = np.broadcast_to(pooled[:, :, None], means.shape)[sparse]
     curve = cost.at_batch(nearest_batch_size(cost.seconds, 1))
-    return ConfidenceRule(candidates, temperatures, means, counts, {b: curve(b) for b in candidates}, edges)
+    rule = ConfidenceRule(candidates, temperatures, means, counts, {b: curve(b) for b in candidates}, edges)
+    if 1 not in candidates:
+        return rule
+    groups = [[row for row in rows if row.temperature == t] for t in temperatures]
+    return replace(rule, autoregressive=tuple(autoregressive_walks_faster(rule, group, curve) for group in groups))
+
+
+def autoregressive_walks_faster(rule: ConfidenceRule, rows: Sequence, cost: CycleCost) -> bool:
+    """Whether autoregression walks the tables of `rows` (`step_data.StepRow`s) faster than `rule`, each priced by
+    `cost` with what a request pays beyond its cycles (`CycleCost.request`: the rule's requests keep the option to
+    draft, autoregressive ones do not)."""
+    tokens = drafting = autoregressive = 0.0
+    for row in rows:
+        for table, anchors in zip(row.tables, row.anchors, strict=True):
+            sizes = walk_rule(rule, table, anchors)
+            tokens += table.n - 1
+            drafting += table.walk_cost(sizes, cost=cost) + cost.request(sizes, row.prompt_tokens, keeps_option=True)
+            steps = [1] * (table.n - 1)
+            autoregressive += table.walk_cost(steps, cost=cost) + cost.request(steps, row.prompt_tokens)
+    return tokens > 0 and autoregressive < drafting
 
 
 def walk_rule(rule: ConfidenceRule, table, anchors) -> list[int]:

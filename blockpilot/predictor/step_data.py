@@ -237,14 +237,15 @@ def _step_walks(row: StepRow, model: StepModel, cost: CycleCost, load: int) -> t
 
 
 def _rule_walks(row: StepRow, rule: ConfidenceRule, cost: CycleCost) -> tuple[float, float, float]:
-    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables, with what a request that keeps
-    the option to draft pays beyond its cycles (`CycleCost.request`)."""
+    """(tokens, cycles, cost) of the confidence rule's walks over the row's tables, with what a request pays beyond
+    its cycles (`CycleCost.request`; keeping the option to draft unless the rule never drafts at its temperature)."""
     tokens = cycles = spent = 0.0
     for table, anchors in zip(row.tables, row.anchors, strict=True):
         sizes = walk_rule(rule, table, anchors)
         tokens += table.n - 1
         cycles += len(sizes)
-        spent += table.walk_cost(sizes, cost=cost) + cost.request(sizes, row.prompt_tokens, keeps_option=True)
+        keeps_option = not rule.never_drafts(row.temperature)  # else autoregressive for good
+        spent += table.walk_cost(sizes, cost=cost) + cost.request(sizes, row.prompt_tokens, keeps_option)
     return tokens, cycles, spent
 
 
