@@ -228,7 +228,7 @@ def test_the_engine_prices_the_option_to_draft_from_what_it_measured(tiny_models
     assert seen[0] > 0  # the autoregressive cycles of the first row priced it
 
 
-def test_the_rule_never_drafts_where_its_walks_are_slower_than_autoregression(tmp_path):
+def test_the_rule_never_drafts_where_its_walks_are_not_surely_faster_than_autoregression(tmp_path):
     """At T = 1 every draft is rejected, at T = 0 every draft accepted, at twice autoregression's price; a request's
     drafter context costs a unit. The fitted rule drafts at T = 0 and never at T = 1, even where its table would
     (a cell pooled from every outcome): there it saves nothing, chooses b = 1 and walks as autoregression, keeping no

@@ -16,9 +16,9 @@ the table expects are scaled by those the request's drafted cycles got against w
 shrunk toward the table by `PRIOR_DRAFTS`, so that a request whose drafts accept less than the labels' (a prompt
 unlike them, a continuation past the end of the answer) stops paying for them.
 
-At a temperature where the rule's walks over the training tables are slower than autoregression's, with what a
-request pays beyond its cycles (the drafter's context, its flushes), the rule never drafts (`never_drafts`): a
-request there is autoregressive for good.
+At a temperature where the rule's walks over the training tables are not surely faster than autoregression's
+(`walks.adapts`, with what a request pays beyond its cycles: the drafter's context, its flushes), the rule never
+drafts (`never_drafts`): a request there is autoregressive for good.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import numpy as np
 
 from blockpilot.cost import CycleCost, nearest_batch_size
 from blockpilot.files import write_text_atomic
+from blockpilot.walks import adapts
 
 # Buckets of the anchor's top-1 probability: drafts accept most where the target is sure, and the differences are
 # in the last few hundredths.
@@ -158,8 +159,8 @@ class ConfidenceRule:
         return saves
 
     def never_drafts(self, temperature: float) -> bool:
-        """Whether the rule never drafts at `temperature` (its group's walks over the training tables were slower
-        than autoregression's: `fit_confidence_rule`)."""
+        """Whether the rule never drafts at `temperature` (its group's walks over the training tables were not surely
+        faster than autoregression's: `fit_confidence_rule`)."""
         return bool(self.autoregressive) and self.autoregressive[self._group(temperature)]
 
     def priced(self, prices: Mapping[int, float] | None = None) -> list[float]:
@@ -258,8 +259,8 @@ def fit_confidence_rule(
     """The rule's means from label rows with tables and anchors (`step_data.StepRow`): every cycle of every
     candidate's fixed-b walk over each table adds what each candidate commits at its cursor to the cell of its
     temperature, anchor bucket and the outcome of the walk's last cycle. A cell of fewer than `min_cycles` cycles
-    takes its bucket's mean over every outcome. At each temperature where the rule's walks over `rows` are slower
-    than autoregression's (`autoregressive_walks_faster`), it never drafts."""
+    takes its bucket's mean over every outcome. At each temperature where the rule's walks over `rows` are not
+    surely faster than autoregression's (`drafting_pays`), it never drafts."""
     if not rows:
         raise ValueError("a confidence rule needs label rows with acceptance tables; got none")
     candidates = rows[0].tables[0].candidates
@@ -290,22 +291,23 @@ def fit_confidence_rule(
     if 1 not in candidates:
         return rule
     groups = [[row for row in rows if row.temperature == t] for t in temperatures]
-    return replace(rule, autoregressive=tuple(autoregressive_walks_faster(rule, group, curve) for group in groups))
+    return replace(rule, autoregressive=tuple(not drafting_pays(rule, group, curve) for group in groups))
 
 
-def autoregressive_walks_faster(rule: ConfidenceRule, rows: Sequence, cost: CycleCost) -> bool:
-    """Whether autoregression walks the tables of `rows` (`step_data.StepRow`s) faster than `rule`, each priced by
-    `cost` with what a request pays beyond its cycles (`CycleCost.request`: the rule's requests keep the option to
-    draft, autoregressive ones do not)."""
-    tokens = drafting = autoregressive = 0.0
-    for row in rows:
+def drafting_pays(rule: ConfidenceRule, rows: Sequence, cost: CycleCost) -> bool:
+    """Whether the rule's walks over the tables of `rows` (`step_data.StepRow`s) are surely faster than
+    autoregression's (`walks.adapts`, the gate of every adaptive choice against the fixed one it would replace), each
+    priced by `cost` with what a request pays beyond its cycles (`CycleCost.request`: the rule's requests keep the
+    option to draft, autoregressive ones do not)."""
+    drafting, autoregressive = np.zeros((len(rows), 3)), np.zeros((len(rows), 3))  # (tokens, cycles, cost) a row
+    for index, row in enumerate(rows):
         for table, anchors in zip(row.tables, row.anchors, strict=True):
-            sizes = walk_rule(rule, table, anchors)
-            tokens += table.n - 1
-            drafting += table.walk_cost(sizes, cost=cost) + cost.request(sizes, row.prompt_tokens, keeps_option=True)
-            steps = [1] * (table.n - 1)
-            autoregressive += table.walk_cost(steps, cost=cost) + cost.request(steps, row.prompt_tokens)
-    return tokens > 0 and autoregressive < drafting
+            sizes, steps = walk_rule(rule, table, anchors), [1] * (table.n - 1)
+            spent = table.walk_cost(sizes, cost=cost) + cost.request(sizes, row.prompt_tokens, keeps_option=True)
+            drafting[index] += (table.n - 1, len(sizes), spent)
+            plain = table.walk_cost(steps, cost=cost) + cost.request(steps, row.prompt_tokens)
+            autoregressive[index] += (table.n - 1, len(steps), plain)
+    return bool(rows) and adapts(drafting, autoregressive)[0]
 
 
 def walk_rule(rule: ConfidenceRule, table, anchors) -> list[int]:
