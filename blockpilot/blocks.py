@@ -50,3 +50,9 @@ def flush_passes(block_sizes: Sequence[int]) -> int:
             passes, pending = passes + 1, 0
         pending = 0 if drafts else pending + 1
     return passes
+
+
+def switches(block_sizes: Sequence[int]) -> int:
+    """The drafting cycles of a lone row, over cycles of `block_sizes`, that follow an autoregressive one: each finds
+    the drafter cold and pays a switch (`CycleCost.switch`)."""
+    return sum(before == AUTOREGRESSIVE != b for before, b in zip(block_sizes, block_sizes[1:], strict=False))

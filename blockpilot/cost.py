@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from blockpilot.blocks import AUTOREGRESSIVE, flush_passes
+from blockpilot.blocks import AUTOREGRESSIVE, flush_passes, switches
 from blockpilot.checks import positive_int
 from blockpilot.files import write_text_atomic
 
@@ -27,7 +27,7 @@ Timed = TypeVar("Timed")  # what a calibration round times: a block size, or a (
 
 
 # `CycleCost`'s prices of what a lone request pays beyond its cycles (`CycleCost.request`), in seconds.
-REQUEST_PRICES = ("context_token", "flush", "context_pass", "start_pass", "start_token")
+REQUEST_PRICES = ("context_token", "flush", "context_pass", "start_pass", "start_token", "switch")
 
 
 def nearest_batch_size(measured: Iterable[int], batch: int) -> int:
@@ -62,12 +62,16 @@ class CycleCost:
     # every shape (admission, the prompt's prefill and first token: a pass, plus so much a prompt token); where it may
     # draft, the drafter's context of its prompt, written once at prefill (`prompt_context`, likewise); and, for a
     # request that keeps the option to draft, one pass that writes the context its autoregressive cycles kept
-    # (`blocks.flush_passes`). A request autoregressive for good writes neither.
+    # (`blocks.flush_passes`). A request autoregressive for good writes neither. And `switch`: what a drafting cycle
+    # after autoregressive ones costs beyond its warm price and the flush, plus the first autoregressive cycle after a
+    # draft beyond its own (`calibration.switch_price`), paid at each draft that follows autoregression
+    # (`blocks.switches`).
     context_token: float = 0.0
     flush: float = 0.0
     context_pass: float = 0.0
     start_pass: float = 0.0
     start_token: float = 0.0
+    switch: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -152,14 +156,21 @@ class CycleCost:
         but `AUTOREGRESSIVE` does), for a prompt of `prompt_tokens` (0: not known, nothing priced): its start, every
         shape's alike; its prompt's drafter context where a cycle drafts or it `keeps_option` to draft (written at
         prefill whether it drafts at once or later); and, keeping the option, the flushes of what its autoregressive
-        cycles kept."""
+        cycles kept and the switches back to drafting."""
         if prompt_tokens <= 0:
             return 0.0
         start = self.start_pass + self.start_token * prompt_tokens
         drafts = keeps_option or any(b != AUTOREGRESSIVE for b in block_sizes)
         context = self.prompt_context(prompt_tokens) if drafts else 0.0
-        flushes = self.flush * flush_passes(block_sizes) if keeps_option else 0.0
-        return start + context + flushes
+        if not keeps_option:
+            return start + context
+        return start + context + self.flush * flush_passes(block_sizes) + self.switch * switches(block_sizes)
+
+    @property
+    def after_autoregression(self) -> float:
+        """What a lone row's draft right after an autoregressive cycle pays before it: the flush of what that kept and
+        the switch (what the walks' dynamic program charges, `AcceptanceTable.cost_to_go_keeping_option`)."""
+        return self.flush + self.switch
 
     def scaled(self, factor: float) -> CycleCost:
         """The curve with every time multiplied by `factor` (> 0): its shape, at another level."""
@@ -245,7 +256,7 @@ class CycleCost:
         return (
             f"a request's start {self.start_pass * 1e3:.3f} ms + {self.start_token * 1e6:.1f} us a prompt token; its "
             f"prompt's drafter context {self.context_pass * 1e3:.3f} ms + {self.context_token * 1e6:.1f} us a token; "
-            f"a flush {self.flush * 1e3:.3f} ms"
+            f"a flush {self.flush * 1e3:.3f} ms; a switch to drafting and back {self.switch * 1e3:.3f} ms"
         )
 
 

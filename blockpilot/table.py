@@ -138,12 +138,13 @@ class AcceptanceTable:
         best, q = self.cost_to_go_keeping_option(cost, 0.0)
         return best[0], q[0]
 
-    def cost_to_go_keeping_option(self, cost: CostFn, flush: float) -> tuple[np.ndarray, np.ndarray]:
+    def cost_to_go_keeping_option(self, cost: CostFn, switching: float) -> tuple[np.ndarray, np.ndarray]:
         """`cost_to_go` of a lone row that keeps the option to draft: a cycle that drafts after autoregressive ones
-        first pays `flush`, the pass that writes the drafter context they kept (`blocks.flushes`; context kept to the
-        end is never written; the flush of a run of more than `PENDING_CONTEXT` autoregressive positions is left
-        out). (J (2, n + 1), Q (2, K, n - 1)) by what the row holds before the cycle: 0, nothing kept (after a draft,
-        or before the first cycle); 1, kept by the autoregressive cycle before."""
+        first pays `switching` (`CycleCost.after_autoregression`): the pass that writes the drafter context they kept
+        (`blocks.flushes`; context kept to the end is never written; the flush of a run of more than
+        `PENDING_CONTEXT` autoregressive positions is left out) and the switch. (J (2, n + 1), Q (2, K, n - 1)) by
+        what the row holds before the cycle: 0, nothing kept (after a draft, or before the first cycle); 1, kept by the
+        autoregressive cycle before."""
         n, k = self.n, len(self.candidates)
         best = np.zeros((2, n + 1))
         q = np.zeros((2, k, max(n - 1, 0)))
@@ -153,7 +154,7 @@ class AcceptanceTable:
                 drafts = b != AUTOREGRESSIVE
                 rest = best[0 if drafts else 1, cursor + step]
                 q[0, index, cursor - 1] = cost(self.block_size_at(cursor, b)) + rest
-                q[1, index, cursor - 1] = q[0, index, cursor - 1] + (flush if drafts else 0.0)
+                q[1, index, cursor - 1] = q[0, index, cursor - 1] + (switching if drafts else 0.0)
             best[:, cursor] = q[:, :, cursor - 1].min(axis=1)
         return best, q
 

@@ -190,7 +190,7 @@ def step_oracle(
         return tokens, cycles, cycles
     spent = 0.0
     for table in tables:
-        cheapest = float(table.cost_to_go_keeping_option(cost, cost.flush)[0][0, 1])
+        cheapest = float(table.cost_to_go_keeping_option(cost, cost.after_autoregression)[0][0, 1])
         drafted = cheapest + cost.request(TREE, prompt_tokens)
         if AUTOREGRESSIVE in table.candidates:
             alone = [AUTOREGRESSIVE] * (table.n - 1)

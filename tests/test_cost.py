@@ -13,7 +13,7 @@ import pytest
 import torch
 from commands import run, script_module, user_env
 
-from blockpilot.blocks import PENDING_CONTEXT, flush_passes, label_candidates
+from blockpilot.blocks import AUTOREGRESSIVE, PENDING_CONTEXT, flush_passes, label_candidates, switches
 from blockpilot.cost import (
     CycleCost,
     load_cost,
@@ -25,6 +25,8 @@ from blockpilot.data.labels import rows_to_table, write_label_file
 from blockpilot.decoding.calibration import (
     BUILD_WEIGHT,
     HELPER_START,
+    SWITCH_DRAFTS,
+    SWITCH_RUN,
     BatchRig,
     SecondBuilder,
     calibrate,
@@ -32,7 +34,9 @@ from blockpilot.decoding.calibration import (
     second_builder_fits,
     seconds_per_cycle,
     split_builds,
+    switch_price,
 )
+from blockpilot.decoding.engine import Engine
 from blockpilot.policies.fixed import FixedBlockSize
 
 
@@ -66,6 +70,43 @@ def test_a_lone_cycle_computing_a_step_models_choice_is_measured_beside_the_plai
     assert cost.context_token >= 0 and cost.context_pass >= 0 and cost.prompt_context(16) > 0 and cost.flush > 0
     assert cost.start_token >= 0 and cost.start_pass >= 0 and cost.request([1], 16) > 0
     assert cost.request([4], 16) > cost.request([1], 16) and "a request's start" in cost.describe()
+    assert cost.switch >= 0 and "a switch to drafting and back" in cost.describe()
+
+
+def test_a_switch_is_priced_by_the_cycles_around_it(random_models, monkeypatch):
+    """On a clock where a warm drafting cycle takes 1 s and one after autoregressive cycles 1.5 s, a warm
+    autoregressive cycle 0.2 s and the first after a draft 0.25 s, a switch costs what both cold cycles add, less the
+    flush the draft runs first (priced apart): 0.5 - 0.1 + 0.05 s. The row runs the schedule's periods."""
+    from blockpilot.decoding import calibration
+
+    engine = Engine(random_models, max_batch=1, width=4, compile="off")
+    clock, schedules, step, submit = [0.0], [], engine.step, engine.submit
+
+    def timed_step():
+        ran = schedules[-1].ran
+        before = len(ran)
+        updates = step()
+        if len(ran) > before >= 1:
+            (_, previous), (_, b) = ran[-2:]
+            if b != AUTOREGRESSIVE:
+                clock[0] += 1.5 if previous == AUTOREGRESSIVE else 1.0
+            else:
+                clock[0] += 0.2 if previous == AUTOREGRESSIVE else 0.25
+        return updates
+
+    monkeypatch.setattr(engine, "submit", lambda request: schedules.append(request.policy) or submit(request))
+    monkeypatch.setattr(engine, "step", timed_step)
+
+    def now():  # every reading later than the last (the engine times its own passes too)
+        clock[0] += 1e-9
+        return clock[0]
+
+    monkeypatch.setattr(calibration.time, "perf_counter", now)
+    price = switch_price(random_models, engine, 16, 3, torch.Generator().manual_seed(0), flush=0.1)
+    assert price == pytest.approx(0.5 - 0.1 + 0.05, abs=1e-6)
+    period = [4] * SWITCH_DRAFTS + [AUTOREGRESSIVE] * SWITCH_RUN
+    assert [b for _, b in schedules[0].ran][: 2 * len(period)] == 2 * period
+    assert not engine.busy
 
 
 def test_an_autoregressive_row_computing_the_choice_keeps_its_option_to_draft_in_every_round(random_models):
@@ -128,14 +169,16 @@ def test_what_a_lone_request_pays_beyond_its_cycles():
     assert flush_passes([4, 4]) == 0 and flush_passes([1, 1, 4]) == 1 and flush_passes([1, 4, 1, 4]) == 2
     assert flush_passes([1] * PENDING_CONTEXT) == 0 and flush_passes([1] * (PENDING_CONTEXT + 1)) == 1
     assert flush_passes([4, 1, 1]) == 0  # kept to the end: never written
-    prices = dict(context_token=0.01, flush=0.5, context_pass=0.2, start_pass=3.0, start_token=0.02)
+    assert switches([4, 4, 1, 1]) == 0 and switches([1, 4, 1, 4, 4]) == 2 and switches([1] * 40 + [4]) == 1
+    prices = dict(context_token=0.01, flush=0.5, context_pass=0.2, start_pass=3.0, start_token=0.02, switch=0.25)
     cost = CycleCost({1: {1: 1.0, 4: 2.0}, 8: {1: 3.0, 4: 6.0}}, **prices)
     start, context = 3.0 + 0.02 * 100, 0.2 + 0.01 * 100
     assert cost.prompt_context(100) == pytest.approx(context) and cost.prompt_context(0) == 0.0
     assert cost.request([1, 1], 100) == pytest.approx(start) and cost.request([], 100) == pytest.approx(start)
     assert cost.request([4, 4], 100) == cost.request([1, 4], 100) == pytest.approx(start + context)
-    assert cost.request([1, 1, 4], 100, keeps_option=True) == pytest.approx(start + context + 0.5)
-    assert cost.request([4, 1, 4], 100, keeps_option=True) == pytest.approx(start + context + 0.5)
+    assert cost.request([1, 1, 4], 100, keeps_option=True) == pytest.approx(start + context + 0.5 + 0.25)
+    assert cost.request([4, 1, 4], 100, keeps_option=True) == pytest.approx(start + context + 0.5 + 0.25)
+    assert cost.after_autoregression == 0.75
     assert cost.request([1, 1], 100, keeps_option=True) == pytest.approx(start + context)  # written, never read
     assert cost.request([4, 1, 4], 0, keeps_option=True) == 0.0
     assert cost.at_batch(1).request([1, 4], 100, True) == cost.request([1, 4], 100, True) > 0

@@ -314,17 +314,17 @@ def test_a_model_that_follows_the_oracle_walks_it():
 
 
 def test_the_option_oracle_prices_a_flush_before_each_draft_after_autoregressive_cycles():
-    """Keeping the option to draft, a draft after autoregressive cycles pays their flush (`blocks.flush_passes`): on
-    a hand-made table the oracle's Q, read in what the row kept before each cycle, adds up along any walk to its
-    cycles plus its flushes; without a flush it is `cost_to_go`'s; and a dear flush never makes it cheaper."""
+    """Keeping the option to draft, a draft after autoregressive cycles pays their flush (`blocks.flush_passes`) and
+    the switch (`blocks.switches`): on a hand-made table the oracle's Q, read in what the row kept before each cycle,
+    adds up along any walk to its cycles plus what the request pays for them (`CycleCost.request`); without a flush
+    it is `cost_to_go`'s; and a dear flush never makes it cheaper."""
     commits = np.asarray([[1, 1, 1, 1, 1, 1, 1], [2, 1, 2, 2, 1, 2, 1], [3, 1, 1, 1, 2, 2, 1]], dtype=np.int16)
     table = AcceptanceTable((1, 2, 3), commits, max_new_tokens=8)
-    cost = CycleCost({1: {1: 1.0, 2: 1.2, 3: 1.3}})
+    cost = CycleCost({1: {1: 1.0, 2: 1.2, 3: 1.3}}, flush=0.3, switch=0.1)
     best, q = table.cost_to_go(cost)
     free_best, free_q = table.cost_to_go_keeping_option(cost, 0.0)
     assert np.allclose(free_best[0], best) and np.allclose(free_best[1], best) and np.allclose(free_q[0], q)
-    flush = 0.4
-    best, q = table.cost_to_go_keeping_option(cost, flush)
+    best, q = table.cost_to_go_keeping_option(cost, cost.after_autoregression)
     for pattern in ([1, 2], [2, 1, 1], [1, 1, 3], [3, 2]):
         cursor, held, regret, walked = 1, 0, 0.0, []
         while cursor < table.n:
@@ -333,7 +333,9 @@ def test_the_option_oracle_prices_a_flush_before_each_draft_after_autoregressive
             regret += q[held, index, cursor - 1] - best[held, cursor]
             walked.append(b)
             cursor, held = cursor + int(commits[index, cursor - 1]), int(b == 1)
-        spent = table.walk_cost(walked, cost=cost) + flush * flush_passes(walked)
+        beyond = cost.request(walked, 8, keeps_option=True) - cost.request(walked, 8)
+        spent = table.walk_cost(walked, cost=cost) + 0.4 * flush_passes(walked)
+        assert spent == pytest.approx(table.walk_cost(walked, cost=cost) + beyond)
         assert regret == pytest.approx(spent - best[0, 1])
     dear = table.cost_to_go_keeping_option(cost, 100.0)[0][0, 1]
     assert free_best[0, 1] <= best[0, 1] <= dear <= table.walk_cost([1] * (table.n - 1), cost=cost)

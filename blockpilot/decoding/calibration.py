@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockpilot.blocks import AUTOREGRESSIVE, label_candidates
+from blockpilot.blocks import AUTOREGRESSIVE, PENDING_CONTEXT, label_candidates
 from blockpilot.checks import distinct_block_sizes, distinct_tree_budgets
 from blockpilot.cost import CycleCost, nondecreasing_in_block_size, one_cost_per_bucket, round_relative_medians
 from blockpilot.decoding.compiled import compile_mode
@@ -28,7 +29,7 @@ from blockpilot.decoding.engine import DEFAULT_CAPACITY, Engine
 from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.decoding.static import MIN_SPAN
 from blockpilot.models.loading import synchronize
-from blockpilot.policies.base import BlockSizePolicy, PrefillState
+from blockpilot.policies.base import BlockSizePolicy, CycleState, PrefillState
 from blockpilot.policies.fixed import FixedBlockSize, FixedTree
 from blockpilot.policies.step import CycleDecision, StepPolicy
 from blockpilot.predictor.step_model import StepModel, StepModelConfig
@@ -370,7 +371,8 @@ def calibrate(
     also compute its choice, on an engine that computes it (`HeldDecisionPolicy`), in the same rounds:
     `CycleCost.decided`, fitted the same way and never below c(b), what a step model's walk pays
     (`CycleCost.deciding`). At batch 1 with a drafter, also what a lone request pays beyond its cycles: its start, its
-    prompt's drafter context and a flush (`request_prices`, `CycleCost.request`).
+    prompt's drafter context and a flush (`request_prices`, `CycleCost.request`), and a switch between drafting and
+    autoregression (`switch_price`).
 
     `log` gets a line per batch, one per shape its first round builds, with the seconds it took, and one when its
     rounds are done: compiled cold on a 2-core CPU, a chain's shape took 20-23 s and a tree's 29-58 s, 303 of the 322
@@ -432,6 +434,7 @@ def calibrate(
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
         if batch == 1 and models.drafter is not None:
             prices = request_prices(models, engine, prompt_tokens, warmup, repeats * cycles, generator)
+            prices["switch"] = switch_price(models, engine, prompt_tokens, repeats * cycles, generator, prices["flush"])
     return CycleCost(
         fitted,
         device=device_name(models.device),
@@ -497,6 +500,81 @@ def request_prices(
         per_token = max(long - short, 0.0) / max(lengths[1] - lengths[0], 1)
         prices |= {f"{kind}_token": per_token, f"{kind}_pass": max(long - per_token * lengths[1], 0.0)}
     return prices
+
+
+# A switch is timed as the third cycle of a period: `SWITCH_DRAFTS` drafting cycles, then a run of `SWITCH_RUN`
+# autoregressive ones, half the context a row keeps before it flushes (`PENDING_CONTEXT`): the drafter then ran
+# nothing for as long as a row drafting again after a pause usually waits.
+SWITCH_DRAFTS = 3
+SWITCH_RUN = PENDING_CONTEXT // 2
+
+
+@dataclass(frozen=True)
+class SwitchSchedule(FixedBlockSize):
+    """A lone row's cycles in periods of `SWITCH_DRAFTS` drafting cycles of b, then `SWITCH_RUN` autoregressive ones;
+    it keeps the (cycle, b) of each cycle it ran (`switch_price` reads them)."""
+
+    ran: list[tuple[int, int]] = field(default_factory=list, compare=False)
+
+    @property
+    def block_size_choices(self) -> tuple[int, ...]:
+        return (AUTOREGRESSIVE, self.block_size)
+
+    def next_block_size(self, cycle: CycleState) -> int:
+        self.ran.append((cycle.cycle, cycle.block_size))
+        drafts = (cycle.cycle + 1) % (SWITCH_DRAFTS + SWITCH_RUN) < SWITCH_DRAFTS
+        return self.block_size if drafts else AUTOREGRESSIVE
+
+
+def switch_price(
+    models: Any, engine: Engine, prompt_tokens: int, periods: int, generator: torch.Generator, flush: float = 0.0
+) -> float:
+    """What switching costs a lone row of `engine` (idle, its cycles of b = 1 and of its widest b built), in seconds:
+    a drafting cycle after autoregressive ones beyond a warm drafting cycle and the `flush` it runs first (priced
+    apart, `request_prices`), plus the first autoregressive cycle after a draft beyond a warm one. Each is the median,
+    over at least `periods` periods of a `SwitchSchedule` (a request's first not counted), of that cycle's time less
+    its period's warm cycles of the same kind: a drift moves both alike. A row that drafts again after a
+    pause finds the drafter's weights and cache cold (the mini zoo's compiled width-8 cycle +14-26% after 8-16
+    autoregressive cycles on a 2-core CPU, docs/log.md). 0 where the engine runs no drafter or no b = 1."""
+    widest = max(engine.widths)
+    if models.drafter is None or widest == AUTOREGRESSIVE or min(engine.widths) != AUTOREGRESSIVE:
+        return 0.0
+    period = SWITCH_DRAFTS + SWITCH_RUN
+    pattern = [widest] * SWITCH_DRAFTS + [AUTOREGRESSIVE] * SWITCH_RUN
+    most = SWITCH_DRAFTS * widest + SWITCH_RUN  # tokens a period commits at most
+    budget = max(min(engine.capacity - prompt_tokens - 2 * widest - 1, (periods + 2) * most), 2 * period * widest)
+    drafts: list[float] = []
+    pauses: list[float] = []
+    with torch.inference_mode():
+        while len(drafts) < periods:
+            schedule = SwitchSchedule(widest)
+            prompt = random_prompts(models, 1, prompt_tokens, generator)[0]
+            engine.submit(GenerationRequest(prompt, GenerationConfig(max_new_tokens=budget), schedule))
+            updates = engine.step()  # admission (prefill) and the first cycle: not timed
+            timed: dict[int, tuple[int, float]] = {}  # cycle -> (b, seconds)
+            counted = len(drafts)
+            while engine.busy:
+                ran = len(schedule.ran)
+                synchronize(models.device)
+                started = time.perf_counter()
+                updates += engine.step()
+                synchronize(models.device)
+                if len(schedule.ran) > ran:  # not the last cycle, which asks no next b
+                    cycle, b = schedule.ran[-1]
+                    timed[cycle] = (b, time.perf_counter() - started)
+            failed = next((update.error for update in updates if update.error is not None), None)
+            if failed is not None:
+                raise RuntimeError(f"a switching row failed while its cycles were timed: {failed!r}") from failed
+            for first in range(period, max(timed, default=0) + 2 - period, period):
+                runs = [timed.get(cycle, (0, 0.0)) for cycle in range(first, first + period)]
+                if [b for b, _ in runs] != pattern:
+                    continue  # a block cut short at the budget's end, or not timed
+                times = [seconds for _, seconds in runs]
+                drafts.append(times[0] - statistics.fmean(times[1:SWITCH_DRAFTS]))
+                pauses.append(times[SWITCH_DRAFTS] - statistics.median(times[SWITCH_DRAFTS + 1 :]))
+            if len(drafts) == counted:
+                raise RuntimeError(f"a switching row of {budget} tokens ran no whole period after its first")
+    return max(statistics.median(drafts) - flush, 0.0) + max(statistics.median(pauses), 0.0)
 
 
 def device_name(device: Any) -> str:

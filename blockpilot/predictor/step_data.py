@@ -167,7 +167,7 @@ def regret_dataset(
             for t, anchors in zip(row.tables, row.anchors, strict=True):
                 if t.n < 2:
                     continue
-                _, by_state = t.cost_to_go_keeping_option(priced, priced.flush)  # (2, K, n - 1)
+                _, by_state = t.cost_to_go_keeping_option(priced, priced.after_autoregression)  # (2, K, n - 1)
                 unit = priced(min(t.candidates))
                 cursors, last_accepted, last_sizes = fixed_walk_cycles(t)
                 held = (last_sizes == AUTOREGRESSIVE).astype(np.int64)  # what the row kept before the cycle
