@@ -232,6 +232,16 @@ def policy_table(
     return "\n".join(lines)
 
 
+def shapes_chosen(live: dict[str, PolicySpeed], names: dict[str, str], temperature: float) -> str:
+    """The shapes each adaptive policy chose live at `temperature`: its share of the cycles, and the prompts that ran
+    it (`PolicySpeed.shape_shares`)."""
+    lines = [f"shapes the adaptive policies chose live at T = {temperature:g} (the median round of each prompt)"]
+    for key in ADAPTIVE_POLICIES:
+        if key in live and live[key].shapes:
+            lines.append(f"  {names[key]:<31} {live[key].shape_shares()}")
+    return "\n".join(lines)
+
+
 # The predictors the demo trains on the same labels, compared in MLflow under one parent run: the project's default,
 # and the paper's configuration as published (dense over the whole prefill distribution, cross-entropy on B* = the
 # best tau, b in B-2..B+2: no autoregression, no trees).
@@ -347,13 +357,18 @@ def decode_live(
 
 
 def live_metrics(tables: dict[float, dict[str, PolicySpeed]], key: str) -> dict[str, float]:
-    """A policy's live figures at each temperature measured, as MLflow holds them (`live/T<t>/tokens_per_s`, `tau`)."""
-    return {
-        f"live/T{t:g}/{name}": value
-        for t, live in tables.items()
-        if key in live
-        for name, value in (("tokens_per_s", live[key].tokens_per_s), ("tau", live[key].tau))
-    }
+    """A policy's live figures at each temperature measured, as MLflow holds them (`live/T<t>/tokens_per_s`, `tau`,
+    and each shape's share of the cycles, `cycles_share/b1`, `cycles_share/tree15`)."""
+    metrics = {}
+    for t, live in tables.items():
+        if key not in live:
+            continue
+        speed = live[key]
+        metrics |= {f"live/T{t:g}/tokens_per_s": speed.tokens_per_s, f"live/T{t:g}/tau": speed.tau}
+        cycles = sum(count for _, count, _ in speed.shapes)
+        for shape, count, _ in speed.shapes:
+            metrics[f"live/T{t:g}/cycles_share/{shape.replace('=', '').replace(':', '')}"] = count / cycles
+    return metrics
 
 
 def serving_policy(tables: dict[float, dict[str, PolicySpeed]]) -> tuple[str, dict[float, tuple[float, str]]]:
@@ -556,6 +571,7 @@ def run_demo(job: DemoJob) -> int:
         loop = live.pop("loop", None)
         names[temperature] = {key: name for key, (_, name) in specs.items()}
         print(policy_table(step.metrics, live, names[temperature], len(prompts_ids), loop, decoder, temperature))
+        print(shapes_chosen(live, names[temperature], temperature))
         tables[temperature] = live
     for run, key in ((outcome, "request"), (paper, "paper")):  # each predictor's run gets its live figures
         if run.run_id:

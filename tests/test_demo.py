@@ -7,6 +7,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from commands import free_port, run, script_module, user_env
@@ -15,7 +16,14 @@ from blockpilot.data.labels import read_labels
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.engine import Engine
-from blockpilot.decoding.speed import PLAIN_LOOP, PolicySpeed, measure_speed, measure_speeds, pooled_tau
+from blockpilot.decoding.speed import (
+    PLAIN_LOOP,
+    PolicySpeed,
+    cycle_shapes,
+    measure_speed,
+    measure_speeds,
+    pooled_tau,
+)
 from blockpilot.policies.resolve import resolve_policy
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 from pipelines.demo import (
@@ -35,6 +43,7 @@ from pipelines.demo import (
     policy_table,
     reference_answers,
     serving_policy,
+    shapes_chosen,
 )
 
 
@@ -101,6 +110,12 @@ def test_measure_speeds_interleaves_every_decoder_and_counts_each_prompts_median
         assert speeds[key].seconds > 0
     assert speeds["loop"].tokens == greedy and speeds["loop"].policy == PLAIN_LOOP
     assert speeds["autoregressive"].tau == 1.0
+    # the shapes each decoder ran, counted over the same generations: every cycle, and each prompt once a shape
+    cycles = greedy - len(prompts)  # a token a cycle after the prefill's
+    assert speeds["autoregressive"].shapes == (("b=1", cycles, 2),) and speeds["autoregressive"].generations == 2
+    assert speeds["autoregressive"].shape_shares() == "b=1 100.0% of cycles, 2 of 2 prompts"
+    assert speeds["fixed"].shapes[0][0] == "b=3" and speeds["fixed"].shapes[0][2] == 2
+    assert speeds["loop"].shapes == () and speeds["loop"].generations == 0
     with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
         measure_speeds(random_models, prompts, runs, config, rounds=0)
     with pytest.raises(ValueError, match="names a run too"):
@@ -198,6 +213,27 @@ def test_the_endpoint_serves_the_adaptive_policy_whose_worst_temperature_is_best
         serving_policy({0.0: speeds(step=105, B=100), 1.0: speeds(B=100)})
 
 
+def test_each_cycle_is_named_by_its_shape_and_the_demo_says_what_the_adaptive_policies_chose():
+    chains = SimpleNamespace(block_sizes=[1, 4, 4], tree_nodes=[])
+    trees = SimpleNamespace(block_sizes=[1, 8, 8, 4], tree_nodes=[0, 15, 7, 3])  # a tree engine's chain: b - 1 nodes
+    assert cycle_shapes(chains) == ["b=1", "b=4", "b=4"]
+    assert cycle_shapes(trees) == ["b=1", "tree:15", "b=8", "b=4"]
+    step = PolicySpeed("learned+step", 30, 1.0, 1.5, shapes=(("b=1", 3, 2), ("tree:15", 1, 1)), generations=2)
+    live = {"step": step, "B": PolicySpeed("fixed", 30, 1.0, 2.0, shapes=(("b=6", 5, 2),), generations=2)}
+    text = shapes_chosen(live, {"step": "learned+step (per step)", "B": "fixed B = 6"}, 1.0)
+    assert text.splitlines() == [
+        "shapes the adaptive policies chose live at T = 1 (the median round of each prompt)",
+        f"  {'learned+step (per step)':<31} b=1 75.0% of cycles, 2 of 2 prompts; "
+        "tree:15 25.0% of cycles, 1 of 2 prompts",
+    ]  # the fixed shapes chose nothing
+    assert live_metrics({0.0: live}, "step") == {
+        "live/T0/tokens_per_s": 30.0,
+        "live/T0/tau": 1.5,
+        "live/T0/cycles_share/b1": 0.75,
+        "live/T0/cycles_share/tree15": 0.25,
+    }
+
+
 def test_live_metrics_name_each_temperature():
     tables = {0.0: speeds(request=90, B=100), 1.0: speeds(request=70)}
     assert live_metrics(tables, "request") == {
@@ -277,6 +313,8 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(demo_run):
     for child in children:
         named = {"eval/tau_pred", "eval/throughput_pred", "eval/accuracy", "live/T0/tokens_per_s", "live/T1/tau"}
         assert named <= set(child.data.metrics)
+        shares = [value for name, value in child.data.metrics.items() if name.startswith("live/T0/cycles_share/")]
+        assert shares and sum(shares) == pytest.approx(1.0)  # the shapes its cycles ran, live
     artifacts = [item.path for item in mlflow.MlflowClient().list_artifacts(parent)]
     assert "predictors.png" in artifacts
     cold = printed[printed.index("policies on the held-out prompts at T = 0") :]
@@ -287,6 +325,8 @@ def test_blockpilot_demo_runs_every_stage_as_a_user_types_it(demo_run):
         for row in expected:
             assert f"\n  {row}" in table, f"the policy table has no {row!r} row:\n{table[:3000]}"
     assert "\n  transformers loop" not in warm.split("the endpoint's adaptive policy", 1)[0]  # greedy: T = 0 only
+    chosen = warm.split("shapes the adaptive policies chose live at T = 1", 1)[1].split("\n\n", 1)[0]
+    assert "\n  learned+step (per step)" in chosen and "% of cycles" in chosen
     assert "T = 0: " in line and "T = 1: " in line  # the served policy's margin at each temperature
     # The traced example and the endpoint's reply are both the target's greedy decoding of one prompt (T = 0).
     traced = printed.split("\nanswer:    ", 1)[1].split("\n", 1)[0]

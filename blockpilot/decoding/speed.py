@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from blockpilot.decoding.engine import Engine, generate_many
-from blockpilot.decoding.request import GenerationConfig, GenerationRequest
+from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
 from blockpilot.models.loading import SpeculativeModels, cache_keyword
 from blockpilot.policies.base import BlockSizePolicy
 
@@ -28,10 +29,40 @@ class PolicySpeed:
     tokens: int
     seconds: float
     tau: float
+    # (shape, its cycles, the generations that ran it at least once), most cycles first (`cycle_shapes`); the
+    # generations counted; empty and 0 where no engine ran (the plain loop).
+    shapes: tuple[tuple[str, int, int], ...] = ()
+    generations: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+    def shape_shares(self) -> str:
+        """The shapes chosen, in words: each one's share of the cycles and the generations that ran it."""
+        cycles = sum(count for _, count, _ in self.shapes)
+        return "; ".join(
+            f"{shape} {100 * count / cycles:.1f}% of cycles, {rows} of {self.generations} prompts"
+            for shape, count, rows in self.shapes
+        )
+
+
+def cycle_shapes(result: GenerationResult) -> list[str]:
+    """Each cycle's shape: `b=1` (autoregressive), `b=4` (a chain of 4), `tree:15` (a tree of 15 drafted nodes)."""
+    nodes = result.tree_nodes or [b - 1 for b in result.block_sizes]  # a chain of b drafts b - 1 nodes
+    return [
+        f"b={b}" if b == 1 or count == b - 1 else f"tree:{count}"
+        for b, count in zip(result.block_sizes, nodes, strict=True)
+    ]
+
+
+def shape_counts(generations: Iterable[Sequence[str]]) -> tuple[tuple[str, int, int], ...]:
+    """`PolicySpeed.shapes` of generations given by their cycles' shapes."""
+    cycles, rows = Counter(), Counter()
+    for shapes in generations:
+        cycles.update(shapes)
+        rows.update(set(shapes))
+    return tuple((shape, count, rows[shape]) for shape, count in cycles.most_common())
 
 
 def measure_speed(
@@ -58,6 +89,8 @@ def measure_speed(
         tokens=sum(len(r.token_ids) for r in results),
         seconds=seconds,
         tau=pooled_tau((sum(r.acceptance_lengths), r.cycles) for r in results),
+        shapes=shape_counts(cycle_shapes(r) for r in results),
+        generations=len(results),
     )
 
 
@@ -101,6 +134,9 @@ def measure_plain_loop(
     return PolicySpeed(policy=PLAIN_LOOP, tokens=tokens, seconds=time.perf_counter() - started, tau=1.0)
 
 
+Decoded = tuple[int, float, int, int, list[str]]  # one decode: tokens, seconds, committed, cycles, cycles' shapes
+
+
 def measure_speeds(
     models: SpeculativeModels,
     prompts_ids: Sequence[Sequence[int]],
@@ -127,22 +163,22 @@ def measure_speeds(
 
     names = {plain_loop_key: PLAIN_LOOP}
 
-    def decode(key: str, ids: Sequence[int]) -> tuple[int, float, int, int]:  # tokens, seconds, committed, cycles
+    def decode(key: str, ids: Sequence[int]) -> Decoded:
         started = time.perf_counter()
         if key == plain_loop_key:
             tokens = len(plain_loop(models, ids, config))
-            return tokens, time.perf_counter() - started, tokens - 1, tokens - 1  # a token a pass after the first
+            return tokens, time.perf_counter() - started, tokens - 1, tokens - 1, []  # a token a pass after the first
         policy, engine = runs[key]
         result = generate_many(models, [GenerationRequest(list(ids), config, policy)], engine=engine)[0]
         seconds = time.perf_counter() - started
         names[key] = result.policy
-        return len(result.token_ids), seconds, sum(result.acceptance_lengths), result.cycles
+        return len(result.token_ids), seconds, sum(result.acceptance_lengths), result.cycles, cycle_shapes(result)
 
     keys = [*runs, *([plain_loop_key] if plain_loop_key is not None else [])]
     for key in keys:
         for ids in prompts_ids:
             decode(key, ids)
-    decoded: dict[str, list[list[tuple[int, float, int, int]]]] = {key: [[] for _ in prompts_ids] for key in keys}
+    decoded: dict[str, list[list[Decoded]]] = {key: [[] for _ in prompts_ids] for key in keys}
     order = random.Random(0)
     for _ in range(rounds):
         for index, ids in enumerate(prompts_ids):
@@ -155,6 +191,8 @@ def measure_speeds(
             policy=names[key],
             tokens=sum(tokens for tokens, *_ in medians),
             seconds=sum(seconds for _, seconds, *_ in medians),
-            tau=pooled_tau((committed, cycles) for *_, committed, cycles in medians),
+            tau=pooled_tau((committed, cycles) for _, _, committed, cycles, _ in medians),
+            shapes=shape_counts(shapes for *_, shapes in medians) if key != plain_loop_key else (),
+            generations=len(medians) if key != plain_loop_key else 0,
         )
     return speeds
