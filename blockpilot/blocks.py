@@ -56,3 +56,13 @@ def switches(block_sizes: Sequence[int]) -> int:
     """The drafting cycles of a lone row, over cycles of `block_sizes`, that follow an autoregressive one: each finds
     the drafter cold and pays a switch (`CycleCost.switch`)."""
     return sum(before == AUTOREGRESSIVE != b for before, b in zip(block_sizes, block_sizes[1:], strict=False))
+
+
+def cycle_shapes(block_sizes: Sequence[int], tree_nodes: Sequence[int] = ()) -> list[str]:
+    """Each cycle's shape, as every report names it: `b=1` (autoregressive), `b=4` (a chain of 4), `tree:15` (a tree
+    of 15 drafted nodes). `tree_nodes`: per cycle, where trees ran (a chain of b counts b - 1; empty: chains)."""
+    nodes = tree_nodes or [b - 1 for b in block_sizes]
+    return [
+        f"b={b}" if b == AUTOREGRESSIVE or count == b - 1 else f"tree:{count}"
+        for b, count in zip(block_sizes, nodes, strict=True)
+    ]

@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from blockpilot.blocks import cycle_shapes
 from blockpilot.decoding.compiled import COMPILE_MODES
 from blockpilot.decoding.engine import COMPILE_HELP
 from blockpilot.options import (
@@ -393,10 +394,10 @@ METRICS_INTERVAL_S = 1.0  # how often a replica copies its engine's running tota
 class ReplicaMetrics:
     """A replica's Prometheus metrics, through Ray Serve's metrics API (Ray exports them with the node's metrics; the
     Ray dashboard and Grafana read them there, each with Serve's replica tags and the model's name): per finished
-    request, its policy, finish reason, tokens, tau, queue time and the block size of every cycle it ran (the shapes
-    chosen); per engine step, from the decoder's running totals every `METRICS_INTERVAL_S`, the steps, their seconds
-    and the rows that decoded in them (mean cycle time and rows per cycle are ratios of their rates), and the rows
-    decoding and the requests waiting now."""
+    request, its policy, finish reason, tokens, tau, queue time and the shape of every cycle it ran (the shapes
+    chosen, `blocks.cycle_shapes`); per engine step, from the decoder's running totals every `METRICS_INTERVAL_S`,
+    the steps, their seconds and the rows that decoded in them (mean cycle time and rows per cycle are ratios of their
+    rates), and the rows decoding and the requests waiting now."""
 
     def __init__(self, model: str) -> None:
         from ray.serve import metrics
@@ -407,7 +408,7 @@ class ReplicaMetrics:
         )
         self.tokens = metrics.Counter("blockpilot_generated_tokens", "generated tokens", tag_keys=model_tag)
         self.cycles = metrics.Counter(
-            "blockpilot_cycles", "draft/verify cycles by the block size they ran", tag_keys=("model", "block_size")
+            "blockpilot_cycles", "draft/verify cycles by the shape they ran (b=1, b=4, tree:15)", ("model", "shape")
         )
         self.tau = metrics.Histogram(
             "blockpilot_request_tau", "a request's mean tokens a cycle", [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8], model_tag
@@ -429,8 +430,8 @@ class ReplicaMetrics:
         own = stats["blockpilot"]
         self.requests.inc(tags={"policy": own["policy"], "finish_reason": stats["finish_reason"]})
         self.tokens.inc(stats["usage"]["completion_tokens"])
-        for block_size, cycles in Counter(own["block_sizes"]).items():
-            self.cycles.inc(cycles, tags={"block_size": str(block_size)})
+        for shape, cycles in Counter(cycle_shapes(own["block_sizes"], own["tree_nodes"])).items():
+            self.cycles.inc(cycles, tags={"shape": shape})
         if own["tau"] is not None:
             self.tau.observe(own["tau"])
         self.queue.observe(own["queue_time_s"])

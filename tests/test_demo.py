@@ -7,23 +7,16 @@ import math
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from commands import free_port, run, script_module, user_env
 
+from blockpilot.blocks import cycle_shapes
 from blockpilot.data.labels import read_labels
 from blockpilot.data.sources import PromptRecord, zoo_prompts
 from blockpilot.decoding import GenerationConfig
 from blockpilot.decoding.engine import Engine
-from blockpilot.decoding.speed import (
-    PLAIN_LOOP,
-    PolicySpeed,
-    cycle_shapes,
-    measure_speed,
-    measure_speeds,
-    pooled_tau,
-)
+from blockpilot.decoding.speed import PLAIN_LOOP, PolicySpeed, measure_speed, measure_speeds, pooled_tau
 from blockpilot.policies.resolve import resolve_policy
 from blockpilot.zoo.build import RECIPES, zoo_cache_dir
 from pipelines.demo import (
@@ -214,10 +207,9 @@ def test_the_endpoint_serves_the_adaptive_policy_whose_worst_temperature_is_best
 
 
 def test_each_cycle_is_named_by_its_shape_and_the_demo_says_what_the_adaptive_policies_chose():
-    chains = SimpleNamespace(block_sizes=[1, 4, 4], tree_nodes=[])
-    trees = SimpleNamespace(block_sizes=[1, 8, 8, 4], tree_nodes=[0, 15, 7, 3])  # a tree engine's chain: b - 1 nodes
-    assert cycle_shapes(chains) == ["b=1", "b=4", "b=4"]
-    assert cycle_shapes(trees) == ["b=1", "tree:15", "b=8", "b=4"]
+    assert cycle_shapes([1, 4, 4]) == ["b=1", "b=4", "b=4"]
+    # on a tree engine, where every cycle counts its nodes (a chain of b, b - 1)
+    assert cycle_shapes([1, 8, 8, 4], [0, 15, 7, 3]) == ["b=1", "tree:15", "b=8", "b=4"]
     step = PolicySpeed("learned+step", 30, 1.0, 1.5, shapes=(("b=1", 3, 2), ("tree:15", 1, 1)), generations=2)
     live = {"step": step, "B": PolicySpeed("fixed", 30, 1.0, 2.0, shapes=(("b=6", 5, 2),), generations=2)}
     text = shapes_chosen(live, {"step": "learned+step (per step)", "B": "fixed B = 6"}, 1.0)

@@ -329,7 +329,7 @@ def test_a_client_that_disconnects_frees_its_row(endpoint):
 
 def test_the_replica_exports_its_metrics_to_prometheus(endpoint, local_ray):
     """The replica's metrics reach the node's Prometheus endpoint (what the Ray dashboard and Grafana scrape): requests
-    by policy and finish reason, generated tokens, cycles by block size, tau, queue time, engine steps and load."""
+    by policy and finish reason, generated tokens, cycles by shape, tau, queue time, engine steps and load."""
     assert post(endpoint, "/v1/completions", FIXED_THREE).status_code == 200
     node = next(node for node in local_ray.nodes() if node["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
@@ -350,7 +350,7 @@ def test_the_replica_exports_its_metrics_to_prometheus(endpoint, local_ray):
         finished = [line for line in lines if line.startswith("ray_blockpilot_requests_total")]
         return (
             wanted <= names
-            and any('block_size="3"' in line and 'model="tiny"' in line for line in cycles)
+            and any('shape="b=3"' in line and 'model="tiny"' in line for line in cycles)
             and any('policy="fixed"' in line and 'finish_reason="length"' in line for line in finished)
         )
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from blockpilot.blocks import cycle_shapes
 from blockpilot.decoding.engine import Engine, generate_many
-from blockpilot.decoding.request import GenerationConfig, GenerationRequest, GenerationResult
+from blockpilot.decoding.request import GenerationConfig, GenerationRequest
 from blockpilot.models.loading import SpeculativeModels, cache_keyword
 from blockpilot.policies.base import BlockSizePolicy
 
@@ -29,7 +30,7 @@ class PolicySpeed:
     tokens: int
     seconds: float
     tau: float
-    # (shape, its cycles, the generations that ran it at least once), most cycles first (`cycle_shapes`); the
+    # (shape, its cycles, the generations that ran it at least once), most cycles first (`blocks.cycle_shapes`); the
     # generations counted; empty and 0 where no engine ran (the plain loop).
     shapes: tuple[tuple[str, int, int], ...] = ()
     generations: int = 0
@@ -45,15 +46,6 @@ class PolicySpeed:
             f"{shape} {100 * count / cycles:.1f}% of cycles, {rows} of {self.generations} prompts"
             for shape, count, rows in self.shapes
         )
-
-
-def cycle_shapes(result: GenerationResult) -> list[str]:
-    """Each cycle's shape: `b=1` (autoregressive), `b=4` (a chain of 4), `tree:15` (a tree of 15 drafted nodes)."""
-    nodes = result.tree_nodes or [b - 1 for b in result.block_sizes]  # a chain of b drafts b - 1 nodes
-    return [
-        f"b={b}" if b == 1 or count == b - 1 else f"tree:{count}"
-        for b, count in zip(result.block_sizes, nodes, strict=True)
-    ]
 
 
 def shape_counts(generations: Iterable[Sequence[str]]) -> tuple[tuple[str, int, int], ...]:
@@ -89,7 +81,7 @@ def measure_speed(
         tokens=sum(len(r.token_ids) for r in results),
         seconds=seconds,
         tau=pooled_tau((sum(r.acceptance_lengths), r.cycles) for r in results),
-        shapes=shape_counts(cycle_shapes(r) for r in results),
+        shapes=shape_counts(cycle_shapes(r.block_sizes, r.tree_nodes) for r in results),
         generations=len(results),
     )
 
@@ -172,7 +164,8 @@ def measure_speeds(
         result = generate_many(models, [GenerationRequest(list(ids), config, policy)], engine=engine)[0]
         seconds = time.perf_counter() - started
         names[key] = result.policy
-        return len(result.token_ids), seconds, sum(result.acceptance_lengths), result.cycles, cycle_shapes(result)
+        shapes = cycle_shapes(result.block_sizes, result.tree_nodes)
+        return len(result.token_ids), seconds, sum(result.acceptance_lengths), result.cycles, shapes
 
     keys = [*runs, *([plain_loop_key] if plain_loop_key is not None else [])]
     for key in keys:
