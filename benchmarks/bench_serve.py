@@ -9,9 +9,9 @@ each concurrency and mode sends the same held-out prompts (`ignore_eos`, so ever
 max_tokens): modes `autoregressive` (fixed b = 1), `fixed` (b = B) and `adaptive` (the replica's policy, as `serve`
 resolves it from the models given), and `fixed:N` where asked.
 Requests stream (`stream: true`, as a chat client reads them): per request the time to its first token (TTFT) and
-per output token after it (TPOT), and from its last event the block size of every cycle it ran. Prints each
+per output token after it (TPOT), and from its last event the shape of every cycle it ran. Prints each
 (concurrency, mode)'s median tokens/s over the rounds and, of its median round, requests/s, TTFT and TPOT p50/p99,
-tau (tokens a cycle) and the shapes its cycles ran (the share of each b), and the adaptive mode against the best
+tau (tokens a cycle) and the shapes its cycles ran (the share of each), and the adaptive mode against the best
 other one. Before that, the same requests go
 one by one through the library's decoder in this process: the difference of mean latencies at concurrency 1 is the
 HTTP + Serve overhead per request. The curve is logged to MLflow (experiment `blockpilot-load`, each mode's tokens/s
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from blockpilot.blocks import cycle_shapes
 from blockpilot.load_curve import LOAD_EXPERIMENT, log_load_curve
 from blockpilot.tracking import start_run
 
@@ -51,7 +52,7 @@ class Streamed:
     first_token_s: float
     total_s: float
     tokens: int
-    block_sizes: list[int]
+    shapes: list[str]  # every cycle's (`blocks.cycle_shapes`)
 
     @property
     def per_output_token_s(self) -> float:
@@ -77,13 +78,13 @@ def read_stream(lines: Iterable[str], started: float, clock=time.perf_counter) -
     total = clock() - started
     if first is None or stats is None:
         raise RuntimeError("the stream ended without a token or without its final stats")
-    return Streamed(first, total, usage["completion_tokens"], stats["block_sizes"])
+    return Streamed(first, total, usage["completion_tokens"], cycle_shapes(stats["block_sizes"], stats["tree_nodes"]))
 
 
-def shapes(sizes: list[int]) -> str:
-    """The share of cycles at each b, most common first: 'b1 62% b8 38%'."""
-    counts = Counter(sizes)
-    return " ".join(f"b{b} {n / len(sizes):.0%}" for b, n in counts.most_common(3)) if sizes else "-"
+def shapes(cycles: list[str]) -> str:
+    """The share of cycles of each shape, most common first: 'b=1 62% tree:15 38%'."""
+    counts = Counter(cycles)
+    return " ".join(f"{shape} {n / len(cycles):.0%}" for shape, n in counts.most_common(3)) if cycles else "-"
 
 
 STREAMED = {"stream": True, "stream_options": {"include_usage": True}}  # the fields that make a request stream
@@ -226,8 +227,8 @@ def main() -> None:
             answers = median_run[2]
             others = [rates[m] for m in modes if m != mode]
             versus = f"{rates[mode] / max(others):.3f}" if others else "-"
-            sizes = [b for a in answers for b in a.block_sizes]
-            tau = sum(a.tokens - 1 for a in answers) / max(len(sizes), 1)  # the first token comes from the prefill
+            cycles = [shape for a in answers for shape in a.shapes]
+            tau = sum(a.tokens - 1 for a in answers) / max(len(cycles), 1)  # the first token comes from the prefill
             figures = {
                 "tokens_per_s": rates[mode],
                 "p99_ms": percentile([a.total_s for a in answers], 0.99) * 1000,
@@ -242,7 +243,7 @@ def main() -> None:
             print(
                 f"{level:>11} {mode:<15} {rates[mode]:>9.1f} {versus:>12} {len(prompts) / median_run[1]:>6.2f} "
                 f"{figures['ttft_p50_ms']:>5.0f}/{figures['ttft_p99_ms']:<5.0f} "
-                f"{figures['tpot_p50_ms']:>4.1f}/{figures['tpot_p99_ms']:<4.1f} {tau:>5.2f}  {shapes(sizes)}",
+                f"{figures['tpot_p50_ms']:>4.1f}/{figures['tpot_p99_ms']:<4.1f} {tau:>5.2f}  {shapes(cycles)}",
                 flush=True,
             )
     overhead = statistics.fmean(a.total_s for a in runs[(levels[0], modes[-1])][0][2]) - statistics.fmean(library)

@@ -159,16 +159,16 @@ def test_streamed_chunks_reassemble_to_the_same_text(endpoint):
 
 def test_the_load_benchmark_reads_what_the_endpoint_streams(endpoint):
     """`benchmarks/bench_serve.py` times streamed requests: its reader finds the first token, the tokens and every
-    cycle's block size in the endpoint's events, the same cycles a plain request reports."""
+    cycle's shape in the endpoint's events, the same cycles a plain request reports."""
     bench_serve = script_module("benchmarks/bench_serve.py")
     plain = post(endpoint, "/v1/completions", FIXED_THREE).json()["blockpilot"]
     started = time.perf_counter()
     streamed = FIXED_THREE | bench_serve.STREAMED
     with httpx.stream("POST", endpoint + "/v1/completions", json=streamed, timeout=120) as response:
         read = bench_serve.read_stream(response.iter_lines(), started)
-    assert read.tokens == 24 and read.block_sizes == plain["block_sizes"]
+    assert read.tokens == 24 and read.shapes == [f"b={b}" for b in plain["block_sizes"]]
     assert 0 < read.first_token_s <= read.total_s and read.per_output_token_s > 0
-    assert bench_serve.shapes(read.block_sizes).startswith("b3 ")  # the last cycle cut to the budget
+    assert bench_serve.shapes(read.shapes).startswith("b=3 ")  # the last cycle cut to the budget
 
 
 def test_the_openai_client_works_unchanged(endpoint, tiny_models, predictor_dir):
