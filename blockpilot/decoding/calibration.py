@@ -434,7 +434,9 @@ def calibrate(
             trees[batch] = nondecreasing_in_block_size(round_relative_medians(tree_rounds))
         if batch == 1 and models.drafter is not None:
             prices = request_prices(models, engine, prompt_tokens, warmup, repeats * cycles, generator)
-            prices["switch"] = switch_price(models, engine, prompt_tokens, repeats * cycles, generator, prices["flush"])
+            prices["switch"] = switch_price(
+                models, engine, prompt_tokens, repeats * cycles, generator, prices["flush"], 1 + (cycles + 2) * depth
+            )
     return CycleCost(
         fitted,
         device=device_name(models.device),
@@ -527,13 +529,21 @@ class SwitchSchedule(FixedBlockSize):
 
 
 def switch_price(
-    models: Any, engine: Engine, prompt_tokens: int, periods: int, generator: torch.Generator, flush: float = 0.0
+    models: Any,
+    engine: Engine,
+    prompt_tokens: int,
+    periods: int,
+    generator: torch.Generator,
+    flush: float = 0.0,
+    max_new_tokens: int = 0,
 ) -> float:
     """What switching costs a lone row of `engine` (idle, its cycles of b = 1 and of its widest b built), in seconds:
     a drafting cycle after autoregressive ones beyond a warm drafting cycle and the `flush` it runs first (priced
     apart, `request_prices`), plus the first autoregressive cycle after a draft beyond a warm one. Each is the median,
     over at least `periods` periods of a `SwitchSchedule` (a request's first not counted), of that cycle's time less
-    its period's warm cycles of the same kind: a drift moves both alike. A row that drafts again after a
+    its period's warm cycles of the same kind: a drift moves both alike. Each request generates `max_new_tokens` (at
+    least two periods' worth), the length of the rounds' requests, so that its cycles read the spans they built: the
+    mini zoo's requests of up to 1,967 tokens compiled 98 s of steps more (docs/log.md). A row that drafts again after a
     pause finds the drafter's weights and cache cold (the mini zoo's compiled width-8 cycle +14-26% after 8-16
     autoregressive cycles on a 2-core CPU, docs/log.md). 0 where the engine runs no drafter or no b = 1."""
     widest = max(engine.widths)
@@ -542,7 +552,7 @@ def switch_price(
     period = SWITCH_DRAFTS + SWITCH_RUN
     pattern = [widest] * SWITCH_DRAFTS + [AUTOREGRESSIVE] * SWITCH_RUN
     most = SWITCH_DRAFTS * widest + SWITCH_RUN  # tokens a period commits at most
-    budget = max(min(engine.capacity - prompt_tokens - 2 * widest - 1, (periods + 2) * most), 2 * period * widest)
+    budget = min(max(max_new_tokens, 2 * most + widest), engine.capacity - prompt_tokens - 2 * widest - 1)
     drafts: list[float] = []
     pauses: list[float] = []
     with torch.inference_mode():
