@@ -74,9 +74,7 @@ def seconds_per_cycle(
         ran += 1
     synchronize(models.device)
     seconds = (time.perf_counter() - started) / max(ran, 1)
-    failed = next((update.error for update in updates if update.error is not None), None)
-    if failed is not None:  # a time of rows that stopped is no cycle's cost
-        raise RuntimeError(f"a row failed while its cycles were timed: {failed!r}") from failed
+    raise_if_failed(updates, "a row")  # a time of rows that stopped is no cycle's cost
     if given:  # an engine the caller keeps goes back idle; a new one is dropped with its rows
         for _ in engine.run():
             pass
@@ -146,6 +144,13 @@ def random_prompts(models: Any, count: int, length: int, generator: Any) -> list
     """`count` prompts of `length` uniformly drawn token ids of the target's vocabulary."""
     vocab = models.target.get_input_embeddings().weight.shape[0]
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def raise_if_failed(updates: Sequence[Any], rows: str) -> None:
+    """Raises the first error among the engine's `updates` (`RowUpdate`), naming the timed `rows`."""
+    failed = next((update.error for update in updates if update.error is not None), None)
+    if failed is not None:
+        raise RuntimeError(f"{rows} failed while its cycles were timed: {failed!r}") from failed
 
 
 class BatchRig:
@@ -504,9 +509,10 @@ def request_prices(
     return prices
 
 
-# A switch is timed as the third cycle of a period: `SWITCH_DRAFTS` drafting cycles, then a run of `SWITCH_RUN`
-# autoregressive ones, half the context a row keeps before it flushes (`PENDING_CONTEXT`): the drafter then ran
-# nothing for as long as a row drafting again after a pause usually waits.
+# A switch is timed in periods of `SWITCH_DRAFTS` drafting cycles, then a run of `SWITCH_RUN` autoregressive ones,
+# half the context a row keeps before it flushes (`PENDING_CONTEXT`): a period's first cycle drafts after the run
+# before it (the drafter idle for as long as a row drafting again after a pause usually waits), and its first
+# autoregressive cycle follows a draft.
 SWITCH_DRAFTS = 3
 SWITCH_RUN = PENDING_CONTEXT // 2
 
@@ -572,9 +578,7 @@ def switch_price(
                 if len(schedule.ran) > ran:  # not the last cycle, which asks no next b
                     cycle, b = schedule.ran[-1]
                     timed[cycle] = (b, time.perf_counter() - started)
-            failed = next((update.error for update in updates if update.error is not None), None)
-            if failed is not None:
-                raise RuntimeError(f"a switching row failed while its cycles were timed: {failed!r}") from failed
+            raise_if_failed(updates, "a switching row")
             for first in range(period, max(timed, default=0) + 2 - period, period):
                 runs = [timed.get(cycle, (0, 0.0)) for cycle in range(first, first + period)]
                 if [b for b, _ in runs] != pattern:
