@@ -364,8 +364,9 @@ async def sse_events(
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(events.ended.wait(), wait)
                 value, event = queued_text(events, value)
-                sent_at = time.monotonic()
-                yield chunk(value, None)
+                line = chunk(value, None)
+                sent_at = time.monotonic()  # stamped as it leaves: building it is not part of the interval
+                yield line
                 if event is not None:  # the request's end, queued behind its last deltas
                     continue
             elif what == "error":

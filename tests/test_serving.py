@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import threading
 import time
@@ -638,11 +639,16 @@ def test_a_stream_sends_its_first_token_at_once_then_a_chunk_per_interval_and_it
         handle, client = DecodeHandle(None, None, None), ConnectedClient()
         timed = []
         async for line in sse_events(decoder, events, ("delta", "0"), handle, client, "x", 0, False, False):
-            timed.extend((time.monotonic(), chunk) for chunk in sse_chunks(line))
+            received_at = time.monotonic()  # before parsing it: the gaps are the server's, not this loop's
+            timed.extend((received_at, chunk) for chunk in sse_chunks(line))
         await decoding
         return timed, started_at, ended_at[0]
 
-    timed, started_at, ended_at = asyncio.run(stream())
+    gc.disable()  # a full collection in a worker that holds the suite's objects stalls a chunk by milliseconds
+    try:
+        timed, started_at, ended_at = asyncio.run(stream())
+    finally:
+        gc.enable()
     texts = [chunk["choices"][0]["text"] for _, chunk in timed]
     assert texts[0] == "0" and "".join(texts) == "".join(f" {i}" for i in range(25)).strip()
     sent = [at for at, chunk in timed if chunk["choices"][0]["text"]]
