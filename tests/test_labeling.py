@@ -39,6 +39,7 @@ def test_table_walks_equal_live_runs_at_temperature_zero(tiny_models, heldout, c
         assert [table.tau() for table in replay_sweep.tables] == [replay_sweep.tau]
 
 
+@pytest.mark.slow  # a cold compile (about 30 s) unless the on-Ray label test built its step first
 def test_labels_from_the_compiled_cycle_are_the_eager_cycles_at_temperature_zero(tiny_zoo, tiny_models):
     """The reference generations run on the engine's compiled cycle (the default) or its eager one (`compile="off"`):
     at T = 0 the rows' sequences, tau vectors, tables and trees are the same; T = 1 rows are labeled from the
