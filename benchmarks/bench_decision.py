@@ -27,6 +27,7 @@ import time
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ from blockpilot.policies.confidence import ConfidencePolicy
 from blockpilot.policies.learned import LearnedPolicy
 from blockpilot.policies.step import PriorStepPolicy, StepPolicy
 from blockpilot.predictor.confidence import EDGES, OUTCOMES, ConfidenceRule
-from blockpilot.predictor.step_model import load_step_model
+from blockpilot.predictor.step_model import StepModel, load_step_model
 from blockpilot.predictor.store import load_predictor
 
 
@@ -83,6 +84,10 @@ def timed_cycles(decoder: StaticDecoder, width: int, context: str, cycles: int) 
     return statistics.median(times)
 
 
+def step_policy(model: StepModel, predictor: str | None) -> StepPolicy:
+    return PriorStepPolicy(model, LearnedPolicy(load_predictor(predictor))) if model.config.prior else StepPolicy(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, required=True, help="a zoo folder (target/ and drafter/)")
@@ -104,8 +109,12 @@ def main() -> None:
         model = load_step_model(args.step_model)
         if model.config.prior and not args.predictor:
             parser.error("this step model reads a per-request predictor's choice: give it with --predictor")
-        prior = model.config.prior
-        step = PriorStepPolicy(model, LearnedPolicy(load_predictor(args.predictor))) if prior else StepPolicy(model)
+        step = step_policy(model, args.predictor)
+        # Its hook on the host, timed choosing as the cycle's choice is forced to: a model that keeps its prior at a
+        # temperature answers that row's hook with b0 at once (what it costs there is a policy that keeps b's).
+        forced = load_step_model(args.step_model)
+        forced.config = replace(forced.config, prior_temperatures=())
+        host_step = step_policy(forced, args.predictor)
     prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
     shapes = [(1, "defer"), (widest, "encode")]
     decoders = {}
@@ -149,7 +158,7 @@ def main() -> None:
         anchor_confidence=0.93,
         prices={1: 3e-4, widest: 1e-3},
     )
-    hooks = {"rule": policy, "keeps b": keeper} | ({"step": step} if step else {})
+    hooks = {"rule": policy, "keeps b": keeper} | ({"step": host_step} if step else {})
 
     def hook_seconds(hooked: BlockSizePolicy) -> float:
         times = []
@@ -173,8 +182,10 @@ def main() -> None:
     median = {key: statistics.median(values) for key, values in rounds.items()}
     hook = median[("hook", "rule")] - median[("hook", "keeps b")]
     print(f"{models.target_id}: batch 1, {args.rounds} interleaved rounds of {args.cycles} cycles (medians)")
-    print(f"  the rule's choice on the host: {median[('hook', 'rule')] * 1e6:.1f} us a row, "
-          f"{hook * 1e6:.1f} us more than a policy that keeps b")
+    print(
+        f"  the rule's choice on the host: {median[('hook', 'rule')] * 1e6:.1f} us a row, "
+        f"{hook * 1e6:.1f} us more than a policy that keeps b"
+    )
     for width, context in shapes:
         bare, full, control = median[(width, "without")], median[(width, "with")], median[(width, "control")]
         added = full - bare + hook
