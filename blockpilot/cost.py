@@ -72,6 +72,9 @@ class CycleCost:
     start_pass: float = 0.0
     start_token: float = 0.0
     switch: float = 0.0
+    # The request prices the loaded file did not hold (a curve saved before they were measured): each reads 0 there,
+    # as a price measured at 0 does, so a caller that would measure them again asks this.
+    unpriced: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.seconds or any(not by_b for by_b in self.seconds.values()):
@@ -197,6 +200,7 @@ class CycleCost:
         for name in ("seconds", "measured", "trees"):
             out[name] = {str(batch): {str(b): v for b, v in by_b.items()} for batch, by_b in out[name].items()}
         out["decided"] = {str(b): v for b, v in self.decided.items()}
+        del out["unpriced"]
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -230,6 +234,7 @@ class CycleCost:
             tree_depth=raw.get("tree_depth"),
             decided={int(b): float(v) for b, v in raw.get("decided", {}).items()},
             **{name: float(raw.get(name, 0.0)) for name in REQUEST_PRICES},
+            unpriced=tuple(name for name in REQUEST_PRICES if name not in raw),
         )
 
     def describe(self) -> str:

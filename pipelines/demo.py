@@ -437,12 +437,12 @@ def run_demo(job: DemoJob) -> int:
         "cost", f"the cost of the engine's cycle ({job.compile}) at each block size and tree budget, here"
     )
     # A curve from before the cycle's per-step choice, what a request pays beyond its cycles and a switch were priced
-    # (`CycleCost.decided`, `CycleCost.request`; a file without "switch") is measured again. It prices what the
+    # (`CycleCost.decided`, `CycleCost.request`, `CycleCost.unpriced`) is measured again. It prices what the
     # demo's policies choose from (the labels' candidates, and trees): each width costs a compile, and the mini zoo's
     # b = 2 was 21 s of its 322 s here, priced for nothing (docs/log.md).
     cost = CycleCost.load(paths.cost) if paths.cost.is_file() else None
-    priced = cost is not None and cost.decided and cost.flush and cost.start_pass
-    if not priced or "switch" not in json.loads(paths.cost.read_text()):
+    priced = cost is not None and cost.decided and cost.flush and cost.start_pass and "switch" not in cost.unpriced
+    if not priced:
         calibrate(
             models,
             label_candidates(recipe.block_size),
