@@ -22,6 +22,7 @@ compiled with inductor's size asserts, which the engine turns off (`inductor_opt
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 import types
@@ -112,7 +113,7 @@ def main() -> None:
         step = step_policy(model, args.predictor)
         # Its hook on the host, timed choosing as the cycle's choice is forced to: a model that keeps its prior at a
         # temperature answers that row's hook with b0 at once (what it costs there is a policy that keeps b's).
-        forced = load_step_model(args.step_model)
+        forced = copy.deepcopy(model)
         forced.config = replace(forced.config, prior_temperatures=())
         host_step = step_policy(forced, args.predictor)
     prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))

@@ -185,11 +185,12 @@ def test_what_a_lone_request_pays_beyond_its_cycles():
     assert cost.at_batch(8).request([1, 4], 100, True) == 0.0  # several rows share them: not a lone row's prices
     assert cost.deciding().flush == 0.5
     assert cost.scaled(2.0).request([1, 4], 100, True) == pytest.approx(2 * cost.request([1, 4], 100, True))
-    assert CycleCost.from_dict(cost.to_dict()) == cost and CycleCost.from_dict(cost.to_dict()).unpriced == ()
+    saved = CycleCost.from_dict(cost.to_dict())
+    assert saved == cost and saved.unpriced == ()
     assert CycleCost({1: {1: 1.0}}).request([1, 4], 100, True) == 0.0  # not measured: free
     # A file saved before the switch was priced reads it as 0, and says so (a switch measured at 0 reads 0 too).
-    older = {key: value for key, value in cost.to_dict().items() if key != "switch"}
-    assert CycleCost.from_dict(older).switch == 0.0 and CycleCost.from_dict(older).unpriced == ("switch",)
+    older = CycleCost.from_dict({key: value for key, value in cost.to_dict().items() if key != "switch"})
+    assert older.switch == 0.0 and older.unpriced == ("switch",)
     assert "unpriced" not in cost.to_dict()
     assert "a request's start 3000.000 ms" in cost.describe()
     with pytest.raises(ValueError, match="flush must be a number of seconds >= 0"):
