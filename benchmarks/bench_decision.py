@@ -3,7 +3,7 @@ inside the compiled cycle, the rule's choice on the host) and, with --step-model
 compiled cycle (`Engine.decide_in_cycle`) against its hook on the host; each against the cycle without them.
 
     python benchmarks/bench_decision.py --zoo $ZOO [--rule $STEP_FOLDER] [--step-model $STEP_MODEL
-        [--predictor $PREDICTOR]] [--rounds 7]
+        [--predictor $PREDICTOR]] [--rounds 7] [--compiles 3]
 
 Decoders over the same models, compiled alike: one whose cycle skips the top-1 probability, the cycle as it is, and
 with --step-model one whose cycle also chooses the step model's next b; in interleaved rounds each runs --cycles
@@ -13,10 +13,11 @@ one row, an untrained rule over b in {1, B-2..B+2} unless --rule is given) and t
 the hook of a policy that keeps b. Prints each decision's share of each cycle. A step model trained beside a
 per-request predictor (`learned+step`) needs it: --predictor.
 
-A control runs beside them: the cycle as it is, compiled a second time under other kernel names (the same
-computation in another shared object). On a CPU two compiles of one cycle can differ by more than a decision costs
-(their code's layout: docs/log.md); the control's share is that floor, printed beside each figure. So does the cycle
-compiled with inductor's size asserts, which the engine turns off (`inductor_options`): what they cost a cycle.
+On a CPU two compiles of one cycle can differ by more than a decision costs (their code's layout: docs/log.md),
+so each decoder is compiled --compiles times, each time under another of inductor's kernel-naming styles (the same
+computation in another shared object), and each figure compares the mean over its compiles; the spread between
+the compiles of the cycle as it is, printed beside each figure, is that floor. The cycle compiled with inductor's
+size asserts, which the engine turns off (`inductor_options`), is printed too: what they cost a cycle.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ def compiled_with(**changed: object) -> Iterator[None]:
         steps.inductor_options = options
 
 
-# Decoders over the cycle as it is, compiled otherwise: under other kernel names (inductor's `cpp.descriptive_names`:
-# another shared object, the control for what a compile's code layout alone moves), and with inductor's size asserts
-# on every input at every call (the engine's options before it turned them off).
-RECOMPILED = {"control": {"cpp.descriptive_names": "inductor_node"}, "asserts": {"size_asserts": True}}
+# Inductor's kernel-naming styles (`cpp.descriptive_names`, the first its default): a decoder's compiles differ only
+# in them, so each is another shared object of the same computation (what a compile's code layout alone moves).
+NAMING = ("original_aten", "inductor_node", "torch")
+ASSERTS = {"size_asserts": True}  # every input's sizes checked at every call (the engine's options before it)
 
 
 def timed_cycles(decoder: StaticDecoder, width: int, context: str, cycles: int) -> float:
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--predictor", default=None, help="the per-request predictor a --step-model reads")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument(
+        "--compiles", type=int, default=2, choices=range(1, len(NAMING) + 1), help="compiles of each decoder"
+    )
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -118,22 +122,24 @@ def main() -> None:
         host_step = step_policy(forced, args.predictor)
     prompt = torch.randint(0, models.target.get_input_embeddings().weight.shape[0], (64,))
     shapes = [(1, "defer"), (widest, "encode")]
-    decoders = {}
-    for name in ("without", "with", *RECOMPILED, "step")[: 5 if step else 4]:
-        decoder = StaticDecoder(models, rows=2, width=widest, capacity=512, compile="compile")
-        decoders[name] = without_confidence(decoder) if name == "without" else decoder
-        decoder.prefill(0, [prompt])
-        decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0)
-        if name == "step":
-            decision = step.cycle_decision(models.device)
-            decoder.set_decision(decision, decision.inputs)
-            # the request's bias: T = 0 and, beside a prior, its b0 and probabilities for a prompt-like distribution
-            noise = torch.Generator().manual_seed(0)
-            logits = torch.randn(models.target.get_input_embeddings().weight.shape[0], generator=noise)
-            first = PrefillState(logits, prompt, 0.0, models.train_block_size, first_token=int(prompt[-1]))
-            decoder.set_decision_inputs(0, decision.row_inputs(first, widest))
-        if name in RECOMPILED:
-            with compiled_with(**RECOMPILED[name]):
+    decoders: dict[tuple[str, str], StaticDecoder] = {}
+    for name in ("without", "with", "asserts", "step")[: 4 if step else 3]:
+        for naming in NAMING[: 1 if name == "asserts" else args.compiles]:
+            decoder = StaticDecoder(models, rows=2, width=widest, capacity=512, compile="compile")
+            decoders[(name, naming)] = without_confidence(decoder) if name == "without" else decoder
+            decoder.prefill(0, [prompt])
+            decoder.place(0, length=64, last_token=int(prompt[-1]), temperature=0.0, seed=0)
+            if name == "step":
+                decision = step.cycle_decision(models.device)
+                decoder.set_decision(decision, decision.inputs)
+                # the request's bias: T = 0 and, beside a prior, its b0 and probabilities for a prompt-like
+                # distribution
+                noise = torch.Generator().manual_seed(0)
+                logits = torch.randn(models.target.get_input_embeddings().weight.shape[0], generator=noise)
+                first = PrefillState(logits, prompt, 0.0, models.train_block_size, first_token=int(prompt[-1]))
+                decoder.set_decision_inputs(0, decision.row_inputs(first, widest))
+            options = {"cpp.descriptive_names": naming} | (ASSERTS if name == "asserts" else {})
+            with compiled_with(**options):
                 for width, context in shapes:
                     timed_cycles(decoder, width, context, 1)  # builds its steps now, with those options
     if args.rule:
@@ -143,7 +149,7 @@ def main() -> None:
         cost = {b: 1e-3 * b for b in candidates}
         rule = ConfidenceRule(candidates, (0.0,), commits, np.full(commits.shape[:-1], 100), cost)
     policy, keeper = ConfidencePolicy(rule), BlockSizePolicy()
-    logits = decoders["with"].anchor_logits[0]
+    logits = decoders[("with", NAMING[0])].anchor_logits[0]
     prefill = PrefillState(logits, prompt, 0.0, models.train_block_size, first_token=int(prompt[-1]))
     state = CycleState(
         cycle=3,
@@ -172,38 +178,51 @@ def main() -> None:
     rounds: dict[tuple, list[float]] = {}
     for round_ in range(args.rounds + 1):  # the first round builds the steps
         for width, context in shapes:
-            for name, decoder in decoders.items():
+            for (name, naming), decoder in decoders.items():
                 seconds = timed_cycles(decoder, width, context, args.cycles)
                 if round_:
-                    rounds.setdefault((width, name), []).append(seconds)
+                    rounds.setdefault((width, name, naming), []).append(seconds)
         for name, hooked in hooks.items():
             seconds = hook_seconds(hooked)
             if round_:
                 rounds.setdefault(("hook", name), []).append(seconds)
     median = {key: statistics.median(values) for key, values in rounds.items()}
+
+    def compiled(width: int, name: str) -> list[float]:
+        """Each compile's median cycle of decoder `name` at `width`."""
+        return [median[(width, name, naming)] for naming in NAMING[: args.compiles] if (width, name, naming) in median]
+
+    names = {name for name, _ in decoders}
+    mean = {(width, name): statistics.fmean(compiled(width, name)) for width, _ in shapes for name in names}
     hook = median[("hook", "rule")] - median[("hook", "keeps b")]
-    print(f"{models.target_id}: batch 1, {args.rounds} interleaved rounds of {args.cycles} cycles (medians)")
+    print(
+        f"{models.target_id}: batch 1, {args.rounds} interleaved rounds of {args.cycles} cycles (medians); each "
+        f"decoder compiled {args.compiles} times, the mean of its compiles"
+    )
     print(
         f"  the rule's choice on the host: {median[('hook', 'rule')] * 1e6:.1f} us a row, "
         f"{hook * 1e6:.1f} us more than a policy that keeps b"
     )
     for width, context in shapes:
-        bare, full, control = median[(width, "without")], median[(width, "with")], median[(width, "control")]
+        bare, full = mean[(width, "without")], mean[(width, "with")]
+        spread = max(compiled(width, "with")) / min(compiled(width, "with")) - 1
         added = full - bare + hook
         print(
             f"  width {width} ({context}): cycle {bare * 1e3:.3f} ms without the decision, {full * 1e3:.3f} ms with "
             f"the top-1 probability in the cycle; with the choice too: {added * 1e6:+.1f} us = {added / bare:+.1%}; "
-            f"control (the cycle with it, compiled again): {control / full - 1:+.1%}; with inductor's size asserts: "
-            f"{median[(width, 'asserts')] / full - 1:+.1%}"
+            f"the compiles of the cycle with it differ by {spread:.1%}; with inductor's size asserts: "
+            f"{mean[(width, 'asserts')] / median[(width, 'with', NAMING[0])] - 1:+.1%}"
         )
     if step:
         host = median[("hook", "step")] - median[("hook", "keeps b")]
         print(f"  the step model's choice on the host: {host * 1e6:.1f} us a row more than a policy that keeps b")
         for width, context in shapes:
-            full, inside = median[(width, "with")], median[(width, "step")]
+            full, inside = mean[(width, "with")], mean[(width, "step")]
+            each = ", ".join(f"{value / full - 1:+.1%}" for value in compiled(width, "step"))
             print(
                 f"  width {width} ({context}): cycle {full * 1e3:.3f} ms, {inside * 1e3:.3f} ms with the step model's "
-                f"choice inside it: {inside / full - 1:+.1%} (its hook on the host: {host / full:+.1%})"
+                f"choice inside it: {inside / full - 1:+.1%} (its compiles: {each}; its hook on the host: "
+                f"{host / full:+.1%})"
             )
 
 
