@@ -2,7 +2,7 @@
 every row computing the widest row's (`_cycle`), both compiled, in interleaved rounds.
 
     python benchmarks/bench_packed.py --zoo $ZOO [--rows 4,16] [--rounds 7] [--cycles 50] \
-        [--prompts 32 --max-batch 16 --max-new-tokens 64 --temperature 0]
+        [--prompts 32 --max-batch 16 --max-new-tokens 64 --temperature 0 [--frozen [--spans 1]]]
 
 For each row count and mix of b (every row at the width; a quarter of the rows drafting the width and the others
 autoregressive; half of them; b cycling through 1, 2, 4 and the width), one decoder runs --cycles cycles of those
@@ -17,7 +17,10 @@ With --prompts N, then the zoo's first N held-out prompts, queued at once, throu
 two build the steps and are not counted), under autoregression and the drafter's fixed B (no row of a
 different b: references, and the rounds' noise), and policies that mix b: the entropy heuristic (an adaptive policy
 whose b the batch chooses, `Engine._batch_sizes`) and fixed b of 1, 2, 4 and the width in turn. Prints each one's
-median tokens/s packed and padded.
+median tokens/s packed and padded. With --frozen, each engine first builds the shapes a replica declares (`Engine.
+declared_shapes` over autoregression and the width, --spans spans; the packing one with its packed cycles, as `serve
+--compile-packed` builds them) and freezes, as a replica does: nothing compiles in the rounds, and a packed batch runs
+on the declared step that holds it.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--frozen", action="store_true", help="the engines build a replica's declared shapes, frozen")
+    parser.add_argument("--spans", type=int, default=1, help="with --frozen: spans of cache declared")
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -130,6 +135,9 @@ def load(models, args: argparse.Namespace) -> None:
             models, max_batch=args.max_batch, compile="compile", row_buckets=buckets, pack_rows=packed
         )
     widest = engines[True].width
+    if args.frozen:
+        for packed, engine in engines.items():
+            engine.compile_shapes(engine.declared_shapes((1, widest), spans=args.spans, packed=packed))
     mixes = {
         "autoregressive": lambda i: resolve_policy("autoregressive", models),
         f"fixed {models.train_block_size}": lambda i: resolve_policy("fixed", models),
@@ -150,7 +158,8 @@ def load(models, args: argparse.Namespace) -> None:
                 if round_ >= 2:
                     rates.setdefault((name, packed), []).append(tokens / (time.perf_counter() - started))
     print(
-        f"{len(prompts)} held-out prompts at once, {args.max_batch} rows, T = {args.temperature}, "
+        f"{len(prompts)} held-out prompts at once, {args.max_batch} rows{', frozen' * args.frozen}, "
+        f"T = {args.temperature}, "
         f"{args.rounds} interleaved rounds (medians, tokens/s)"
     )
     for name in mixes:

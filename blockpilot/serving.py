@@ -267,6 +267,7 @@ class BatchedDecoder:
         predictor: Any | None = None,
         compile: str = "off",
         compile_spans: int = 1,
+        compile_packed: bool = False,
         served: dict[str, Any] | None = None,
     ) -> None:
         if models.tokenizer is None:
@@ -312,7 +313,7 @@ class BatchedDecoder:
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()  # the engine loop's last sign of life
         self.failure: BaseException | None = None
-        self.compile_spans = compile_spans
+        self.compile_spans, self.compile_packed = compile_spans, compile_packed
         self.warm_up_seconds: float | None = None  # what `start` spent building the engine's steps
         self.compiled_shapes: list[tuple] = []  # the steps `start` built up front
         self.totals = StepTotals()
@@ -480,10 +481,10 @@ class BatchedDecoder:
     def start(self) -> BatchedDecoder:
         """Start the engine loop. First the engine builds its declared shapes (`Engine.declared_shapes`: the smallest
         and largest row bucket at the widest block the adaptive policy may choose, `block_size_choices`, the first
-        `compile_spans` spans of cache) and freezes, so that nothing compiles while serving (a batch runs on the
-        smallest built step that holds it, else eagerly), then decodes one short request under the adaptive policy,
-        of which the engine keeps what its cycles cost (`Engine.forget_requests`): `warm_up_seconds`,
-        `compiled_shapes`."""
+        `compile_spans` spans of cache; with `compile_packed`, each bucket of several rows packed too) and freezes,
+        so that nothing compiles while serving (a batch runs on the smallest built step that holds it, else eagerly),
+        then decodes one short request under the adaptive policy, of which the engine keeps what its cycles cost
+        (`Engine.forget_requests`): `warm_up_seconds`, `compiled_shapes`."""
         with self._lock:
             if self._running:
                 return self
@@ -495,6 +496,7 @@ class BatchedDecoder:
             shapes = self._engine.declared_shapes(
                 adaptive.block_size_choices,
                 spans=self.compile_spans,
+                packed=self.compile_packed,
                 keeps_block_size=adaptive.keeps_block_size,
                 # a sampling request that omits top_k and top_p samples cut where these defaults cut
                 truncate=GenerationConfig(temperature=1.0, top_k=defaults["top_k"], top_p=defaults["top_p"]).truncates,

@@ -80,6 +80,7 @@ class ModelLoader:
     policy: Optional[str] = None  # the adaptive policy's spec; default: `adaptive_spec(predictor, step_model)`
     compile: str = "auto"
     compile_spans: int = 1
+    compile_packed: bool = False
     model_name: str = "blockpilot"
     device: Optional[str] = None
     dtype: Optional[str] = None
@@ -144,6 +145,7 @@ class ModelLoader:
             limits=self.limits,
             compile=self.compile,
             compile_spans=self.compile_spans,
+            compile_packed=self.compile_packed,
             served=self.served(),
         )
         decoder.start()
@@ -676,6 +678,11 @@ class ServeJob:
         type=positive_int_arg,
         help="spans of cache (256, 512, ... slots) whose cycles the replica builds up front, for every row bucket; "
         "longer rows' cycles run eagerly (nothing compiles while serving)",
+    )
+    compile_packed: bool = option(
+        False,
+        help="also build each bucket of several rows' cycle packed (one more step a bucket and span): rows of unequal "
+        "block sizes (a request's block_size, a budget's last block) then compute their own slots, not the widest's",
     )
     host: str = option("127.0.0.1", help="interface to bind (loopback by default)")
     port: int = option(8000, type=positive_int_arg, help="HTTP port")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from blockpilot.decoding import GenerationConfig, generate
+from blockpilot.decoding.engine import Engine
 from blockpilot.policies.fixed import FixedBlockSize
 from blockpilot.serving import BatchedDecoder, DecodeHandle, IncrementalText, Overloaded, RequestError, ServeLimits
 from pipelines.openai_protocol import (
@@ -366,6 +367,18 @@ def test_serve_options_reserve_cpus_per_replica(tiny_zoo):
     assert from_args(ServeJob, parser.parse_args([*target, "--num-cpus", "2"])).num_cpus == 2.0
     with pytest.raises(SystemExit):
         parser.parse_args([*target, "--num-cpus", "0"])
+    assert from_args(ServeJob, parser.parse_args([*target, "--compile-packed"])).loader().compile_packed
+    assert not from_args(ServeJob, parser.parse_args(target)).loader().compile_packed
+
+
+def test_a_replica_asked_to_pack_declares_its_packed_cycles(tiny_models, monkeypatch):
+    """`--compile-packed` reaches the shapes a replica builds up front (`Engine.declared_shapes`'s `packed`)."""
+    asked = []
+    declared = Engine.declared_shapes
+    monkeypatch.setattr(Engine, "declared_shapes", lambda self, *a, **kw: asked.append(kw) or declared(self, *a, **kw))
+    for packed in (False, True):
+        BatchedDecoder(tiny_models, limits=ServeLimits(max_batch=4), compile_packed=packed).start().stop()
+    assert [kw["packed"] for kw in asked] == [False, True]
 
 
 def test_a_deployment_pins_aliases_to_versions_and_folders_to_their_content(tmp_path, monkeypatch):

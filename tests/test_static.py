@@ -127,6 +127,19 @@ def test_a_compiled_packed_cycle_commits_what_the_eager_padded_one_does(tiny_mod
             assert torch.equal(tokens[row, :count], expected_tokens[row, :count])
         drafted += int((counts > 1).sum())
     assert drafted, "no draft accepted: the test would not tell a wrong draft from a right one"
+    # Frozen (a replica after its declared shapes, `serve --compile-packed`), blocks that fit fewer entries run on
+    # the step built for 16, compiling nothing.
+    built = set(packed.steps.built)
+    packed.frozen = True
+    for decoder in decoders:
+        decoder.set_block_sizes([1, 1, 2, 3])
+    for _ in range(3):
+        outputs = [[t.clone() for t in decoder.cycle(4, 256, 8)] for decoder in decoders]
+        assert packed.packed == 8 and set(packed.steps.built) == built
+        (tokens, counts, _), (expected_tokens, expected_counts, _) = outputs
+        assert torch.equal(counts, expected_counts)
+        for row, count in enumerate(counts.tolist()):
+            assert torch.equal(tokens[row, :count], expected_tokens[row, :count])
 
 
 def test_autoregressive_and_a_target_without_drafter(tiny_models):
@@ -493,6 +506,16 @@ def test_the_declared_shape_set_is_few_steps_that_hold_every_batch(random_models
     # Rows that sample cut distributions (a served model's top-k or top-p defaults): every cycle's variant too.
     truncating = [*[(*shape[:-1], True) for shape in narrow], *[(*shape[:-1], True) for shape in wide]]
     assert engine.declared_shapes((1, 2, 3), spans=1, keeps_block_size=False, truncate=True) == switching + truncating
+    # Packed (`serve --compile-packed`): each bucket of several rows also packed into the largest token bucket below
+    # its rows x width, which holds every packed batch of as many rows or fewer whose blocks fit it.
+    packed = ("_packed_cycle", 4, 256, 4, 8, False, False)
+    assert engine.declared_shapes(FixedBlockSize(3).block_size_choices, spans=1, packed=True) == [*wide, packed]
+    engine.decoder.steps.built[packed] = lambda: None  # as if built
+    engine.decoder.frozen = True
+    assert engine.decoder.steps.holding("_packed_cycle", (2, 256, 4, 5, False, False)) == packed  # 5 + 2 free rows
+    assert engine.decoder.steps.holding("_packed_cycle", (4, 256, 4, 16, False, False)) is None
+    engine.decoder.steps.built.clear()
+    engine.decoder.frozen = False
     # Where the cycle computes a per-step policy's choice, the smallest bucket's chain cycles also without it (a lone
     # row that keeps its b); frozen, a row that keeps its b runs that step where built, else the one that chooses.
     deciding = Engine(random_models, max_batch=4, capacity=1024, compile="compile")

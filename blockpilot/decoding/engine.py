@@ -65,7 +65,7 @@ from blockpilot.decoding.rows import (
     record_distributions,
     truncate_at_stop,
 )
-from blockpilot.decoding.static import StaticDecoder, span_bucket
+from blockpilot.decoding.static import StaticDecoder, largest_packing, span_bucket
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
@@ -227,6 +227,7 @@ class Engine(RowScheduler):
         spans: int = 2,
         keeps_block_size: bool = True,
         truncate: bool = False,
+        packed: bool = False,
     ) -> list[tuple]:
         """The engine's shape set: its declared row buckets (`declared_row_buckets`: the smallest, the largest and one
         every factor of 4 between) x the width bucket that holds the widest of `widths` (default: the engine's width)
@@ -237,7 +238,10 @@ class Engine(RowScheduler):
         every tree size; where the cycle computes a per-step policy's choice (`decide_in_cycle`), the smallest
         bucket's chain cycles also without it, for a lone row that keeps its b (`_kept_cycle`). With `truncate`
         (rows that sample with a top-k or top-p, as a served model's defaults may ask), each cycle also in its
-        truncating variant.
+        truncating variant. With `packed`, each bucket of several rows' chain cycles also packed into the largest
+        token bucket below its rows x width (`StaticDecoder.packed_tokens`), so that rows of unequal b (fixed b's a
+        request forces, a budget's last block) compute their own slots there too: one step a bucket and span, which
+        holds every batch of that bucket whose blocks fit it.
         Once frozen, a cycle runs on the smallest built step that holds it (more rows, a wider block or a longer span
         compute the same tokens), so a few steps serve every batch."""
         widest = min(max(widths), self.width) if widths else self.width
@@ -265,6 +269,13 @@ class Engine(RowScheduler):
                 for rows in rows_set
                 for span in self.spans[:spans]
                 for size in self.tree_sizes
+            ]
+        if packed and width > 1:
+            shapes += [
+                ("_packed_cycle", rows, span, width, largest_packing(rows, width), False, False)
+                for rows in rows_set
+                if rows > 1
+                for span in self.spans[:spans]
             ]
         if truncate:  # the same cycles, sampling cut distributions (the flag is each cycle step's last argument)
             shapes += [(*shape[:-1], True) for shape in shapes if shape[0] != "_flush_context"]

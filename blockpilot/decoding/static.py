@@ -86,6 +86,12 @@ def span_bucket(needed: int, capacity: int) -> int:
     return min(span, capacity)
 
 
+def largest_packing(n: int, width: int) -> int:
+    """The largest token bucket a chain cycle of `n` rows at `width` packs into (`StaticDecoder.packed_tokens`): the
+    largest power of two below n x width."""
+    return 1 << ((n * width - 1).bit_length() - 1)
+
+
 class StaticDecoder:
     """Cache rows of `capacity` slots each (`rows` of them), each row's decoding state on the device, and the
     draft/verify cycle at width `width` (each row its own b <= width) over the first n rows, run per `compile`
