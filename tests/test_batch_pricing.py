@@ -16,6 +16,7 @@ from blockpilot.decoding.batch_pricing import (
     EXPLORE_EVERY,
     EXPLORE_MOST,
     LEVEL_FRESH,
+    LONE_HORIZON,
     LONE_PERIODS,
     LONE_PRIOR_SLOTS,
     LONE_PROBE,
@@ -234,6 +235,29 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
     assert fast.block_sizes[: len(probe)] == probe and 1 not in fast.block_sizes[len(probe) : -2]
     unseen = alone(Drafts(4), autoregressive=1e-6, draft=1.0, tried=1)  # a rejection of a replica's first cycle
     assert unseen.block_sizes[:2] == [4, 4] and unseen.drafter_forward_passes >= 2
+
+
+def test_a_lone_price_not_measured_for_the_horizon_is_measured_again(tiny_models):
+    """A width's lone periods older than `LONE_HORIZON` counted cycles are dropped (`LonePeriods`): autoregression
+    priced once in a slow spell, then only chains run, is probed again instead of holding every later row at a chain
+    that loses; a chain's price ages out alike while rows run autoregressive, and the next row drafts it again."""
+    periods = LonePeriods([1, 4])
+    periods.observe(1, 5.0)
+    for _ in range(LONE_HORIZON - 1):
+        periods.observe(4, 1.0)
+    assert periods.at() == {1: 5.0, 4: 1.0}
+    periods.observe(4, 1.0)
+    assert periods.at() == {4: 1.0} and dict(periods.view) == {2: 1.0, 3: 1.0, 4: 1.0}
+
+    engine = Engine(tiny_models, max_batch=1, width=4)
+    for _ in range(LONE_PERIODS):
+        engine.lone_periods.observe(1, 1.0)  # autoregression in a slow spell: every chain wins against it
+    for _ in range(LONE_HORIZON):
+        engine.lone_periods.observe(4, 1e-6)  # ... then chains alone for the horizon
+    engine.acceptance = SlotAcceptance(accepted=0, rejected=LONE_PRIOR_SLOTS)
+    engine.acceptance_at[0.0] = SlotAcceptance(accepted=0, rejected=LONE_PRIOR_SLOTS)
+    probed = decode(tiny_models, engine, [Drafts(4)])[0]
+    assert probed.block_sizes[: 1 + LONE_PROBE] == [4, *[1] * LONE_PROBE]
 
 
 @dataclass

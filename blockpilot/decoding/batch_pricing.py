@@ -47,6 +47,8 @@ SAVINGS_CYCLES = 128  # a policy's lone cycles of rows keeping the option before
 EXPLORE_EVERY = 16  # of the rows a measured saving sends autoregressive for good, one in this many keeps the option
 EXPLORE_MOST = 256  # ... one in twice as many each time the verdict stands, up to one in this many
 LONE_PERIODS = 64  # a lone row's cycles at a width whose median prices that width (`LonePeriods`)
+# ... none older than this many counted lone cycles (of any width): a width not run for that long is priced again
+LONE_HORIZON = 512
 # autoregressive cycles a lone row that keeps a chain runs where no lone autoregressive cycle was measured, to price
 # its chain against autoregression (`Engine._price_lone_chain`): the first follows the chain and is no period
 LONE_PROBE = 3
@@ -191,19 +193,38 @@ class LonePeriods:
     with the others by the first cycle after a switch, and a cycle right after another width's runs cold: in a
     served replica, where such a switch comes with a request's start, its level and factors priced an
     autoregressive cycle of 0.61-0.64 ms at 0.84-1.31 ms, and a width-8 one of 1.38-1.53 ms at 1.25-1.66 ms
-    (docs/log.md, "a lone row's chain priced"). So only a cycle that follows one of its own width counts."""
+    (docs/log.md, "a lone row's chain priced"). So only a cycle that follows one of its own width counts.
+
+    A period older than `LONE_HORIZON` counted cycles is dropped, and a width left with none is unpriced: the width
+    a lone row's verdict keeps running is measured all along, the other only when run, so its price could stay one
+    measured in a slow spell (an autoregressive period of 0.63 ms in a replica's first cycles, against 0.44-0.47 ms
+    after) and hold every later row at a chain that lost (0.86x autoregression at T = 1 on the mini zoo, docs/log.md).
+    Unpriced, autoregression is probed again (`Engine._price_lone_chain`) and a chain drafted again."""
 
     def __init__(self, widths: Sequence[int] = ()) -> None:
         self.widths = sorted(widths)  # the engine's width buckets, for `view`
         self._periods: dict[int, deque[float]] = {}
+        self._observed: dict[int, deque[int]] = {}  # ... each one's count of lone cycles when observed
         self._medians: dict[int, float] = {}  # computed when read, dropped when a width's periods change
+        self._counted = 0  # lone cycles counted, every width
         # b -> the period of its width bucket: the prices a lone row's policy reads (`Engine._policy_prices`)
         self.view: Mapping[int, float] = _PeriodsByBlockSize(self)
 
     def observe(self, width: int, seconds: float) -> None:
         """A lone cycle at width bucket `width`, after one at the same width, took `seconds` to the next's start."""
+        self._counted += 1
         self._periods.setdefault(width, deque(maxlen=LONE_PERIODS)).append(seconds)
+        self._observed.setdefault(width, deque(maxlen=LONE_PERIODS)).append(self._counted)
         self._medians.pop(width, None)  # a median of 64 is 3 us: only where read, not at every lone cycle
+        oldest = self._counted - LONE_HORIZON
+        for other in [w for w, counts in self._observed.items() if counts[0] <= oldest]:
+            counts, periods = self._observed[other], self._periods[other]
+            while counts and counts[0] <= oldest:
+                counts.popleft()
+                periods.popleft()
+            self._medians.pop(other, None)
+            if not counts:
+                del self._observed[other], self._periods[other]
 
     def at(self) -> dict[int, float]:
         """Width bucket -> the median period of its counted cycles (the widths with at least one)."""

@@ -760,13 +760,13 @@ class Engine(RowScheduler):
         peers = self.acceptance_at.get(temperature_key(row.config.temperature), self.acceptance)
         if b == AUTOREGRESSIVE or peers.tried < LONE_PRIOR_SLOTS:
             return False
-        width, periods = next(w for w in self.widths if w >= b), self.lone_periods.at()
-        if width not in periods:
+        width, periods = next(w for w in self.widths if w >= b), self.lone_periods
+        if width not in periods.counted:
             return False
-        if AUTOREGRESSIVE not in periods:
+        if AUTOREGRESSIVE not in periods.counted:
             return None
         tokens = expected_commits(row.acceptance.rate(peers.measured, LONE_PRIOR_SLOTS), b)
-        return tokens / periods[width] < 1.0 / periods[AUTOREGRESSIVE]
+        return tokens / periods.median(width) < 1.0 / periods.median(AUTOREGRESSIVE)
 
     def _observe_savings(self, row: Row, size: int, committed: int, seconds: float) -> None:
         """A lone cycle of a row that started autoregressive and keeps the option to draft: what its policy's drafts
