@@ -240,7 +240,7 @@ def test_a_lone_row_decodes_autoregressive_for_good_once_its_own_acceptance_says
 def test_a_lone_price_not_measured_for_the_horizon_is_measured_again(tiny_models):
     """A width's lone periods older than `LONE_HORIZON` counted cycles are dropped (`LonePeriods`): autoregression
     priced once in a slow spell, then only chains run, is probed again instead of holding every later row at a chain
-    that loses; a chain's price ages out alike while rows run autoregressive, and the next row drafts it again."""
+    that loses; a chain's price ages out alike while rows run autoregressive (unpriced, a chain does not lose)."""
     periods = LonePeriods([1, 4])
     periods.observe(1, 5.0)
     for _ in range(LONE_HORIZON - 1):
@@ -248,6 +248,9 @@ def test_a_lone_price_not_measured_for_the_horizon_is_measured_again(tiny_models
     assert periods.at() == {1: 5.0, 4: 1.0}
     periods.observe(4, 1.0)
     assert periods.at() == {4: 1.0} and dict(periods.view) == {2: 1.0, 3: 1.0, 4: 1.0}
+    for _ in range(LONE_HORIZON):
+        periods.observe(1, 2.0)
+    assert periods.at() == {1: 2.0} and 4 not in periods.counted
 
     engine = Engine(tiny_models, max_batch=1, width=4)
     for _ in range(LONE_PERIODS):
