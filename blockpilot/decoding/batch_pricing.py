@@ -203,8 +203,8 @@ class LonePeriods:
 
     def __init__(self, widths: Sequence[int] = ()) -> None:
         self.widths = sorted(widths)  # the engine's width buckets, for `view`
-        self._periods: dict[int, deque[float]] = {}
-        self._observed: dict[int, deque[int]] = {}  # ... each one's count of lone cycles when observed
+        # width -> its last periods, each (lone cycles counted when it was observed, seconds)
+        self._periods: dict[int, deque[tuple[int, float]]] = {}
         self._medians: dict[int, float] = {}  # computed when read, dropped when a width's periods change
         self._counted = 0  # lone cycles counted, every width
         # b -> the period of its width bucket: the prices a lone row's policy reads (`Engine._policy_prices`)
@@ -213,18 +213,16 @@ class LonePeriods:
     def observe(self, width: int, seconds: float) -> None:
         """A lone cycle at width bucket `width`, after one at the same width, took `seconds` to the next's start."""
         self._counted += 1
-        self._periods.setdefault(width, deque(maxlen=LONE_PERIODS)).append(seconds)
-        self._observed.setdefault(width, deque(maxlen=LONE_PERIODS)).append(self._counted)
+        self._periods.setdefault(width, deque(maxlen=LONE_PERIODS)).append((self._counted, seconds))
         self._medians.pop(width, None)  # a median of 64 is 3 us: only where read, not at every lone cycle
         oldest = self._counted - LONE_HORIZON
-        for other in [w for w, counts in self._observed.items() if counts[0] <= oldest]:
-            counts, periods = self._observed[other], self._periods[other]
-            while counts and counts[0] <= oldest:
-                counts.popleft()
+        for other in [w for w, periods in self._periods.items() if periods[0][0] <= oldest]:
+            periods = self._periods[other]
+            while periods and periods[0][0] <= oldest:
                 periods.popleft()
             self._medians.pop(other, None)
-            if not counts:
-                del self._observed[other], self._periods[other]
+            if not periods:
+                del self._periods[other]
 
     def at(self) -> dict[int, float]:
         """Width bucket -> the median period of its counted cycles (the widths with at least one)."""
@@ -238,7 +236,7 @@ class LonePeriods:
     def median(self, width: int) -> float:
         """The median period of width bucket `width`'s counted cycles (KeyError: none counted)."""
         if width not in self._medians:
-            self._medians[width] = statistics.median(self._periods[width])
+            self._medians[width] = statistics.median(seconds for _, seconds in self._periods[width])
         return self._medians[width]
 
 
