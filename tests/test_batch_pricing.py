@@ -5,6 +5,7 @@ row, never a lone row; the output is greedy decoding's either way. Properties fo
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -289,6 +290,23 @@ def test_a_lone_rows_policy_reads_what_its_cycles_cost_all_in():
         periods.observe(4, seconds)
     periods.observe(1, 0.5)
     assert periods.view is view and view == {1: 0.5, 3: 2.0, 4: 2.0} and periods.at() == {4: 2.0, 1: 0.5}
+
+
+def test_a_lone_periods_median_is_the_median_of_its_widths_last_periods_within_the_horizon():
+    """The median `LonePeriods` keeps in order as periods come and go is `statistics.median` of each width's last
+    `LONE_PERIODS` periods not older than `LONE_HORIZON` counted cycles, through runs of each width, long and short."""
+    rng = random.Random(0)
+    periods, seen = LonePeriods([1, 2, 4, 8]), []
+    for _ in range(3000):
+        width = rng.choice([1, 4]) if rng.random() < 0.2 else (seen[-1][0] if seen else 8)
+        seconds = round(rng.uniform(0.1, 2.0), 2)  # ties too
+        seen.append((width, seconds))
+        periods.observe(width, seconds)
+        recent = seen[-LONE_HORIZON:]
+        expected = {}
+        for w in {w for w, _ in recent}:
+            expected[w] = statistics.median([s for each, s in recent if each == w][-LONE_PERIODS:])
+        assert periods.at() == expected
 
 
 def test_a_lone_rows_policy_is_handed_the_lone_periods(tiny_models):

@@ -26,6 +26,7 @@ Alone or under load is the load a joining row can expect (`RecentLoad`), not onl
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left, insort
 from collections import Counter, deque
 from collections.abc import Container, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,7 +133,15 @@ class MeasuredPrices:
 
     def at(self, bucket: int) -> dict[int, float] | None:
         """b -> seconds of a cycle of `bucket` rows, every b of each measured width bucket (None: none measured)."""
-        return self._views.get(bucket)
+        view = self._views.get(bucket)
+        prices = self.buckets.get(bucket)
+        if view is None and prices is not None:
+            view = self._views[bucket] = {
+                b: prices.level * prices.factors[width]
+                for width, sizes in block_sizes_of(self.widths, prices.factors)
+                for b in sizes
+            }
+        return view
 
     def of_widths(self, view: Mapping[int, float] | None) -> dict[int, float]:
         """Width bucket -> seconds, of the measured width buckets in `view` (an answer of `at`)."""
@@ -160,11 +169,7 @@ class MeasuredPrices:
             prices.measure_factor(width, seconds / prices.level)
         prices.run = prices.run + 1 if width == prices.last_width else 1
         prices.last_width = width
-        self._views[bucket] = {
-            b: prices.level * prices.factors[width]
-            for width, sizes in block_sizes_of(self.widths, prices.factors)
-            for b in sizes
-        }
+        self._views.pop(bucket, None)  # built when read: a lone row's cycles observe at every cycle, and read rarely
 
     def remeasures(self, bucket: int, best: int) -> bool:
         """Whether a cycle of `bucket` rows whose prices choose width `best` runs the runner-up instead, to measure
@@ -203,9 +208,12 @@ class LonePeriods:
 
     def __init__(self, widths: Sequence[int] = ()) -> None:
         self.widths = sorted(widths)  # the engine's width buckets, for `view`
-        # width -> its last periods, each (lone cycles counted when it was observed, seconds)
+        # width -> its last periods, each (lone cycles counted when it was observed, seconds), oldest first
         self._periods: dict[int, deque[tuple[int, float]]] = {}
-        self._medians: dict[int, float] = {}  # computed when read, dropped when a width's periods change
+        # width -> the same periods' seconds in ascending order: the median read at every lone cycle of a row that
+        # keeps a chain (`Engine._drafts_at_a_loss`) without a sort (`statistics.median` of 64 took most of that
+        # check's 36 us a cycle on the mini zoo, 2% of a width-8 cycle: docs/log.md)
+        self._ordered: dict[int, list[float]] = {}
         self._counted = 0  # lone cycles counted, every width
         # b -> the period of its width bucket: the prices a lone row's policy reads (`Engine._policy_prices`)
         self.view: Mapping[int, float] = _PeriodsByBlockSize(self)
@@ -213,16 +221,23 @@ class LonePeriods:
     def observe(self, width: int, seconds: float) -> None:
         """A lone cycle at width bucket `width`, after one at the same width, took `seconds` to the next's start."""
         self._counted += 1
-        self._periods.setdefault(width, deque(maxlen=LONE_PERIODS)).append((self._counted, seconds))
-        self._medians.pop(width, None)  # a median of 64 is 3 us: only where read, not at every lone cycle
+        periods = self._periods.setdefault(width, deque())
+        if len(periods) == LONE_PERIODS:
+            self._forget_oldest(width)
+        periods.append((self._counted, seconds))
+        insort(self._ordered.setdefault(width, []), seconds)
         oldest = self._counted - LONE_HORIZON
-        for other in [w for w, periods in self._periods.items() if periods[0][0] <= oldest]:
-            periods = self._periods[other]
-            while periods and periods[0][0] <= oldest:
-                periods.popleft()
-            self._medians.pop(other, None)
-            if not periods:
-                del self._periods[other]
+        for other in [w for w, kept in self._periods.items() if kept[0][0] <= oldest]:
+            while other in self._periods and self._periods[other][0][0] <= oldest:
+                self._forget_oldest(other)
+
+    def _forget_oldest(self, width: int) -> None:
+        """Drop `width`'s oldest period; a width left with none is unpriced."""
+        _, seconds = self._periods[width].popleft()
+        ordered = self._ordered[width]
+        del ordered[bisect_left(ordered, seconds)]
+        if not ordered:
+            del self._periods[width], self._ordered[width]
 
     def at(self) -> dict[int, float]:
         """Width bucket -> the median period of its counted cycles (the widths with at least one)."""
@@ -235,9 +250,8 @@ class LonePeriods:
 
     def median(self, width: int) -> float:
         """The median period of width bucket `width`'s counted cycles (KeyError: none counted)."""
-        if width not in self._medians:
-            self._medians[width] = statistics.median(seconds for _, seconds in self._periods[width])
-        return self._medians[width]
+        ordered, middle = self._ordered[width], len(self._ordered[width]) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class _PeriodsByBlockSize(Mapping):
