@@ -225,7 +225,8 @@ def tree_cycle(
     decoder.set_tree_shapes([nodes] * batch, [decoder.top_k] * batch)
 
     def cycle() -> None:
-        decoder.tree_cycle(batch, capacity, nodes + 1)[1].tolist()
+        decoder.tree_cycle(batch, capacity, nodes + 1)
+        decoder.report[:batch].tolist()
 
     cycle()  # builds (compiles, captures) the step
     repeats = max(1, (capacity - 64 - nodes - 2 * width) // cycles - 1)  # random weights: one token a cycle

@@ -17,7 +17,7 @@ from blockpilot.decoding import GenerationConfig, GenerationRequest, forwards, g
 from blockpilot.decoding.compiled import COMPILE_MODES, compiled_replay, inductor_calls, inductor_options
 from blockpilot.decoding.engine import Engine, engine_for, power_buckets, tree_buckets
 from blockpilot.decoding.forwards import StaticTarget
-from blockpilot.decoding.static import StaticDecoder, span_bucket
+from blockpilot.decoding.static import CONFIDENCE_UNITS, StaticDecoder, span_bucket
 from blockpilot.policies.base import BlockSizePolicy
 from blockpilot.policies.fixed import Autoregressive, FixedBlockSize
 from blockpilot.policies.step import StepPolicy
@@ -105,6 +105,18 @@ def test_rows_of_unequal_blocks_run_packed_and_decode_what_padded_rows_do(tiny_m
 
 
 @pytest.mark.slow
+def cycled(decoder: StaticDecoder, n: int, span: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cycle of rows 0 .. n - 1 and its outputs, which the one integer tensor the engine copies to the host
+    (`report`) holds too: tokens, count, finite and the anchor's top-1 probability in `CONFIDENCE_UNITS`."""
+    decoder.cycle(n, span, width)
+    tokens, counts, finite = decoder.outputs(n, width)
+    report = decoder.report[:n]
+    assert torch.equal(report[:, :width], tokens) and torch.equal(report[:, -4], counts)
+    assert torch.equal(report[:, -3], finite.long()) and torch.equal(report[:, -1], decoder.decided[:n])
+    assert torch.equal(report[:, -2], (decoder.anchor_confidence[:n] * CONFIDENCE_UNITS).round().long())
+    return tokens, counts, finite
+
+
 def test_a_compiled_packed_cycle_commits_what_the_eager_padded_one_does(tiny_models):
     """Cycle by cycle: four rows at b = 1, 2, 5 and 8 (width 8) commit the same tokens packed into 16 entries,
     compiled, as padded into 32, eager (the same state after every cycle, then; one step compiled)."""
@@ -119,7 +131,7 @@ def test_a_compiled_packed_cycle_commits_what_the_eager_padded_one_does(tiny_mod
     packed, padded = decoders
     drafted = 0
     for _ in range(6):
-        outputs = [[t.clone() for t in decoder.cycle(4, 256, 8)] for decoder in decoders]
+        outputs = [[t.clone() for t in cycled(decoder, 4, 256, 8)] for decoder in decoders]
         assert packed.packed == 16 and padded.packed == 0
         (tokens, counts, _), (expected_tokens, expected_counts, _) = outputs
         assert torch.equal(counts, expected_counts)
@@ -134,7 +146,7 @@ def test_a_compiled_packed_cycle_commits_what_the_eager_padded_one_does(tiny_mod
     for decoder in decoders:
         decoder.set_block_sizes([1, 1, 2, 3])
     for _ in range(3):
-        outputs = [[t.clone() for t in decoder.cycle(4, 256, 8)] for decoder in decoders]
+        outputs = [[t.clone() for t in cycled(decoder, 4, 256, 8)] for decoder in decoders]
         assert packed.packed == 8 and set(packed.steps.built) == built
         (tokens, counts, _), (expected_tokens, expected_counts, _) = outputs
         assert torch.equal(counts, expected_counts)

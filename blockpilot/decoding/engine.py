@@ -65,7 +65,7 @@ from blockpilot.decoding.rows import (
     record_distributions,
     truncate_at_stop,
 )
-from blockpilot.decoding.static import StaticDecoder, largest_packing, span_bucket
+from blockpilot.decoding.static import CONFIDENCE_UNITS, StaticDecoder, largest_packing, span_bucket
 from blockpilot.home import blockpilot_home
 from blockpilot.models.loading import SpeculativeModels, synchronize
 from blockpilot.policies.base import BlockSizePolicy, PrefillState
@@ -78,7 +78,6 @@ COMPILE_HELP = (
 )
 # Cache slots a row holds by default: its prompt, its budget and one block must fit.
 DEFAULT_CAPACITY = 2048
-CONFIDENCE_UNITS = 1 << 24  # an anchor's top-1 probability rides the cycle's one host copy as an integer of these
 
 
 def keep_compiled_kernels() -> None:
@@ -600,7 +599,7 @@ class Engine(RowScheduler):
             decide = n > 1 or not rows[0].keeps_block_size  # a lone row that keeps its b skips the choice
             if n == 1 and decide and not rows[0].decision_placed:
                 self._place_decision_inputs(rows[0])
-            tokens, counts, finite = self.decoder.cycle(bucket, span, width, rejection, context, truncate, decide)
+            self.decoder.cycle(bucket, span, width, rejection, context, truncate, decide)
             if self.tree_nodes is not None:  # a chain of b is the tree of b - 1 nodes
                 for row, size in zip(rows, sizes, strict=True):
                     row.tree_nodes.append(size - 1)
@@ -608,13 +607,10 @@ class Engine(RowScheduler):
                 for row in rows:
                     row.pending_context += 1
         else:
-            tokens, counts, finite = self._tree_cycle(rows, sizes, bucket, span, truncate)
-        # One device-to-host copy for the batch: each row's tokens, count, whether its logits were finite and its
-        # anchor's top-1 probability (in units of 2^-24, float32's precision).
-        confidence = (self.decoder.anchor_confidence[:n, None] * CONFIDENCE_UNITS).round().long()
-        # and the next b a lone row's policy chose inside the cycle (0: not chosen there)
-        decided = self.decoder.decided[:n, None]
-        host = torch.cat([tokens[:n], counts[:n, None], finite[:n, None].long(), confidence, decided], dim=1).tolist()
+            self._tree_cycle(rows, sizes, bucket, span, truncate)
+        # One device-to-host copy for the batch (`StaticDecoder.report`): each row's tokens, count, whether its logits
+        # were finite, its anchor's top-1 probability and the next b a lone row's policy chose inside the cycle
+        host = self.decoder.report[:n].tolist()
         elapsed = time.perf_counter() - started
         # a width's price at this bucket (not a packed cycle's: it costs less); what flushing the drafter's kept
         # context adds is the option's, and an autoregressive cycle that keeps it (`defer`) costs what one that skips
@@ -800,10 +796,9 @@ class Engine(RowScheduler):
         for name, buffer in zip(("features", "entropy", "top_ids", "top_probs"), buffers, strict=True):
             row.record[name].append(buffer[index, :kept].to("cpu", copy=True))  # the next cycle rewrites the buffer
 
-    def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int, truncate: bool = False):
+    def _tree_cycle(self, rows: list[Row], sizes: list[int], bucket: int, span: int, truncate: bool = False) -> None:
         """Every row's tree grown on the device (a chain for a row without a tree policy: b - 1 nodes of width 1)
-        and verified cut to the size bucket that holds the largest, in one step. Returns the device views
-        `StaticDecoder.cycle` returns."""
+        and verified cut to the size bucket that holds the largest, in one step (its outputs as a chain cycle's)."""
         budgets, widths = [], []
         for row, size in zip(rows, sizes, strict=True):
             chain = row.tree_budget is None
@@ -817,11 +812,10 @@ class Engine(RowScheduler):
         pad = bucket - len(rows)
         self.decoder.set_tree_shapes(budgets + [0] * pad, widths + [1] * pad)
         verified = next(size for size in self.tree_sizes if size >= max(holds))
-        out = self.decoder.tree_cycle(bucket, span, verified + 1, truncate)
+        self.decoder.tree_cycle(bucket, span, verified + 1, truncate)
         self.verified_nodes[verified] += 1
         for row, nodes in zip(rows, holds, strict=True):
             row.tree_nodes.append(min(nodes, verified))
-        return out
 
     # ---------------------------------------------------------------- leaving
 

@@ -71,6 +71,7 @@ from blockpilot.policies.base import distribution_summary, top_probability
 from blockpilot.tree import TOP_K, grow_trees
 
 CONTEXT_MODES = ("encode", "defer", "skip")
+CONFIDENCE_UNITS = 1 << 24  # an anchor's top-1 probability rides `report` as an integer of these (float32's precision)
 
 
 MIN_SPAN = 256
@@ -108,11 +109,13 @@ class StaticDecoder:
     argmaxes only and skips the sampler's work.
 
     The caller (`engine.py`) keeps its rows in cache rows 0 .. n - 1: `prefill` writes prompts into given
-    rows, `place` starts a row decoding, `move` compacts, `free` stops one. `cycle(n, span)` returns device
-    views, overwritten by the next cycle: tokens (n, W), counts (n,) (row i committed tokens[i, :counts[i]]),
-    finite (n,) (whether the row's target distributions over its block were finite). `anchor_logits` (rows, V)
-    holds each row's logits at its new last token: the next block's anchor, for per-step policies, and
-    `anchor_confidence` (rows,) their top-1 probability at T = 1.
+    rows, `place` starts a row decoding, `move` compacts, `free` stops one. After `cycle(n, span)`, `outputs(n)`
+    gives device views, overwritten by the next cycle: tokens (n, W), counts (n,) (row i committed
+    tokens[i, :counts[i]]), finite (n,) (whether the row's target distributions over its block were finite); and
+    `report` (rows, W + 4) the same in one integer tensor, what the engine copies to the host once a cycle: each
+    row's tokens, count, finite, its anchor's top-1 probability in `CONFIDENCE_UNITS` and the b the cycle's decision
+    chose (0: none). `anchor_logits` (rows, V) holds each row's logits at its new last token: the next block's
+    anchor, for per-step policies, and `anchor_confidence` (rows,) their top-1 probability at T = 1.
     """
 
     def __init__(
@@ -171,6 +174,10 @@ class StaticDecoder:
         self.decision_inputs = torch.zeros(rows, 0, dtype=torch.float32, device=self.device)
         self.origins = torch.zeros(rows, **long)
         self.decided = torch.zeros(rows, **long)
+        # What a cycle tells the host, written inside it (`_commit`): one copy instead of an eager slice, cast,
+        # product and concatenation after every compiled cycle (about 60 us of a mini zoo's 0.45 ms autoregressive
+        # cycle on a 2-core CPU, docs/log.md)
+        self.report = torch.zeros(rows, width + 4, **long)
         if drafting:  # autoregressive cycles' features, kept for the drafter's context (`defer`)
             feature_size = models.target.config.get_text_config().hidden_size * len(layer_ids)
             dtype = self.target.embed.dtype
@@ -414,6 +421,9 @@ class StaticDecoder:
             self.decided[:n].zero_()
         self.last_token[:n].copy_(last)
         self.length[:n].add_(grown)
+        quantized = (confidence * CONFIDENCE_UNITS).round().long()
+        columns = [self.counts[:n], self.finite[:n].long(), quantized, self.decided[:n]]
+        self.report[:n].copy_(torch.cat([self.tokens[:n], torch.stack(columns, dim=1)], dim=1))
 
     def _keep_anchor(self, n: int, anchor: torch.Tensor) -> torch.Tensor:
         """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability (`top_probability`,
@@ -518,10 +528,10 @@ class StaticDecoder:
         context: str = "encode",
         truncate: bool = False,
         decide: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> None:
         """One draft/verify cycle for rows 0 .. n - 1 at `width` (default the decoder's; every row's b at most it)
-        reading `span` cache slots (default: what the longest active row needs, `span_bucket`): device views
-        tokens (n, width), counts (n,), finite (n,). With `rejection`, rows placed to verify by `rejection` do (a
+        reading `span` cache slots (default: what the longest active row needs, `span_bucket`); its outputs in
+        `outputs` and `report`. With `rejection`, rows placed to verify by `rejection` do (a
         variant of the step of its own: the drafter's sampling and the test cost the others nothing); with
         `truncate`, rows sample their distributions cut to their top-k and top-p (`place`; a variant too, run only
         where a row cuts: a batch without one pays no sort). `context` (`CONTEXT_MODES`) is how a cycle of width 1
@@ -551,7 +561,11 @@ class StaticDecoder:
             if decide or n > 1 or self.decision is None or not self.steps.can_run(kept):
                 kept = ("_cycle", *kept[1:])
             self.steps.run(*kept)
-        return self.tokens[:n, :width], self.counts[:n], self.finite[:n]
+
+    def outputs(self, n: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Device views of the last cycle's rows 0 .. n - 1: tokens (n, width; default every slot), counts (n,),
+        finite (n,)."""
+        return self.tokens[:n, : width or self.width], self.counts[:n], self.finite[:n]
 
     def packed_tokens(self, n: int, width: int) -> int:
         """The token bucket a chain cycle of rows 0 .. n - 1 at `width` packs their blocks into (`_packed_cycle`):
@@ -586,22 +600,17 @@ class StaticDecoder:
         return self.tree_probabilities[:n]
 
     @torch.inference_mode()
-    def verify_tree(self, n: int, span: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Verify and commit the first `slots` nodes of rows 0 .. n - 1's grown trees: tokens (n, W), counts (n,),
-        finite (n,), as `cycle`."""
+    def verify_tree(self, n: int, span: int, slots: int) -> None:
+        """Verify and commit the first `slots` nodes of rows 0 .. n - 1's grown trees; outputs as `cycle`'s."""
         self._check_tree_slots(slots)
         self.steps.run("_verify_tree", n, span, slots)
-        return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     @torch.inference_mode()
-    def tree_cycle(
-        self, n: int, span: int, slots: int, truncate: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Grow, verify and commit rows 0 .. n - 1's trees cut to `slots` slots in one step: as `cycle`."""
+    def tree_cycle(self, n: int, span: int, slots: int, truncate: bool = False) -> None:
+        """Grow, verify and commit rows 0 .. n - 1's trees cut to `slots` slots in one step; outputs as `cycle`'s."""
         self._check_tree_slots(slots)
         self.packed = 0
         self.steps.run("_tree_cycle", n, span, slots, truncate)
-        return self.tokens[:n], self.counts[:n], self.finite[:n]
 
     def _check_tree_slots(self, slots: int) -> None:
         if self.tree_slots is None or not 1 <= slots <= self.tree_slots:
