@@ -155,7 +155,9 @@ class MeasuredPrices:
         self.cycles[(bucket, width)] += 1
         if self.cycles[(bucket, width)] <= PRICE_WARM_UP:
             return
-        prices = self.buckets.setdefault(bucket, BucketPrices())
+        prices = self.buckets.get(bucket)
+        if prices is None:  # (not `setdefault`, which builds a `BucketPrices` at every cycle)
+            prices = self.buckets[bucket] = BucketPrices()
         if prices.level is None:
             prices.level, prices.moved = seconds, self._count
             prices.measure_factor(width, 1.0)
@@ -215,6 +217,7 @@ class LonePeriods:
         # check's 36 us a cycle on the mini zoo, 2% of a width-8 cycle: docs/log.md)
         self._ordered: dict[int, list[float]] = {}
         self._counted = 0  # lone cycles counted, every width
+        self._first_counted = 0  # at most the count of the oldest period kept, any width
         # b -> the period of its width bucket: the prices a lone row's policy reads (`Engine._policy_prices`)
         self.view: Mapping[int, float] = _PeriodsByBlockSize(self)
 
@@ -227,9 +230,11 @@ class LonePeriods:
         periods.append((self._counted, seconds))
         insort(self._ordered.setdefault(width, []), seconds)
         oldest = self._counted - LONE_HORIZON
-        for other in [w for w, kept in self._periods.items() if kept[0][0] <= oldest]:
-            while other in self._periods and self._periods[other][0][0] <= oldest:
-                self._forget_oldest(other)
+        if self._first_counted <= oldest:  # the widths scanned only where one's oldest period may have aged out
+            for other in [w for w, kept in self._periods.items() if kept[0][0] <= oldest]:
+                while other in self._periods and self._periods[other][0][0] <= oldest:
+                    self._forget_oldest(other)
+            self._first_counted = min(kept[0][0] for kept in self._periods.values())
 
     def _forget_oldest(self, width: int) -> None:
         """Drop `width`'s oldest period; a width left with none is unpriced."""
