@@ -638,7 +638,10 @@ class Engine(RowScheduler):
             if chains:
                 row.acceptance.add(size, count)
                 self.acceptance.add(size, count)
-                peers = self.acceptance_at.setdefault(temperature_key(row.config.temperature), SlotAcceptance())
+                key = temperature_key(row.config.temperature)
+                peers = self.acceptance_at.get(key)
+                if peers is None:  # (not `setdefault`, which builds one for every row at every cycle)
+                    peers = self.acceptance_at[key] = SlotAcceptance()
                 peers.add(size, count)
             row.tokens.extend(new_tokens)
             row.block_sizes.append(size)
@@ -653,9 +656,8 @@ class Engine(RowScheduler):
             if row.stop_reason is None and n == 1 and self.batch_pricing:  # else every policy's own b
                 self._price_lone_chain(row)
             if row.stop_reason is None:
-                anchor = self.decoder.anchor_logits[index]
                 chose = decided if chains and self._cycle_decides(row) and decided > 0 else None
-                going_on.append((row, len(new_tokens), anchor, quantized / CONFIDENCE_UNITS, chose))
+                going_on.append((row, len(new_tokens), index, quantized / CONFIDENCE_UNITS, chose))
             else:
                 finished.append(index)
         self._end_cycle(going_on, finished, updates)
@@ -816,6 +818,9 @@ class Engine(RowScheduler):
         self.verified_nodes[verified] += 1
         for row, nodes in zip(rows, holds, strict=True):
             row.tree_nodes.append(min(nodes, verified))
+
+    def _anchor_logits(self, index: int) -> torch.Tensor:
+        return self.decoder.anchor_logits[index]
 
     # ---------------------------------------------------------------- leaving
 

@@ -390,26 +390,26 @@ class RowScheduler:
 
     def _end_cycle(
         self,
-        going_on: list[tuple[Row, int, torch.Tensor, float, int | None]],
+        going_on: list[tuple[Row, int, int, float, int | None]],
         finished: list[int],
         updates: list[RowUpdate],
     ) -> None:
-        """After a cycle: the next b of every row going on (row, tokens it committed, its anchor's logits and their
-        top-1 probability, and the b its policy chose inside the cycle, if it did), priced at the batch the next
-        cycle runs (those rows and the waiting ones that will join them); then the finished rows and any row that
-        failed meanwhile (its policy's hook) leave."""
+        """After a cycle: the next b of every row going on (row, tokens it committed, its index in the batch, whose
+        anchor's logits `_anchor_logits` gives a hook that asks, their top-1 probability, and the b its policy chose
+        inside the cycle, if it did), priced at the batch the next cycle runs (those rows and the waiting ones that
+        will join them); then the finished rows and any row that failed meanwhile (its policy's hook) leave."""
         next_batch = min(self.max_batch, len(going_on) + len(self.waiting))
         # A policy that keeps b has no per-cycle hook to ask, nor a row autoregressive for good, nor a row whose next
         # b the batch chooses; a lone row's policy that chose inside the cycle (for a batch of one) has answered.
         deciding = []
-        for row, committed, anchor, confidence, decided in going_on:
+        for row, committed, index, confidence, decided in going_on:
             if row.keeps_block_size or not row.drafter_context or self._chosen_by_batch(row, next_batch):
                 continue
             if decided is not None and next_batch == 1:
                 row.block_size = decided
                 self.option_price.observe("hook", 0.0)
             else:
-                deciding.append((row, committed, anchor, confidence))
+                deciding.append((row, committed, self._anchor_logits(index), confidence))
         if deciding:
             started, prices = time.perf_counter(), self._policy_prices(next_batch)
             decide_block_sizes([(row, cycle_state(row, *done, next_batch, prices)) for row, *done in deciding], False)
@@ -437,6 +437,10 @@ class RowScheduler:
     def _policy_prices(self, batch_rows: int) -> Mapping[int, float] | None:
         """b -> measured seconds of a cycle at `batch_rows` rows, as a policy reads them (None: none measured)."""
         return None
+
+    def _anchor_logits(self, index: int) -> torch.Tensor:
+        """(V,) the logits at the new last token of the row at `index` of the last cycle's batch."""
+        raise NotImplementedError
 
     def _chosen_by_batch(self, row: Row, batch_rows: int) -> bool:
         """Whether the batch, not the row's policy, chooses the row's b in a cycle of `batch_rows` rows (then its
