@@ -53,6 +53,7 @@ def without_confidence(decoder: StaticDecoder) -> StaticDecoder:
 
     def keep_anchor(self, n, anchor):
         self.anchor_logits[:n].copy_(anchor.float())
+        return self.anchor_confidence[:n]  # what the buffer holds, not computed: the cycle reports it as it is
 
     decoder._keep_anchor = types.MethodType(keep_anchor, decoder)
     return decoder

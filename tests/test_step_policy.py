@@ -229,9 +229,9 @@ def test_a_lone_rows_choice_inside_the_cycle_is_the_hooks_and_asks_no_hook(tiny_
 
 
 def test_the_decoder_holds_a_choice_only_after_a_cycle_that_chose(tiny_models):
-    """`StaticDecoder.decided` holds the b of the last cycle that computed the choice, and 0 after one that did not (a
-    lone row's kept cycle, a cycle of two rows), each written by the cycle itself: the engine reads it after every
-    chain cycle."""
+    """`StaticDecoder.report`'s last column holds the b of the last cycle that computed the choice, and 0 after one
+    that did not (a lone row's kept cycle, a cycle of two rows), each written by the cycle itself: the engine reads it
+    after every chain cycle."""
     policy = StepPolicy(growing_step_model(vocab_of(tiny_models)))
     decision = policy.cycle_decision(torch.device("cpu"))
     decoder = StaticDecoder(tiny_models, rows=2, width=max(CANDIDATES), capacity=128, compile="off")
@@ -244,7 +244,7 @@ def test_the_decoder_holds_a_choice_only_after_a_cycle_that_chose(tiny_models):
     for rows, decide in ((1, True), (1, False), (1, True), (2, True)):
         decoder.set_block_sizes([3] * rows)
         decoder.cycle(rows, width=3, decide=decide)
-        chosen.append(decoder.decided[:rows].tolist())
+        chosen.append(decoder.report[:rows, -1].tolist())
     assert chosen[0][0] in CANDIDATES and chosen[2][0] in CANDIDATES
     assert chosen[1] == [0] and chosen[3] == [0, 0]
 

@@ -168,12 +168,11 @@ class StaticDecoder:
         self.anchor_logits = torch.zeros(rows, self.target.head.shape[0], dtype=torch.float32, device=self.device)
         self.anchor_confidence = torch.zeros(rows, dtype=torch.float32, device=self.device)  # its top-1 probability
         # A per-step policy's choice of the next b, inside the cycle of a lone row (`set_decision`): the row's
-        # per-request inputs, the slot before its first generated token (its cursor is length - origin), and b (0 after
-        # a cycle that did not choose).
+        # per-request inputs and the slot before its first generated token (its cursor is length - origin); the b it
+        # chose goes in `report` (0 after a cycle that did not choose).
         self.decision: Callable[..., torch.Tensor] | None = None
         self.decision_inputs = torch.zeros(rows, 0, dtype=torch.float32, device=self.device)
         self.origins = torch.zeros(rows, **long)
-        self.decided = torch.zeros(rows, **long)
         # What a cycle tells the host, written inside it (`_commit`): one copy instead of an eager slice, cast,
         # product and concatenation after every compiled cycle (about 60 us of a mini zoo's 0.45 ms autoregressive
         # cycle on a 2-core CPU, docs/log.md)
@@ -249,8 +248,8 @@ class StaticDecoder:
 
     def set_decision(self, decision: Callable[..., torch.Tensor], inputs: int) -> None:
         """Every chain cycle of one row that may draft again computes `decision` (`StepPolicy.cycle_decision`: the
-        row's next b from what the cycle holds, (1,) long) into `decided`, which the engine reads with the cycle's
-        tokens; `inputs`: the per-request numbers it reads (`place`). Set before any step is built: a built step
+        row's next b from what the cycle holds, (1,) long) into `report`'s last column, which the engine reads with
+        the cycle's tokens; `inputs`: the per-request numbers it reads (`place`). Set before any step is built: a built step
         replays what it traced."""
         if self.steps.built:
             raise ValueError(f"set the cycle's decision before building steps; {len(self.steps.built)} are built")
@@ -394,7 +393,8 @@ class StaticDecoder:
         """What every cycle ends with: the rows' outputs, their new last tokens and lengths (free rows stay at 0).
         A row's block is usable when every distribution it verifies has a finite largest logit (NaN and +inf
         propagate into the maximum; a token banned at -inf does not)."""
-        self.finite[:n].copy_((torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1))
+        finite = (torch.isfinite(logits.amax(dim=-1)) | unused).all(dim=1)
+        self.finite[:n].copy_(finite)
         self.tokens[:n, : out.shape[1]].copy_(out)
         self.counts[:n].copy_(accepted + 1)
         anchor = logits.gather(1, last_index[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
@@ -406,7 +406,9 @@ class StaticDecoder:
             last_draft = out.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]
             before = torch.where(accepted > 0, last_draft, self.last_token[:n])
             cursor = self.length[:n] + grown - self.origins[:n]  # the tokens generated, the prefill's one included
-            self.decided[:n].copy_(
+            # a copy of its own, not stacked with the other columns: stacked, inductor fused the choice into the
+            # report's writes and the width-1 cycle with it varied by -1 to +10% between compiles (docs/log.md)
+            self.report[:n, -1].copy_(
                 self.decision(
                     confidence,
                     torch.stack([last, before], dim=1),
@@ -417,13 +419,14 @@ class StaticDecoder:
                     self.decision_inputs[:n],
                 )
             )
-        elif self.decision is not None:  # 0: this cycle did not choose (written here, not by an eager op before it)
-            self.decided[:n].zero_()
+        else:  # 0: this cycle did not choose
+            self.report[:n, -1].zero_()
         self.last_token[:n].copy_(last)
         self.length[:n].add_(grown)
+        # From the values computed here, not read back from the buffers just written
         quantized = (confidence * CONFIDENCE_UNITS).round().long()
-        columns = [self.counts[:n], self.finite[:n].long(), quantized, self.decided[:n]]
-        self.report[:n].copy_(torch.cat([self.tokens[:n], torch.stack(columns, dim=1)], dim=1))
+        self.report[:n, : out.shape[1]].copy_(out)
+        self.report[:n, -4:-1].copy_(torch.stack([accepted + 1, finite.long(), quantized], dim=1))
 
     def _keep_anchor(self, n: int, anchor: torch.Tensor) -> torch.Tensor:
         """Rows 0 .. n - 1's logits at their new last token (n, V), and their top-1 probability (`top_probability`,
