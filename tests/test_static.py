@@ -104,7 +104,6 @@ def test_rows_of_unequal_blocks_run_packed_and_decode_what_padded_rows_do(tiny_m
     assert packed and (4, 256, 8, 16, temperature > 0, temperature > 0) in packed
 
 
-@pytest.mark.slow
 def cycled(decoder: StaticDecoder, n: int, span: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A cycle of rows 0 .. n - 1 and its outputs, which the one integer tensor the engine copies to the host
     (`report`) holds too: tokens, count, finite and the anchor's top-1 probability in `CONFIDENCE_UNITS`."""
@@ -117,6 +116,7 @@ def cycled(decoder: StaticDecoder, n: int, span: int, width: int) -> tuple[torch
     return tokens, counts, finite
 
 
+@pytest.mark.slow
 def test_a_compiled_packed_cycle_commits_what_the_eager_padded_one_does(tiny_models):
     """Cycle by cycle: four rows at b = 1, 2, 5 and 8 (width 8) commit the same tokens packed into 16 entries,
     compiled, as padded into 32, eager (the same state after every cycle, then; one step compiled)."""

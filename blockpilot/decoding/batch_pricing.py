@@ -134,8 +134,8 @@ class MeasuredPrices:
     def at(self, bucket: int) -> dict[int, float] | None:
         """b -> seconds of a cycle of `bucket` rows, every b of each measured width bucket (None: none measured)."""
         view = self._views.get(bucket)
-        prices = self.buckets.get(bucket)
-        if view is None and prices is not None:
+        if view is None and bucket in self.buckets:
+            prices = self.buckets[bucket]
             view = self._views[bucket] = {
                 b: prices.level * prices.factors[width]
                 for width, sizes in block_sizes_of(self.widths, prices.factors)
@@ -255,7 +255,8 @@ class LonePeriods:
 
     def median(self, width: int) -> float:
         """The median period of width bucket `width`'s counted cycles (KeyError: none counted)."""
-        ordered, middle = self._ordered[width], len(self._ordered[width]) // 2
+        ordered = self._ordered[width]
+        middle = len(ordered) // 2
         return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
