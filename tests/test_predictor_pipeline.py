@@ -130,6 +130,8 @@ def test_a_tracked_run_survives_a_killed_worker_and_resumes_only_on_request(
                 "models:/blockpilot-predictor/1",
                 "--max-new-tokens",
                 "16",
+                "--compile",  # what is checked is the registered predictor loading by URI; compiled: the on-Ray test
+                "off",
                 "--json",
             ]
         )
