@@ -420,6 +420,35 @@ def test_a_compiled_step_replays_without_dynamo_what_dynamo_computes():
     assert len(calls) == 1 and compiled_replay(calls) is None
 
 
+def test_a_compiled_kernels_serial_parts_run_on_one_thread_with_one_barrier_before_the_next_shared_loop():
+    """As the engine compiles on a CPU (`inductor_options`, `serial_parts_on_one_thread`), on two threads: a loop the
+    threads share, serial parts on the first thread (`omp master`, no barrier each, where `omp single` had one), one
+    barrier before the next shared loop, which reads what they wrote; the values eager computes."""
+
+    def step(x, w, out, big, y):
+        scores = (x[None, :] * w).sum(dim=1)  # (64,) a reduction per row: shared
+        best = scores.amax()  # the serial parts: one value each
+        total = torch.exp(scores - best).sum()
+        out.copy_(torch.exp(scores - best) / total)
+        y.copy_(big * total)  # shared again, reading a serial part's value
+
+    x, w, big = torch.randn(4096), torch.randn(64, 4096), torch.randn(1 << 18)
+    out, y, expected_out, expected_y = torch.zeros(64), torch.zeros(1 << 18), torch.zeros(64), torch.zeros(1 << 18)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # one thread (a test worker's share of the cores) writes no OpenMP region at all
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):  # generated here, not a cached kernel's code
+            compiled = torch.compile(step, fullgraph=True, dynamic=False, options=inductor_options(torch.device("cpu")))
+            with inductor_calls() as calls:
+                compiled(x, w, out, big, y)
+    finally:
+        torch.set_num_threads(threads)
+    code = calls[0][0].source_code
+    assert "omp single" not in code and code.count("omp master") >= 2 and code.count("omp barrier") == 1
+    step(x, w, expected_out, big, expected_y)
+    assert torch.allclose(out, expected_out, atol=1e-6) and torch.allclose(y, expected_y)
+
+
 def test_few_row_projections_fuse_in_compiled_steps_and_compute_what_f_linear_does(monkeypatch):
     """`forwards.linear` where this CPU's MKL is slow at few rows (forced here, whatever it measures): inside a
     compiled step, up to FEW_ROWS rows (and a bias) as the fused reduction, equal to F.linear up to float

@@ -24,14 +24,56 @@ def compile_mode(mode: str, device: torch.device) -> str:
     return "compile+graph" if device.type == "cuda" else "compile"
 
 
+def serial_parts_on_one_thread() -> bool:
+    """Inductor's C++ code runs a kernel's loops too small to share out inside its OpenMP region as `omp single`
+    blocks, each ending in a barrier: a mini-zoo width-1 cycle holds about 47 of them, at 0.4 us each on a 2-core CPU
+    (an empty `omp single` measured in C++). Patched here, once per process, to run them on the region's first thread
+    (`omp master`, which has no barrier) with one barrier before the next loop all threads share; the region's end is
+    one already. The same code in the same order on one thread, so the same values: the cycle at width 1 ran 4.8-5.7%
+    faster (docs/log.md). Returns whether this torch's inductor has the class this patches (its internals: else it
+    is left as it is)."""
+    try:
+        from torch._inductor.codegen.cpp import WorkSharing
+    except ImportError:
+        return False
+    if getattr(WorkSharing, "serial_on_one_thread", False):
+        return True
+    if not all(hasattr(WorkSharing, name) for name in ("single", "parallel", "close")):
+        return False
+    parallel, close = WorkSharing.parallel, WorkSharing.close
+
+    def single(self: Any) -> bool:
+        if self.in_parallel:
+            self.code.writeline("#pragma omp master")
+            self.owes_barrier = True
+        return self.in_parallel
+
+    def shared(self: Any, threads: int) -> None:
+        if self.in_parallel and threads == self.num_threads and getattr(self, "owes_barrier", False):
+            self.code.writeline("#pragma omp barrier")  # what the serial parts wrote, seen by every thread
+        self.owes_barrier = False
+        parallel(self, threads)
+
+    def closed(self: Any) -> None:
+        self.owes_barrier = False  # the region's end is a barrier
+        close(self)
+
+    WorkSharing.single, WorkSharing.parallel, WorkSharing.close = single, shared, closed
+    WorkSharing.serial_on_one_thread = True
+    return True
+
+
 def inductor_options(device: torch.device) -> dict[str, bool] | None:
     """What the engine compiles with. On a CPU, inductor's C++ wrapper: its default Python wrapper re-checked every
     input and view at each call, about 0.1 ms of a 1 ms mini-zoo cycle. Without its size asserts: the C++ wrapper
     checks every input's sizes and strides at each call, building a string stream each time (67 checks, about
     55-65 us of a 0.6-1.8 ms mini-zoo cycle, docs/log.md), where a step's inputs are the tensors it was built on
     (`compiled_replay`) or pass dynamo's guards on the same shapes. A GPU replays CUDA graphs, where the wrapper
-    costs nothing."""
-    return {"cpp_wrapper": True, "size_asserts": False} if device.type == "cpu" else None
+    costs nothing. On a CPU it also patches how inductor runs a kernel's serial parts (`serial_parts_on_one_thread`)."""
+    if device.type != "cpu":
+        return None
+    serial_parts_on_one_thread()
+    return {"cpp_wrapper": True, "size_asserts": False}
 
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5's omp_pause_soft: the runtime keeps its state, its threads go
