@@ -29,9 +29,9 @@ def serial_parts_on_one_thread() -> bool:
     blocks, each ending in a barrier: a mini-zoo width-1 cycle holds about 47 of them, at 0.4 us each on a 2-core CPU
     (an empty `omp single` measured in C++). Patched here, once per process, to run them on the region's first thread
     (`omp master`, which has no barrier) with one barrier before the next loop all threads share; the region's end is
-    one already. The same code in the same order on one thread, so the same values: the cycle at width 1 ran 4.8-5.7%
-    faster (docs/log.md). Returns whether this torch's inductor has the class this patches (its internals: else it
-    is left as it is)."""
+    one already. The same code in the same order on one thread, so the same values: the cycle at width 1 ran 1.7-5.7%
+    faster beside the unpatched one in the same process; across processes the CPU's drift hid it (docs/log.md).
+    Returns whether this torch's inductor has the class this patches (its internals: else it is left as it is)."""
     try:
         from torch._inductor.codegen.cpp import WorkSharing
     except ImportError:

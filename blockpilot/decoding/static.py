@@ -249,8 +249,8 @@ class StaticDecoder:
     def set_decision(self, decision: Callable[..., torch.Tensor], inputs: int) -> None:
         """Every chain cycle of one row that may draft again computes `decision` (`StepPolicy.cycle_decision`: the
         row's next b from what the cycle holds, (1,) long) into `report`'s last column, which the engine reads with
-        the cycle's tokens; `inputs`: the per-request numbers it reads (`place`). Set before any step is built: a built step
-        replays what it traced."""
+        the cycle's tokens; `inputs`: the per-request numbers it reads (`place`). Set before any step is built: a built
+        step replays what it traced."""
         if self.steps.built:
             raise ValueError(f"set the cycle's decision before building steps; {len(self.steps.built)} are built")
         self.decision = decision
